@@ -145,7 +145,7 @@ def _accumulate(state, layers, valid, bounds, example_bound, config):
     in_stats = counted & jnp.isfinite(layer_norms)  # (K, B)
     example_in_stats = counted & jnp.isfinite(example_norms)
     return AccumulatorState(
-        sums=tuple(s + c for s, c in zip(state.sums, contributions)),
+        sums=tuple(s + c.reshape(s.shape) for s, c in zip(state.sums, contributions)),
         example_count=state.example_count + jnp.sum(valid, dtype=jnp.int32),
         clip_counts=state.clip_counts + clip_counts,
         non_finite_count=state.non_finite_count + jnp.sum(valid & ~finite_rows, dtype=jnp.int32),

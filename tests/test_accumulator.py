@@ -1,0 +1,345 @@
+"""The streaming accumulator against optax / jax_privacy on the concatenated batch."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax_privacy import clipping as jp
+
+from clipd.engine import (
+    NUM_BUCKETS,
+    BoundKind,
+    ClipAccumulator,
+    ClipPolicy,
+    LayerSpec,
+    NonFinite,
+    merge,
+)
+from helpers import assert_close, global_norms, layer_shapes, random_batch
+
+
+def make_acc(batch, policy, dtype=None):
+    specs = [LayerSpec(f"l{k}", x.shape[1:], dtype or str(x.dtype)) for k, x in enumerate(batch)]
+    return ClipAccumulator(specs, policy)
+
+
+def stream(acc, batch, chunk=5, bucket=8, garbage=np.nan, state=None):
+    """Feeds ``batch`` in chunks of ``chunk`` rows, each padded to ``bucket`` rows of garbage."""
+    state = acc.init() if state is None else state
+    n = batch[0].shape[0]
+    for start in range(0, n, chunk):
+        rows = min(chunk, n - start)
+        padded = []
+        for x in batch:
+            p = np.full((bucket, *x.shape[1:]), garbage, dtype=x.dtype)
+            p[:rows] = x[start : start + rows]
+            padded.append(p)
+        state = acc.update(state, padded, np.arange(bucket) < rows)
+    return state
+
+
+def to_np(state):
+    return jax.tree.map(np.asarray, state)
+
+
+def typical_bound(batch):
+    return float(np.median(global_norms(batch))) * 1.01
+
+
+@pytest.mark.parametrize("num_layers", [1, 4, 17])
+@pytest.mark.parametrize("bound", [0.0, None, 1e6, math.inf])
+@pytest.mark.parametrize(
+    "kind", [BoundKind.GLOBAL, BoundKind.PER_LAYER_UNIFORM, BoundKind.PER_LAYER_PROPORTIONAL]
+)
+def test_stream_matches_optax(kind, bound, num_layers):
+    rng = np.random.default_rng(num_layers)
+    batch = random_batch(rng, 37, layer_shapes(num_layers, rng))
+    c = typical_bound(batch) if bound is None else bound
+    acc = make_acc(batch, ClipPolicy(kind, l2_norm_clip=c))
+    state = to_np(stream(acc, batch))
+    grads = [jnp.asarray(x) for x in batch]
+    if kind is BoundKind.GLOBAL:
+        ref_sums, ref_count = optax.per_example_global_norm_clip(grads, c)
+        ref_counts = [ref_count] * num_layers
+    else:
+        uniform = kind is BoundKind.PER_LAYER_UNIFORM
+        ref_sums, ref_counts = optax.per_example_layer_norm_clip(grads, c, uniform=uniform)
+    for ours, ref in zip(state.sums, ref_sums):
+        assert_close(ours, ref)
+    assert state.clip_counts.tolist() == [int(r) for r in ref_counts]
+    assert int(state.example_count) == 37
+    assert int(state.non_finite_count) == 0
+
+
+def test_explicit_layer_bounds_match_optax_per_layer():
+    rng = np.random.default_rng(3)
+    batch = random_batch(rng, 20, [(3, 4), (6,), (2, 2, 2)])
+    bounds = (0.5, 2.0, math.inf)
+    state = to_np(stream(make_acc(batch, ClipPolicy(BoundKind.PER_LAYER_EXPLICIT, layer_clips=bounds)), batch))
+    for k, (x, c) in enumerate(zip(batch, bounds)):
+        (ref,), count = optax.per_example_global_norm_clip([jnp.asarray(x)], c)
+        assert_close(state.sums[k], ref)
+        assert state.clip_counts[k] == int(count)
+
+
+@pytest.mark.parametrize("bound", [0.0, 1.5, math.inf])
+@pytest.mark.parametrize("kind", [BoundKind.GLOBAL, BoundKind.PER_LAYER_UNIFORM])
+def test_rescale_to_unit_norm_matches_jax_privacy(kind, bound):
+    rng = np.random.default_rng(4)
+    batch = random_batch(rng, 12, [(4,), (2, 3)])
+    acc = make_acc(batch, ClipPolicy(kind, l2_norm_clip=bound, rescale_to_unit_norm=True))
+    state = to_np(stream(acc, batch))
+    clip = lambda tree, c: jp.clip_pytree(tree, c, rescale_to_unit_norm=True)[0]  # noqa: E731
+    grads = [jnp.asarray(x) for x in batch]
+    if kind is BoundKind.GLOBAL:
+        ref = [x.sum(0) for x in jax.vmap(lambda ex: clip(ex, bound))(grads)]
+    else:
+        ref = [jax.vmap(lambda ex, c=c: clip(ex, c))(x).sum(0) for x, c in zip(grads, acc.bounds)]
+    for ours, r in zip(state.sums, ref):
+        assert_close(ours, r)
+
+
+def _batch_with_bad_rows(rng):
+    batch = random_batch(rng, 16, [(5,), (2, 3)])
+    batch[0][3, 1] = np.nan
+    batch[1][7, 0, 2] = np.inf
+    batch[0][11, :] = -np.inf
+    return batch, [3, 7, 11]
+
+
+@pytest.mark.parametrize("kind", [BoundKind.GLOBAL, BoundKind.PER_LAYER_UNIFORM])
+def test_non_finite_zero_example_drops_and_counts(kind):
+    batch, bad = _batch_with_bad_rows(np.random.default_rng(5))
+    c = 2.0
+    state = to_np(stream(make_acc(batch, ClipPolicy(kind, l2_norm_clip=c)), batch))
+    good = [np.delete(x, bad, axis=0) for x in batch]
+    fn = optax.per_example_global_norm_clip if kind is BoundKind.GLOBAL else optax.per_example_layer_norm_clip
+    ref_sums, ref_counts = fn([jnp.asarray(x) for x in good], c)
+    for ours, ref in zip(state.sums, ref_sums):
+        assert_close(ours, ref)
+    ref_counts = [ref_counts] * 2 if kind is BoundKind.GLOBAL else ref_counts
+    assert state.clip_counts.tolist() == [int(r) for r in ref_counts]
+    assert int(state.non_finite_count) == 3
+    assert int(state.example_count) == 16
+    assert int(state.layer_norm_histogram.sum()) == 2 * 13  # the bad rows are not in the statistics
+
+
+def test_non_finite_zero_entries_matches_nan_safe_clip_pytree():
+    batch, _ = _batch_with_bad_rows(np.random.default_rng(6))
+    c = 2.0
+    state = to_np(stream(make_acc(batch, ClipPolicy(l2_norm_clip=c, non_finite=NonFinite.ZERO_ENTRIES)), batch))
+    clipped, norms = jax.vmap(lambda ex: jp.clip_pytree(ex, c, nan_safe=True))([jnp.asarray(x) for x in batch])
+    for ours, ref in zip(state.sums, clipped):
+        assert_close(ours, ref.sum(0))
+    assert state.clip_counts[0] == int(np.sum(np.asarray(norms) > c))
+    assert int(state.non_finite_count) == 3
+
+
+def test_non_finite_propagate_matches_optax():
+    batch, _ = _batch_with_bad_rows(np.random.default_rng(7))
+    state = to_np(stream(make_acc(batch, ClipPolicy(l2_norm_clip=2.0, non_finite=NonFinite.PROPAGATE)), batch))
+    ref_sums, ref_count = optax.per_example_global_norm_clip([jnp.asarray(x) for x in batch], 2.0)
+    for ours, ref in zip(state.sums, ref_sums):
+        assert_close(ours, ref)  # NaN in the same places, the rest equal
+    assert np.isnan(state.sums[0]).any()
+    assert state.clip_counts[0] == int(ref_count)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_input_accumulates_in_float32(dtype):
+    rng = np.random.default_rng(8)
+    batch = random_batch(rng, 64, [(8,), (3, 5)], dtype=dtype, spread=1.0)
+    c = typical_bound(batch)
+    state = to_np(stream(make_acc(batch, ClipPolicy(l2_norm_clip=c)), batch, chunk=16, bucket=16))
+    # Independent float64 reference on the same (low-precision) values.
+    x64 = [np.asarray(x).astype(np.float64) for x in batch]
+    m = np.minimum(1.0, c / global_norms(batch))
+    for ours, x in zip(state.sums, x64):
+        assert ours.dtype == np.float32
+        np.testing.assert_allclose(ours, np.tensordot(m, x, axes=1), rtol=1e-5, atol=1e-5 * np.abs(x).max())
+
+
+def test_float64_under_x64():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(9)
+        batch = random_batch(rng, 10, [(3,), (2, 2)], dtype="float64")
+        state = to_np(stream(make_acc(batch, ClipPolicy(l2_norm_clip=1.0)), batch))
+        ref_sums, ref_count = optax.per_example_global_norm_clip([jnp.asarray(x) for x in batch], 1.0)
+        for ours, ref in zip(state.sums, ref_sums):
+            assert_close(ours, ref, "float64")
+        assert state.clip_counts[0] == int(ref_count)
+
+
+@pytest.mark.parametrize("garbage", [np.nan, np.inf, 1e30, -7.0])
+@pytest.mark.parametrize("mode", list(NonFinite))
+def test_padding_contributes_exactly_zero(garbage, mode):
+    rng = np.random.default_rng(10)
+    batch = random_batch(rng, 11, [(4,), (3, 2)])
+    acc = make_acc(batch, ClipPolicy(BoundKind.PER_LAYER_UNIFORM, l2_norm_clip=1.0, non_finite=mode))
+    # A batch of padding only leaves the state exactly as it was.
+    only_padding = [np.full((8, *x.shape[1:]), garbage, x.dtype) for x in batch]
+    state = to_np(acc.update(acc.init(), only_padding, np.zeros(8, bool)))
+    for leaf in jax.tree.leaves(state):
+        np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
+    # Padded with garbage or with zeros: the same counts, and sums equal up to summation order
+    # (non-finite padding takes the select-first code path).
+    with_garbage = to_np(stream(acc, batch, chunk=3, bucket=8, garbage=garbage))
+    with_zeros = to_np(stream(acc, batch, chunk=3, bucket=8, garbage=0.0))
+    for a, b in zip(jax.tree.leaves(with_garbage), jax.tree.leaves(with_zeros)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+    assert int(with_garbage.example_count) == 11
+
+
+def test_histogram_and_norm_statistics_worked_example():
+    # One layer, C = 1: norms 0, 0.5, 1 (a tie), 2, 100.
+    x = np.array([[0, 0], [0.3, 0.4], [0.6, 0.8], [1.2, 1.6], [60, 80]], np.float32)
+    state = to_np(stream(make_acc([x], ClipPolicy(l2_norm_clip=1.0)), [x], chunk=5, bucket=8))
+    expected = np.zeros(NUM_BUCKETS, int)
+    expected[[0, 4, 7, 10, 15]] = 1  # edges ... 1/2 (4) ... 1.0 (7) ... 2.0 (10) ... >64 (15)
+    np.testing.assert_array_equal(state.layer_norm_histogram[0], expected)
+    np.testing.assert_array_equal(state.example_norm_histogram, expected)
+    np.testing.assert_allclose(state.norm_sum, [103.5], rtol=1e-6)
+    np.testing.assert_allclose(state.norm_max, [100.0], rtol=1e-6)
+    assert state.clip_counts.tolist() == [2]  # the tie is not clipped
+
+
+def test_merge_of_partial_states_equals_whole_stream():
+    rng = np.random.default_rng(11)
+    batch = random_batch(rng, 40, [(6,), (2, 3)])
+    acc = make_acc(batch, ClipPolicy(BoundKind.PER_LAYER_PROPORTIONAL, l2_norm_clip=typical_bound(batch)))
+    whole = to_np(stream(acc, batch))
+    first, second = [x[:17] for x in batch], [x[17:] for x in batch]
+    merged = to_np(merge(stream(acc, first), stream(acc, second)))
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(whole)):
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_no_recompilation_after_warm_up():
+    rng = np.random.default_rng(12)
+    batch = random_batch(rng, 64, [(5,), (3, 3)])
+    buckets = [1, 2, 4, 8, 16, 32, 64]
+    acc = make_acc(batch, ClipPolicy(l2_norm_clip=1.0))
+    state = acc.init()
+    for b in buckets:  # warm-up
+        state = acc.update(state, [x[:b] for x in batch], np.zeros(b, bool))
+    compiled = ClipAccumulator.compiled_programs()
+    for n in range(1, 65):
+        b = next(b for b in buckets if b >= n)
+        state = acc.update(state, [x[:b] for x in batch], np.arange(b) < n)
+    # Another aggregation with the same layers but another bound reuses the programs.
+    other = make_acc(batch, ClipPolicy(l2_norm_clip=7.0))
+    other.update(other.init(), [x[:8] for x in batch], np.ones(8, bool))
+    assert ClipAccumulator.compiled_programs() == compiled
+    assert int(state.example_count) == 64 * 65 // 2
+
+
+def test_state_is_donated():
+    x = np.ones((4, 3), np.float32)
+    acc = make_acc([x], ClipPolicy())
+    state = acc.init()
+    new = acc.update(state, [x], np.ones(4, bool))
+    assert state.sums[0].is_deleted()
+    assert not new.sums[0].is_deleted()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(l2_norm_clip=-1.0),
+        dict(l2_norm_clip=math.nan),
+        dict(kind=BoundKind.PER_LAYER_EXPLICIT),
+        dict(kind=BoundKind.PER_LAYER_EXPLICIT, layer_clips=(1.0, -2.0)),
+        dict(kind=BoundKind.GLOBAL, layer_clips=(1.0,)),
+        dict(kind="no_such_kind"),
+        dict(non_finite="ignore"),
+    ],
+)
+def test_invalid_policies_raise(kwargs):
+    with pytest.raises(ValueError):
+        ClipPolicy(**kwargs)
+
+
+def test_explicit_bounds_must_match_layer_count():
+    with pytest.raises(ValueError, match="2 bounds for 3 layers"):
+        ClipAccumulator([LayerSpec(n, (2,)) for n in "abc"], ClipPolicy("per_layer_explicit", layer_clips=(1, 2)))
+
+
+# Properties. One fixed layer spec so that Hypothesis does not trigger recompilations.
+SPEC_SHAPES = [(3,), (2, 2)]
+rows = st.lists(
+    st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=7, max_size=7),
+    min_size=1,
+    max_size=8,
+).map(lambda r: np.asarray(r, np.float32))
+policies = st.builds(
+    ClipPolicy,
+    kind=st.sampled_from([BoundKind.GLOBAL, BoundKind.PER_LAYER_UNIFORM]),
+    l2_norm_clip=st.sampled_from([0.0, 0.1, 1.0, 10.0, math.inf]),
+    rescale_to_unit_norm=st.booleans(),
+)
+
+
+def _layers(flat):
+    return [flat[:, :3], flat[:, 3:].reshape(-1, 2, 2)]
+
+
+def _run(policy, flat, bucket=8):
+    batch = _layers(flat)
+    return to_np(stream(make_acc(batch, policy), batch, chunk=bucket, bucket=bucket))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(flat=rows, policy=policies, seed=st.integers(0, 2**16))
+def test_sum_is_permutation_invariant(flat, policy, seed):
+    perm = np.random.default_rng(seed).permutation(len(flat))
+    a, b = _run(policy, flat), _run(policy, flat[perm])
+    for x, y in zip(a.sums, b.sums):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(a.clip_counts, b.clip_counts)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(flat=rows, policy=policies)
+def test_each_clipped_example_is_within_its_bound(flat, policy):
+    acc = make_acc(_layers(flat), policy)
+    for row in flat:  # a one-example stream's sum is that example, clipped
+        state = to_np(stream(acc, _layers(row[None]), chunk=1, bucket=1))
+        norms = [np.linalg.norm(s) for s in state.sums]
+        limits = [1.0] * len(acc.bounds) if policy.rescale_to_unit_norm else acc.bounds
+        if policy.is_per_layer:
+            assert all(n <= lim * (1 + 1e-5) for n, lim in zip(norms, limits))
+        else:
+            assert math.hypot(*norms) <= limits[0] * (1 + 1e-5)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(flat=rows, policy=policies, cut=st.integers(0, 8))
+def test_split_batches_merge_to_the_whole(flat, policy, cut):
+    cut = min(cut, len(flat))
+    whole = _run(policy, flat)
+    parts = [_run(policy, part) for part in (flat[:cut], flat[cut:]) if len(part)]
+    merged = parts[0] if len(parts) == 1 else to_np(merge(*parts))
+    for x, y in zip(merged.sums, whole.sums):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(merged.clip_counts, whole.clip_counts)
+    np.testing.assert_array_equal(merged.layer_norm_histogram, whole.layer_norm_histogram)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(flat=rows, policy=policies)
+def test_jit_equals_eager(flat, policy):
+    jitted = _run(policy, flat)
+    with jax.disable_jit():
+        eager = _run(policy, flat)
+    for x, y in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
