@@ -8,7 +8,9 @@ from ._accumulator import (
     merge,
     multiplier,
 )
+from ._declearn import L2Clipping, L2GlobalClipping
 from ._jax_privacy import clip_pytree
+from ._opacus import ConstantFlatClipper, ConstantPerLayerClipper, NormClipper
 from ._optax import per_example_global_norm_clip, per_example_layer_norm_clip
 from ._policy import BoundKind, ClipPolicy, LayerSpec, NonFinite
 
@@ -17,9 +19,14 @@ __all__ = [
     "BoundKind",
     "ClipAccumulator",
     "ClipPolicy",
+    "ConstantFlatClipper",
+    "ConstantPerLayerClipper",
+    "L2Clipping",
+    "L2GlobalClipping",
     "LayerSpec",
     "NUM_BUCKETS",
     "NonFinite",
+    "NormClipper",
     "RATIO_BUCKETS",
     "clip_pytree",
     "merge",
