@@ -1,0 +1,32 @@
+"""clipd.client: the Python client of clipd (depends on the generated gRPC code and numpy only)."""
+
+from . import errors
+from ._client import AggregateResult, Client, SubmitReport
+from .errors import (
+    AlreadyExistsError,
+    ClipdError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from .updates import Layer, layers_like
+
+__all__ = [
+    "AggregateResult",
+    "AlreadyExistsError",
+    "Client",
+    "ClipdError",
+    "FailedPreconditionError",
+    "InvalidArgumentError",
+    "Layer",
+    "NotFoundError",
+    "ResourceExhaustedError",
+    "SubmitReport",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "errors",
+    "layers_like",
+]

@@ -1,0 +1,429 @@
+"""The clipd Python client: open an aggregation, stream updates into it, get the clipped sums."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from clipd.v1 import clipd_pb2 as pb
+from clipd.v1 import clipd_pb2_grpc as pb_grpc
+
+from .errors import ClipdError, UnavailableError, from_rpc_error
+from .updates import Layer, example_nbytes, iter_updates, rebatch
+
+MiB = 1 << 20
+DTYPE_CODES = {"float32": pb.FLOAT32, "float16": pb.FLOAT16, "bfloat16": pb.BFLOAT16, "float64": pb.FLOAT64}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+POLICY_KINDS = {
+    "global": pb.ClipPolicy.GLOBAL,
+    "per_layer_uniform": pb.ClipPolicy.PER_LAYER_UNIFORM,
+    "per_layer_proportional": pb.ClipPolicy.PER_LAYER_PROPORTIONAL,
+    "per_layer_explicit": pb.ClipPolicy.PER_LAYER_EXPLICIT,
+}
+NON_FINITE = {
+    "zero_example": pb.ClipPolicy.ZERO_EXAMPLE,
+    "zero_entries": pb.ClipPolicy.ZERO_ENTRIES,
+    "propagate": pb.ClipPolicy.PROPAGATE,
+    "reject": pb.ClipPolicy.REJECT,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitReport:
+    """What one ``submit`` call delivered (everything in it is acknowledged as summed)."""
+
+    client_id: str
+    batches: int
+    examples: int
+    bytes: int
+    reconnects: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class AggregateResult:
+    """A finalized aggregation: the clipped sums per layer and the counts."""
+
+    sums: dict[str, np.ndarray]
+    examples: int
+    clip_counts: dict[str, int]
+    non_finite: int
+    stats: pb.AggregationStats
+
+
+class Client:
+    """A connection to a clipd server.
+
+    Example (with a server on localhost:50051)::
+
+        with Client("localhost:50051") as client:
+            agg = client.create_aggregation({"w": (10, 3), "b": (3,)}, l2_norm_clip=1.0)
+            client.submit(agg, ({"w": w_i, "b": b_i} for w_i, b_i in examples))
+            result = client.finalize(agg)   # result.sums["w"], result.clip_counts, ...
+
+    Every call is retried when the server is unreachable; ``submit`` also
+    resumes a dropped stream where the server's acknowledgements stopped, so
+    nothing is lost or counted twice. Errors are raised as the typed
+    exceptions of ``clipd.client.errors``.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        message_bytes: int = 2 * MiB,
+        max_message_bytes: int = 16 * MiB,
+        window_bytes: int = 64 * MiB,
+        timeout: float = 120.0,
+        max_retries: int = 8,
+        retry_delay: float = 0.05,
+    ) -> None:
+        if message_bytes > max_message_bytes - 64 * 1024:
+            raise ValueError("message_bytes must leave room for the message header under max_message_bytes")
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        if root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.secure_channel(target, credentials, options)
+        else:
+            self._channel = grpc.insecure_channel(target, options)
+        self._stub = pb_grpc.ClipdStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.message_bytes = message_bytes
+        self.window_bytes = window_bytes
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.retry_delay = retry_delay
+        self._layers: dict[str, list[Layer]] = {}
+
+    # Plumbing ---------------------------------------------------------------------------
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method, request):
+        """A unary call, retried while the server is unavailable (every clipd call is idempotent)."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return method(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                if error.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
+                    raise error from None
+                time.sleep(min(2.0, self.retry_delay * 2**attempt))
+        raise AssertionError("unreachable")
+
+    # Aggregations -------------------------------------------------------------------------
+    def create_aggregation(
+        self,
+        layers: Any,
+        *,
+        policy: str = "global",
+        l2_norm_clip: float = 1.0,
+        layer_clips: Sequence[float] = (),
+        rescale_to_unit_norm: bool = False,
+        non_finite: str = "zero_example",
+        aggregation_id: str | None = None,
+        dtype: str = "float32",
+    ) -> str:
+        """Opens an aggregation and returns its id.
+
+        Args:
+          layers: ``{name: shape}``, ``{name: (shape, dtype)}``, or a list of
+            :class:`~clipd.client.updates.Layer` (see ``layers_like``), in the
+            order updates will list them.
+          policy: ``global``, ``per_layer_uniform``, ``per_layer_proportional``
+            or ``per_layer_explicit`` (then ``layer_clips`` gives each bound).
+          l2_norm_clip: the bound C (``inf`` disables clipping).
+          rescale_to_unit_norm: divide each clipped example by its bound.
+          non_finite: ``zero_example`` (default: dropped and counted),
+            ``zero_entries``, ``propagate`` or ``reject``.
+          aggregation_id: your own id (creating it again is a no-op); a random one otherwise.
+        """
+        specs = _layer_specs(layers, dtype)
+        if policy not in POLICY_KINDS:
+            raise ValueError(f"policy must be one of {sorted(POLICY_KINDS)}, got {policy!r}")
+        if non_finite not in NON_FINITE:
+            raise ValueError(f"non_finite must be one of {sorted(NON_FINITE)}, got {non_finite!r}")
+        request = pb.CreateAggregationRequest(
+            layers=[pb.LayerSpec(name=l.name, shape=l.shape, dtype=DTYPE_CODES[l.dtype]) for l in specs],
+            policy=pb.ClipPolicy(
+                kind=POLICY_KINDS[policy],
+                l2_norm_clip=l2_norm_clip,
+                layer_clips=list(layer_clips),
+                rescale_to_unit_norm=rescale_to_unit_norm,
+                non_finite=NON_FINITE[non_finite],
+            ),
+            aggregation_id=aggregation_id or uuid.uuid4().hex,
+        )
+        aggregation = self._call(self._stub.CreateAggregation, request)
+        self._layers[aggregation.aggregation_id] = specs
+        return aggregation.aggregation_id
+
+    def get_aggregation(self, aggregation_id: str) -> pb.Aggregation:
+        return self._call(self._stub.GetAggregation, pb.GetAggregationRequest(aggregation_id=aggregation_id))
+
+    def list_aggregations(self) -> list[pb.Aggregation]:
+        return list(self._call(self._stub.ListAggregations, pb.ListAggregationsRequest()).aggregations)
+
+    def cancel(self, aggregation_id: str) -> pb.Aggregation:
+        return self._call(self._stub.CancelAggregation, pb.CancelAggregationRequest(aggregation_id=aggregation_id))
+
+    def stats(self, aggregation_id: str) -> pb.AggregationStats:
+        return self._call(self._stub.GetStats, pb.GetStatsRequest(aggregation_id=aggregation_id))
+
+    def layers(self, aggregation_id: str) -> list[Layer]:
+        if aggregation_id not in self._layers:
+            aggregation = self.get_aggregation(aggregation_id)
+            self._layers[aggregation_id] = [
+                Layer(l.name, tuple(l.shape), DTYPE_NAMES[l.dtype]) for l in aggregation.layers
+            ]
+        return self._layers[aggregation_id]
+
+    # Streaming ------------------------------------------------------------------------------
+    def submit(self, aggregation_id: str, updates: Any, *, client_id: str | None = None,
+               progress: bool = False) -> SubmitReport:
+        """Streams updates into an aggregation and returns once every one is summed.
+
+        ``updates`` is one example (a pytree of arrays, one per layer), a batch
+        (the same with a leading batch axis), or an iterable of either. They are
+        packed into messages of about ``message_bytes``; an example larger than
+        that is split into chunks. A dropped connection is retried and the
+        stream resumed after the last acknowledged batch.
+        """
+        layers = self.layers(aggregation_id)
+        batches = rebatch(iter_updates(updates, layers), example_nbytes(layers), self.message_bytes)
+        stream = _BatchStream(aggregation_id, client_id or uuid.uuid4().hex, batches, self.message_bytes,
+                              self.window_bytes)
+        started, failures, reconnects = time.perf_counter(), 0, 0
+        while True:
+            acked_before = stream.acked
+            try:
+                responses = self._stub.Submit(stream.requests(), metadata=self._metadata)
+                for response in responses:
+                    stream.acknowledge(response.acknowledged_sequence)
+                    if progress:
+                        _show_progress(stream, started)
+                if stream.complete:
+                    stream.stop()
+                    if progress:
+                        print(file=sys.stderr)
+                    return SubmitReport(stream.client_id, stream.acked, stream.examples_acked,
+                                        stream.bytes_acked, reconnects, time.perf_counter() - started)
+                error: ClipdError = UnavailableError("the stream ended before every batch was acknowledged")
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+            failures = 0 if stream.acked > acked_before else failures + 1
+            if not error.retryable or failures > self.max_retries:
+                stream.stop()
+                raise error from None
+            reconnects += 1
+            time.sleep(min(2.0, self.retry_delay * 2**failures))
+
+    def finalize(self, aggregation_id: str) -> AggregateResult:
+        """Closes the aggregation (after its last accepted batch) and returns the sums.
+
+        Safe to call again: the server keeps the result until the aggregation is cancelled.
+        """
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._finalize_once(aggregation_id)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                if error.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
+                    raise error from None
+                time.sleep(min(2.0, self.retry_delay * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _finalize_once(self, aggregation_id: str) -> AggregateResult:
+        responses = self._stub.Finalize(
+            pb.FinalizeRequest(aggregation_id=aggregation_id, max_chunk_bytes=self.message_bytes),
+            timeout=self.timeout, metadata=self._metadata,
+        )
+        stats, buffers, shapes = None, {}, {}
+        for response in responses:
+            if response.HasField("stats"):
+                stats = response.stats
+            if response.HasField("sum"):
+                chunk = response.sum
+                shapes[chunk.layer] = (tuple(chunk.shape), DTYPE_NAMES[chunk.dtype])
+                buffers.setdefault(chunk.layer, bytearray()).extend(chunk.data)
+        names = [layer.name for layer in stats.layers]
+        sums = {}
+        for k, name in enumerate(names):
+            shape, dtype = shapes[k]
+            sums[name] = np.frombuffer(bytes(buffers[k]), dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+        return AggregateResult(
+            sums=sums,
+            examples=stats.examples,
+            clip_counts={layer.name: layer.clipped for layer in stats.layers},
+            non_finite=stats.non_finite,
+            stats=stats,
+        )
+
+
+def _layer_specs(layers: Any, dtype: str) -> list[Layer]:
+    if isinstance(layers, dict):
+        out = []
+        for name, value in layers.items():
+            if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
+                shape, layer_dtype = value
+            else:
+                shape, layer_dtype = value, dtype
+            shape = (shape,) if isinstance(shape, int) else tuple(shape)
+            out.append(Layer(str(name), shape, layer_dtype))
+        return out
+    return [Layer(l[0], tuple(l[1]), l[2] if len(l) > 2 else dtype) for l in layers]
+
+
+def _show_progress(stream: _BatchStream, started: float) -> None:
+    elapsed = max(1e-9, time.perf_counter() - started)
+    print(
+        f"\r{stream.examples_acked:>10} examples summed  {stream.examples_acked / elapsed:>10.0f}/s"
+        f"  {stream.bytes_acked / elapsed / MiB:>8.1f} MiB/s",
+        end="", file=sys.stderr, flush=True,
+    )
+
+
+@dataclasses.dataclass
+class _Sent:
+    sequence: int
+    rows: int
+    nbytes: int
+    messages: list[pb.SubmitRequest]
+
+
+class _BatchStream:
+    """Numbered batches with a window of unacknowledged ones, resendable on a new stream.
+
+    Each ``requests()`` generator (one per connection attempt) first resends every
+    batch after the last acknowledgement, then pulls new batches from the source
+    while fewer than ``window_bytes`` are unacknowledged.
+    """
+
+    def __init__(self, aggregation_id: str, client_id: str, batches: Iterator[list[np.ndarray]],
+                 message_bytes: int, window_bytes: int) -> None:
+        self.aggregation_id = aggregation_id
+        self.client_id = client_id
+        self._source = batches
+        self._source_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._window: collections.deque[_Sent] = collections.deque()
+        self._unacked_bytes = 0
+        self._next_sequence = 1
+        self._generation = 0
+        self._exhausted = False
+        self.message_bytes = message_bytes
+        self.window_bytes = window_bytes
+        self.acked = 0
+        self.examples_acked = 0
+        self.bytes_acked = 0
+
+    @property
+    def complete(self) -> bool:
+        with self._cond:
+            return self._exhausted and self.acked == self._next_sequence - 1
+
+    def acknowledge(self, sequence: int) -> None:
+        with self._cond:
+            while self._window and self._window[0].sequence <= sequence:
+                done = self._window.popleft()
+                self._unacked_bytes -= done.nbytes
+                self.examples_acked += done.rows
+                self.bytes_acked += done.nbytes
+            self.acked = max(self.acked, sequence)
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Ends any generator still held by an old call."""
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def requests(self) -> Iterator[pb.SubmitRequest]:
+        with self._cond:
+            self._generation += 1
+            generation = self._generation
+            sent = self.acked
+            self._cond.notify_all()
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: generation != self._generation
+                    or self._next_to_send(sent) is not None
+                    or self._exhausted
+                    or self._unacked_bytes < self.window_bytes
+                )
+                if generation != self._generation:
+                    return
+                entry = self._next_to_send(sent)
+                if entry is None and self._exhausted:
+                    return
+            if entry is None:
+                entry = self._pull(sent)
+                if entry is None:
+                    return
+            sent = entry.sequence
+            yield from entry.messages
+
+    def _next_to_send(self, sent: int) -> _Sent | None:
+        for entry in self._window:
+            if entry.sequence > sent:
+                return entry
+        return None
+
+    def _pull(self, sent: int) -> _Sent | None:
+        """The next batch from the source, numbered and kept in the window until acknowledged."""
+        with self._source_lock:
+            with self._cond:
+                entry = self._next_to_send(sent)  # another attempt may have pulled it meanwhile
+                if entry is not None or self._exhausted:
+                    return entry
+            batch = next(self._source, None)
+            with self._cond:
+                if batch is None:
+                    self._exhausted = True
+                    self._cond.notify_all()
+                    return None
+                entry = _Sent(self._next_sequence, batch[0].shape[0], sum(a.nbytes for a in batch),
+                              self._encode(self._next_sequence, batch))
+                self._next_sequence += 1
+                self._window.append(entry)
+                self._unacked_bytes += entry.nbytes
+                return entry
+
+    def _encode(self, sequence: int, batch: list[np.ndarray]) -> list[pb.SubmitRequest]:
+        """The messages of one batch: whole tensors if they fit in one message, else byte chunks."""
+        header = dict(aggregation_id=self.aggregation_id, client_id=self.client_id, sequence=sequence)
+        messages, chunks, size = [], [], 0
+        for k, array in enumerate(batch):
+            data = array.reshape(-1).view(np.uint8)  # works for bfloat16 too
+            code = DTYPE_CODES[array.dtype.name]
+            for offset in range(0, len(data), self.message_bytes):
+                piece = data[offset : offset + self.message_bytes]
+                if chunks and size + len(piece) > self.message_bytes:
+                    messages.append(pb.SubmitRequest(chunks=chunks, **header))
+                    chunks, size = [], 0
+                chunks.append(pb.TensorChunk(layer=k, dtype=code, shape=array.shape, offset=offset,
+                                             data=piece.tobytes()))
+                size += len(piece)
+        messages.append(pb.SubmitRequest(chunks=chunks, **header))
+        return messages

@@ -1,0 +1,68 @@
+"""Typed client errors: ``grpc.RpcError`` is translated once, here, by status code."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ClipdError(Exception):
+    """An RPC failed; ``code`` is its gRPC status, ``details`` the server's message."""
+
+    code: grpc.StatusCode | None = None
+    retryable = False
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(details)
+        self.details = details
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgumentError(ClipdError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFoundError(ClipdError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExistsError(ClipdError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPreconditionError(ClipdError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhaustedError(ClipdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnauthenticatedError(ClipdError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class UnavailableError(ClipdError):
+    """The server could not be reached or the connection dropped: safe to retry a stream."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, FailedPreconditionError,
+                ResourceExhaustedError, UnauthenticatedError, UnavailableError)
+}
+# A dropped connection may also surface as these; the stream protocol makes resending safe.
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+
+
+def from_rpc_error(error: grpc.RpcError) -> ClipdError:
+    code = error.code() if hasattr(error, "code") else None
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    cls = _BY_CODE.get(code, ClipdError)
+    err = cls(details, code)
+    err.retryable = code in _TRANSIENT
+    return err

@@ -1,0 +1,5 @@
+import sys
+
+from clipd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,141 @@
+"""Building and running the server: gRPC (with health and reflection), the worker, the admin API."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from clipd.v1 import clipd_pb2, clipd_pb2_grpc
+
+from .aggregations import Registry
+from .service import ClipdServicer
+from .settings import Settings
+from .worker import DeviceWorker
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"].full_name
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` on every RPC but health checks and reflection."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}"
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(OPEN_METHODS):
+            return continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if metadata.get("authorization") == self._expected:
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        return _denying_handler(handler)
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def deny(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid 'authorization: Bearer <token>' is required")
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class ClipdServer:
+    """The running service: gRPC server, device worker, registry, and (optionally) the admin API."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        if settings.compilation_cache_dir:
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        self.registry = Registry(settings.max_aggregations)
+        self.worker = DeviceWorker(settings.max_queued_bytes)
+        self.servicer = ClipdServicer(settings, self.registry, self.worker)
+        self.health = health.HealthServicer()
+        options = [
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        interceptors = [_TokenAuth(settings.auth_token)] if settings.auth_token else []
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="clipd-grpc"),
+            options=options,
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=settings.workers,
+        )
+        clipd_pb2_grpc.add_ClipdServicer_to_server(self.servicer, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.grpc,
+        )
+        address = f"{settings.host}:{settings.grpc_port}"
+        if settings.tls_cert_file:
+            with open(settings.tls_key_file, "rb") as key, open(settings.tls_cert_file, "rb") as cert:
+                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            self.port = self.grpc.add_secure_port(address, credentials)
+        else:
+            self.port = self.grpc.add_insecure_port(address)
+        self.admin = None
+        self.stopped = threading.Event()
+
+    def start(self) -> ClipdServer:
+        self.grpc.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("clipd gRPC on %s:%d (device: %s)", self.settings.host, self.port, self.worker.device_kind)
+        return self
+
+    @property
+    def serving(self) -> bool:
+        return not self.stopped.is_set()
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Graceful: refuse new RPCs, let open streams finish for ``grace`` s, sum what was accepted."""
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.grpc.stop(grace).wait()
+        self.worker.stop()
+        if self.admin is not None:
+            self.admin.stop()
+
+
+def create_server(settings: Settings) -> tuple[ClipdServer, int]:
+    """A started server and the port it listens on (``grpc_port=0`` picks a free one)."""
+    server = ClipdServer(settings).start()
+    return server, server.port
+
+
+def serve(settings: Settings) -> None:
+    """Runs until SIGINT or SIGTERM, then stops gracefully."""
+    server, port = create_server(settings)
+    if settings.admin_port >= 0:
+        from .admin import start_admin
+
+        server.admin = start_admin(server, settings)
+        log.info("clipd admin API on http://%s:%d", settings.host, server.admin.port)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"clipd serving gRPC on {settings.host}:{port}", flush=True)
+    done.wait()
+    server.stop()

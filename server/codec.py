@@ -1,0 +1,110 @@
+"""Every conversion between protobuf messages and the engine's types, in one module."""
+
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+
+from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite
+from clipd.v1 import clipd_pb2 as pb
+
+from .errors import InvalidArgument
+
+DTYPES: dict[int, np.dtype] = {
+    pb.FLOAT32: np.dtype("<f4"),
+    pb.FLOAT16: np.dtype("<f2"),
+    pb.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    pb.FLOAT64: np.dtype("<f8"),
+}
+DTYPE_CODES: dict[str, int] = {str(dt): code for code, dt in DTYPES.items()}
+
+KINDS = {
+    pb.ClipPolicy.GLOBAL: BoundKind.GLOBAL,
+    pb.ClipPolicy.PER_LAYER_UNIFORM: BoundKind.PER_LAYER_UNIFORM,
+    pb.ClipPolicy.PER_LAYER_PROPORTIONAL: BoundKind.PER_LAYER_PROPORTIONAL,
+    pb.ClipPolicy.PER_LAYER_EXPLICIT: BoundKind.PER_LAYER_EXPLICIT,
+}
+NON_FINITE = {
+    pb.ClipPolicy.NON_FINITE_UNSPECIFIED: NonFinite.ZERO_EXAMPLE,
+    pb.ClipPolicy.ZERO_EXAMPLE: NonFinite.ZERO_EXAMPLE,
+    pb.ClipPolicy.ZERO_ENTRIES: NonFinite.ZERO_ENTRIES,
+    pb.ClipPolicy.PROPAGATE: NonFinite.PROPAGATE,
+    pb.ClipPolicy.REJECT: NonFinite.ZERO_EXAMPLE,  # never reaches the engine: rejected on arrival
+}
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+MAX_LAYERS = 4096
+
+
+def dtype_of(code: int, where: str) -> np.dtype:
+    if code not in DTYPES:
+        raise InvalidArgument(f"{where}: unsupported dtype {code} (use FLOAT32, FLOAT16, BFLOAT16 or FLOAT64)")
+    return DTYPES[code]
+
+
+def layers_from_proto(layers) -> tuple[LayerSpec, ...]:
+    if not layers:
+        raise InvalidArgument("layers: at least one layer is needed")
+    if len(layers) > MAX_LAYERS:
+        raise InvalidArgument(f"layers: at most {MAX_LAYERS} layers, got {len(layers)}")
+    specs, names = [], set()
+    for k, layer in enumerate(layers):
+        if not layer.name or layer.name in names:
+            raise InvalidArgument(f"layers[{k}]: a unique, non-empty name is needed, got {layer.name!r}")
+        if any(d <= 0 for d in layer.shape):
+            raise InvalidArgument(f"layer {layer.name!r}: dimensions must be positive, got {list(layer.shape)}")
+        names.add(layer.name)
+        specs.append(LayerSpec(layer.name, tuple(layer.shape), str(dtype_of(layer.dtype, f"layer {layer.name!r}"))))
+    return tuple(specs)
+
+
+def layers_to_proto(layers) -> list[pb.LayerSpec]:
+    return [pb.LayerSpec(name=l.name, shape=l.shape, dtype=DTYPE_CODES[l.dtype]) for l in layers]
+
+
+def policy_from_proto(policy: pb.ClipPolicy, num_layers: int) -> tuple[ClipPolicy, bool]:
+    """The engine policy, and whether batches holding non-finite values are rejected."""
+    if policy.kind not in KINDS:
+        raise InvalidArgument("policy.kind: choose GLOBAL, PER_LAYER_UNIFORM, PER_LAYER_PROPORTIONAL or PER_LAYER_EXPLICIT")
+    kind = KINDS[policy.kind]
+    if kind is BoundKind.PER_LAYER_EXPLICIT and len(policy.layer_clips) != num_layers:
+        raise InvalidArgument(
+            f"policy.layer_clips: expected one bound per layer ({num_layers}), got {len(policy.layer_clips)}"
+        )
+    try:
+        engine_policy = ClipPolicy(
+            kind=kind,
+            l2_norm_clip=policy.l2_norm_clip if kind is not BoundKind.PER_LAYER_EXPLICIT else 1.0,
+            layer_clips=tuple(policy.layer_clips),
+            rescale_to_unit_norm=policy.rescale_to_unit_norm,
+            non_finite=NON_FINITE[policy.non_finite],
+        )
+    except ValueError as e:
+        raise InvalidArgument(f"policy: {e}") from None
+    return engine_policy, policy.non_finite == pb.ClipPolicy.REJECT
+
+
+def policy_to_proto(policy: ClipPolicy, reject_non_finite: bool) -> pb.ClipPolicy:
+    kinds = {v: k for k, v in KINDS.items()}
+    non_finite = {NonFinite.ZERO_EXAMPLE: pb.ClipPolicy.ZERO_EXAMPLE, NonFinite.ZERO_ENTRIES: pb.ClipPolicy.ZERO_ENTRIES,
+                  NonFinite.PROPAGATE: pb.ClipPolicy.PROPAGATE}[policy.non_finite]
+    return pb.ClipPolicy(
+        kind=kinds[policy.kind],
+        l2_norm_clip=policy.l2_norm_clip,
+        layer_clips=policy.layer_clips,
+        rescale_to_unit_norm=policy.rescale_to_unit_norm,
+        non_finite=pb.ClipPolicy.REJECT if reject_non_finite else non_finite,
+    )
+
+
+def tensor_chunks(layer: int, array: np.ndarray, max_bytes: int):
+    """Splits one little-endian tensor into TensorChunk messages of at most ``max_bytes`` of data."""
+    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    code = DTYPE_CODES[str(array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype)]
+    step = max(1, max_bytes)
+    for offset in range(0, max(len(data), 1), step):
+        yield pb.TensorChunk(
+            layer=layer, dtype=code, shape=array.shape, offset=offset, data=bytes(data[offset : offset + step])
+        )
+

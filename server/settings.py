@@ -1,0 +1,48 @@
+"""Server settings: validated once, from keyword arguments or CLIPD_* environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything the server can be told. Environment: ``CLIPD_<FIELD>`` (upper case)."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051  # 0 picks a free port
+    admin_port: int = 8080  # 0 picks a free port; -1 disables the admin API
+    max_message_bytes: int = 16 * MiB  # largest gRPC message either way
+    max_batch_bytes: int = 1024 * MiB  # largest batch (all its chunks) in memory
+    max_queued_bytes: int = 256 * MiB  # batches waiting for the device; beyond it streams wait
+    max_aggregations: int = 64  # open at once (finalized ones are kept until cancelled)
+    max_device_rows: int = 1024  # examples per device step, rounded down to a power of two
+    staging_bytes: int = 64 * MiB  # host buffer per aggregation that examples are packed into
+    workers: int = 64  # gRPC handler threads: at most this many RPCs at once
+    auth_token: str = ""  # when set, every RPC needs "authorization: Bearer <token>"
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
+
+    def __post_init__(self) -> None:
+        for field in ("max_message_bytes", "max_batch_bytes", "max_queued_bytes", "max_aggregations",
+                      "max_device_rows", "staging_bytes", "workers"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("Settings: tls_cert_file and tls_key_file go together")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> Settings:
+        """Settings from ``CLIPD_*`` variables, then ``overrides`` (those that are not None)."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field in dataclasses.fields(cls):
+            raw = environ.get(f"CLIPD_{field.name.upper()}")
+            if raw is not None:
+                values[field.name] = int(raw) if field.type == "int" else raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
