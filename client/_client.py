@@ -94,6 +94,10 @@ class Client:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # Reconnect quickly after a dropped connection (the default backoff starts at 1 s).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         if root_certificates is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates)

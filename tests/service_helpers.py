@@ -1,0 +1,112 @@
+"""Helpers for the service tests: reference results computed in-process, and a faulty TCP proxy."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+
+from clipd import engine
+
+LAYERS = {"w": (6, 4), "b": (4,), "v": (3, 2, 2)}
+
+
+def make_updates(n: int, seed: int = 0, layers=LAYERS, dtype=np.float32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.uniform(-2, 2, n))
+    return {
+        name: (rng.standard_normal((n, *shape)) * scale.reshape((-1,) + (1,) * len(shape))).astype(dtype)
+        for name, shape in layers.items()
+    }
+
+
+def reference(updates: dict[str, np.ndarray], policy: str = "global", clip: float = 1.0,
+              layer_clips=None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Sums and clip counts from the engine's reference APIs, in-process."""
+    names = list(updates)
+    grads = [jnp.asarray(updates[n]) for n in names]
+    if policy == "global":
+        sums, count = engine.per_example_global_norm_clip(grads, clip)
+        counts = [count] * len(names)
+    elif policy == "per_layer_explicit":
+        pairs = [engine.per_example_global_norm_clip([g], c) for g, c in zip(grads, layer_clips)]
+        sums, counts = [p[0][0] for p in pairs], [p[1] for p in pairs]
+    else:
+        sums, counts = engine.per_example_layer_norm_clip(grads, clip, uniform=policy == "per_layer_uniform")
+    return ({n: np.asarray(s) for n, s in zip(names, sums)}, {n: int(c) for n, c in zip(names, counts)})
+
+
+def assert_result_matches(result, updates, policy="global", clip=1.0, layer_clips=None, rtol=1e-5):
+    ref_sums, ref_counts = reference(updates, policy, clip, layer_clips)
+    assert result.examples == len(next(iter(updates.values())))
+    assert result.clip_counts == ref_counts
+    for name, ref in ref_sums.items():
+        np.testing.assert_allclose(result.sums[name], ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+class FaultyProxy:
+    """A loopback TCP proxy that cuts its first ``faults`` connections after a random number of bytes.
+
+    Bounded: it serves until ``close()``, and each cut happens after at most
+    ``max_bytes`` bytes from client to server.
+    """
+
+    def __init__(self, upstream_port: int, faults: int, min_bytes: int, max_bytes: int, seed: int = 0) -> None:
+        self.upstream_port = upstream_port
+        self.faults_left = faults
+        self.cuts = 0
+        self._rng = random.Random(seed)
+        self.min_bytes, self.max_bytes = min_bytes, max_bytes
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                downstream, _ = self._listener.accept()
+            except (socket.timeout, OSError):
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self._lock:
+                cut_after = None
+                if self.faults_left > 0:
+                    self.faults_left -= 1
+                    cut_after = self._rng.randint(self.min_bytes, self.max_bytes)
+            threading.Thread(target=self._pump, args=(downstream, upstream, cut_after), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, downstream, None), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, cut_after: int | None) -> None:
+        sent = 0
+        try:
+            while not self._closed.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                if cut_after is not None and sent + len(data) >= cut_after:
+                    dst.sendall(data[: cut_after - sent])
+                    with self._lock:
+                        self.cuts += 1
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        self._thread.join(timeout=2)
