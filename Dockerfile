@@ -1,0 +1,28 @@
+# clipd: the gRPC clipping service and its admin API.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    OPENBLAS_NUM_THREADS=1 \
+    MALLOC_MMAP_THRESHOLD_=33554432 \
+    MALLOC_TRIM_THRESHOLD_=1073741824 \
+    CLIPD_HOST=0.0.0.0 \
+    CLIPD_GRPC_PORT=50051 \
+    CLIPD_ADMIN_PORT=8080 \
+    CLIPD_COMPILATION_CACHE_DIR=/var/cache/clipd/jax
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY clipd ./clipd
+COPY proto ./proto
+COPY engine ./engine
+COPY server ./server
+COPY client ./client
+RUN pip install --no-cache-dir . && useradd --system --create-home clipd \
+    && mkdir -p /var/cache/clipd/jax && chown clipd /var/cache/clipd/jax
+USER clipd
+
+EXPOSE 50051 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+    CMD ["python", "-c", "import urllib.request, sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/readyz', timeout=2).status == 200 else 1)"]
+CMD ["clipd", "serve"]
