@@ -101,11 +101,17 @@ class ClipdServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("clipd gRPC on %s:%d (device: %s)", self.settings.host, self.port, self.worker.device_kind)
+        if self.settings.admin_port >= 0:
+            from .admin import start_admin
+
+            self.admin = start_admin(self, self.settings)
+            log.info("clipd admin API on http://%s:%d", self.settings.host, self.admin.port)
         return self
 
     @property
     def serving(self) -> bool:
-        return not self.stopped.is_set()
+        """Ready for traffic: gRPC started, not stopping, and the device worker warmed up."""
+        return not self.stopped.is_set() and self.worker.ready.is_set()
 
     def stop(self, grace: float = 10.0) -> None:
         """Graceful: refuse new RPCs, let open streams finish for ``grace`` s, sum what was accepted."""
@@ -128,14 +134,10 @@ def create_server(settings: Settings) -> tuple[ClipdServer, int]:
 def serve(settings: Settings) -> None:
     """Runs until SIGINT or SIGTERM, then stops gracefully."""
     server, port = create_server(settings)
-    if settings.admin_port >= 0:
-        from .admin import start_admin
-
-        server.admin = start_admin(server, settings)
-        log.info("clipd admin API on http://%s:%d", settings.host, server.admin.port)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    print(f"clipd serving gRPC on {settings.host}:{port}", flush=True)
+    admin = f", admin API on http://{settings.host}:{server.admin.port}" if server.admin else ""
+    print(f"clipd serving gRPC on {settings.host}:{port}{admin}", flush=True)
     done.wait()
     server.stop()

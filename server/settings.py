@@ -22,7 +22,8 @@ class Settings:
     max_device_rows: int = 1024  # examples per device step, rounded down to a power of two
     staging_bytes: int = 64 * MiB  # host buffer per aggregation that examples are packed into
     workers: int = 64  # gRPC handler threads: at most this many RPCs at once
-    auth_token: str = ""  # when set, every RPC needs "authorization: Bearer <token>"
+    auth_token: str = ""  # when set, every RPC needs "authorization: Bearer <token>"; admin writes need it
+    admin_auth_all: bool = False  # the admin API's read routes need the token too
     tls_cert_file: str = ""
     tls_key_file: str = ""
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
@@ -43,6 +44,11 @@ class Settings:
         for field in dataclasses.fields(cls):
             raw = environ.get(f"CLIPD_{field.name.upper()}")
             if raw is not None:
-                values[field.name] = int(raw) if field.type == "int" else raw
+                if field.type == "int":
+                    values[field.name] = int(raw)
+                elif field.type == "bool":
+                    values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                else:
+                    values[field.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

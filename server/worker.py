@@ -89,6 +89,7 @@ class DeviceWorker:
         self._slot: dict[str, int] = {}
         self._inflight: _InFlight | None = None
         self.device_kind = jax.devices()[0].device_kind
+        self.ready = threading.Event()  # set once the device has run a first program
         self._thread = threading.Thread(target=self._run, name="clipd-device-worker", daemon=True)
         self._thread.start()
 
@@ -172,6 +173,8 @@ class DeviceWorker:
         return None
 
     def _run(self) -> None:
+        jax.block_until_ready(jax.jit(lambda x: x + 1)(np.zeros(8, np.float32)))
+        self.ready.set()
         while True:
             item = self._take(block=self._inflight is None)
             try:

@@ -1,0 +1,258 @@
+"""The admin HTTP API (FastAPI): health, aggregation snapshots, Prometheus metrics, the dashboard.
+
+Every route reads host-side snapshots (``Aggregation.stats()``); none runs JAX.
+"""
+
+import dataclasses
+import math
+import pathlib
+import secrets
+import socket
+import threading
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from .aggregations import Aggregation, Stats
+from .errors import NotFound
+from .settings import Settings
+
+STATIC = pathlib.Path(__file__).resolve().parent / "static"
+
+
+def quantile_from_histogram(counts, upper_bounds, q: float) -> float | None:
+    """The ``q`` quantile of norm/bound ratios from bucket counts, interpolated within a bucket.
+
+    >>> quantile_from_histogram([0, 2, 2], [1.0, 2.0], 0.5)
+    2.0
+    """
+    total = sum(counts)
+    if total == 0:
+        return None
+    target, seen = q * total, 0
+    for i, c in enumerate(counts):
+        if c and seen + c >= target:
+            lower = upper_bounds[i - 1] if i > 0 else 0.0
+            upper = upper_bounds[i] if i < len(upper_bounds) else upper_bounds[-1] * 2
+            return lower + (upper - lower) * (target - seen) / c
+        seen += c
+    return upper_bounds[-1]
+
+
+def aggregation_view(aggregation: Aggregation) -> dict[str, Any]:
+    """The JSON view of one aggregation: spec, policy, counters, per-layer statistics."""
+    stats = aggregation.stats()
+    policy = aggregation.policy
+    return {
+        "aggregation_id": aggregation.id,
+        "state": stats.state.value,
+        "policy": {
+            "kind": policy.kind.value,
+            "l2_norm_clip": _json_float(policy.l2_norm_clip),
+            "layer_clips": [_json_float(c) for c in policy.layer_clips],
+            "rescale_to_unit_norm": policy.rescale_to_unit_norm,
+            "non_finite": "reject" if aggregation.reject_non_finite else policy.non_finite.value,
+        },
+        "created_unix_seconds": aggregation.created,
+        "updated_unix_seconds": stats.updated_unix_seconds,
+        "examples": stats.examples,
+        "batches": stats.batches,
+        "bytes": stats.bytes,
+        "non_finite": stats.non_finite,
+        "clipped": stats.clipped,
+        "examples_per_second": stats.examples_per_second,
+        "bucket_upper_bounds": list(stats.bucket_upper_bounds),
+        "example_bound": _json_float(stats.example_bound),
+        "example_norm_histogram": list(stats.example_norm_histogram),
+        "layers": [
+            {
+                "name": layer.name,
+                "shape": list(spec.shape),
+                "dtype": spec.dtype,
+                "bound": _json_float(layer.bound),
+                "clipped": layer.clipped,
+                "clip_fraction": layer.clipped / stats.examples if stats.examples else 0.0,
+                "norm_mean": layer.norm_mean,
+                "norm_max": layer.norm_max,
+                "norm_histogram": list(layer.norm_histogram),
+                "norm_ratio_quantiles": {
+                    str(q): quantile_from_histogram(layer.norm_histogram, stats.bucket_upper_bounds, q)
+                    for q in (0.5, 0.9, 0.99)
+                },
+            }
+            for layer, spec in zip(stats.layers, aggregation.layers)
+        ],
+    }
+
+
+def _json_float(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)  # JSON has no inf or NaN
+
+
+class _SnapshotCollector:
+    """Prometheus metrics read from the snapshots at scrape time."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def collect(self):
+        server = self.server
+        views = [(a, a.stats()) for a in server.registry.all()]
+        examples = CounterMetricFamily("clipd_examples", "Examples accumulated.", labels=["aggregation"])
+        batches = CounterMetricFamily("clipd_batches", "Batches accumulated.", labels=["aggregation"])
+        received = CounterMetricFamily("clipd_received_bytes", "Update bytes accumulated.", labels=["aggregation"])
+        non_finite = CounterMetricFamily("clipd_non_finite_examples", "Examples with NaN or inf.",
+                                         labels=["aggregation"])
+        clipped = CounterMetricFamily("clipd_clipped_examples", "Examples whose layer was scaled down.",
+                                      labels=["aggregation", "layer"])
+        bound = GaugeMetricFamily("clipd_layer_bound", "The L2 bound of each layer.", labels=["aggregation", "layer"])
+        norms = HistogramMetricFamily("clipd_layer_norm_ratio", "Per-example layer norm divided by the layer bound.",
+                                      labels=["aggregation", "layer"])
+        rate = GaugeMetricFamily("clipd_examples_per_second", "Recent throughput.", labels=["aggregation"])
+        for aggregation, stats in views:
+            a = aggregation.id
+            examples.add_metric([a], stats.examples)
+            batches.add_metric([a], stats.batches)
+            received.add_metric([a], stats.bytes)
+            non_finite.add_metric([a], stats.non_finite)
+            rate.add_metric([a], stats.examples_per_second)
+            for layer in stats.layers:
+                clipped.add_metric([a, layer.name], layer.clipped)
+                bound.add_metric([a, layer.name], layer.bound)
+                norms.add_metric([a, layer.name], _cumulative(layer.norm_histogram, stats.bucket_upper_bounds),
+                                 sum_value=_ratio_sum(layer, stats))
+        yield from (examples, batches, received, non_finite, clipped, bound, norms, rate)
+        states = GaugeMetricFamily("clipd_aggregations", "Aggregations by state.", labels=["state"])
+        for state in sorted({s.state.value for _, s in views}):
+            states.add_metric([state], sum(s.state.value == state for _, s in views))
+        yield states
+        rejected = CounterMetricFamily("clipd_rejected_requests", "Requests refused, by gRPC status.",
+                                       labels=["code"])
+        for code, count in sorted(server.servicer.rejections.items()):
+            rejected.add_metric([code], count)
+        yield rejected
+        yield GaugeMetricFamily("clipd_active_streams", "Submit streams open.", value=server.servicer.active_streams)
+        yield GaugeMetricFamily("clipd_queue_depth", "Items waiting for the device worker.",
+                                value=server.worker.queue_depth)
+        yield GaugeMetricFamily("clipd_queued_bytes", "Batch bytes waiting for the device.",
+                                value=server.worker.queued_bytes)
+        device = GaugeMetricFamily("clipd_device_info", "The device the worker runs on.", labels=["kind"])
+        device.add_metric([server.worker.device_kind], 1)
+        yield device
+
+
+def _cumulative(counts, upper_bounds) -> list[tuple[str, float]]:
+    buckets, total = [], 0
+    for le, count in zip([*map(str, upper_bounds), "+Inf"], counts):
+        total += count
+        buckets.append((le, total))
+    return buckets
+
+
+def _ratio_sum(layer, stats: Stats) -> float:
+    counted = sum(layer.norm_histogram)
+    if not counted or not (0 < layer.bound < math.inf):
+        return 0.0
+    return layer.norm_mean * counted / layer.bound
+
+
+def create_admin_app(server, settings: Settings) -> FastAPI:
+    """The admin app of a running ``ClipdServer``; ``settings`` decide its authentication."""
+    app = FastAPI(title="clipd admin", version="1", description="Clip statistics of running aggregations.")
+    registry = CollectorRegistry()
+    registry.register(_SnapshotCollector(server))
+
+    def token_of(request: Request) -> str | None:
+        header = request.headers.get("authorization", "")
+        return header[7:] if header.lower().startswith("bearer ") else None
+
+    def check_token(request: Request) -> None:
+        token = token_of(request)
+        if token is None:
+            raise HTTPException(401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+        if not settings.auth_token or not secrets.compare_digest(token, settings.auth_token):
+            raise HTTPException(403, "this token may not do that")
+
+    def read_access(request: Request) -> None:
+        if settings.admin_auth_all:
+            check_token(request)
+
+    def the_aggregation(aggregation_id: str) -> Aggregation:
+        try:
+            return server.registry.get(aggregation_id)
+        except NotFound as e:
+            raise HTTPException(404, str(e)) from None
+
+    Reader = Annotated[None, Depends(read_access)]
+    Writer = Annotated[None, Depends(check_token)]
+    AggregationParam = Annotated[Aggregation, Depends(the_aggregation)]
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        ready = server.serving
+        return Response('{"ready": %s}' % str(ready).lower(), status_code=200 if ready else 503,
+                        media_type="application/json")
+
+    @app.get("/api/v1/aggregations")
+    def list_aggregations(_: Reader) -> dict[str, Any]:
+        return {"aggregations": [aggregation_view(a) for a in server.registry.all()],
+                "device_kind": server.worker.device_kind}
+
+    @app.get("/api/v1/aggregations/{aggregation_id}")
+    def get_aggregation(_: Reader, aggregation: AggregationParam) -> dict[str, Any]:
+        return aggregation_view(aggregation)
+
+    @app.delete("/api/v1/aggregations/{aggregation_id}")
+    def cancel_aggregation(_: Writer, aggregation: AggregationParam) -> dict[str, Any]:
+        server.registry.remove(aggregation.id)
+        aggregation.cancel()
+        server.worker.forget(aggregation)
+        return aggregation_view(aggregation)
+
+    @app.get("/metrics")
+    def metrics(_: Reader) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "dashboard.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+@dataclasses.dataclass
+class AdminServer:
+    """uvicorn serving the admin app in a background thread."""
+
+    server: uvicorn.Server
+    thread: threading.Thread
+    port: int
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+def start_admin(server, settings: Settings) -> AdminServer:
+    """Starts the admin API on ``settings.host:settings.admin_port`` (0 picks a free port)."""
+    app = create_admin_app(server, settings)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.admin_port))
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="clipd-admin", daemon=True)
+    thread.start()
+    while not uv.started and thread.is_alive():
+        threading.Event().wait(0.01)
+    return AdminServer(uv, thread, sock.getsockname()[1])
