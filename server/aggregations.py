@@ -130,7 +130,8 @@ class Aggregation:
             if device_stats is not None:
                 self._device_stats = device_stats
             self._updated = now
-            self._rates.append((now, self._examples))
+            if not self._rates or now - self._rates[-1][0] >= 0.25:  # 64 samples cover >= 16 s
+                self._rates.append((now, self._examples))
             self.cond.notify_all()
 
     def drop(self, count: int) -> None:
@@ -225,15 +226,12 @@ class Aggregation:
         )
 
     def _rate(self, window: float = 10.0) -> float:
-        """Examples per second over the last ``window`` seconds of updates."""
-        if not self._rates:
-            return 0.0
+        """Examples per second over the last ``window`` seconds (0 once idle that long)."""
         now = time.time()
-        recent = [(t, n) for t, n in self._rates if now - t <= window]
-        if len(recent) < 2:
-            return 0.0
-        (t0, n0), (t1, n1) = recent[0], recent[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+        start = max(self.created, now - window)
+        before = [n for t, n in self._rates if t <= start]
+        base = before[-1] if before else 0
+        return (self._examples - base) / (now - start) if now > start else 0.0
 
 
 class Registry:

@@ -16,7 +16,7 @@ const pct = (x) => (100 * x).toFixed(1) + "%";
 const fmt = (x) => (typeof x === "number" ? x.toLocaleString("en-US", { maximumFractionDigits: 1 }) : x);
 
 function clipFractionChart(agg) {
-  const rowH = 18, labelW = 120, width = 360, barW = width - labelW - 60;
+  const rowH = 18, labelW = 110, width = 400, barW = width - labelW - 110;
   const svg = el("svg:svg", { width, height: rowH * agg.layers.length + 4, class: "clip-fraction" });
   agg.layers.forEach((layer, i) => {
     const y = i * rowH + 2;
