@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -304,3 +305,49 @@ def test_token_auth():
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(grace=1.0)
+
+
+def test_jax_pytrees_and_single_examples_from_the_client(client):
+    import jax.numpy as jnp
+
+    from clipd.client import layers_like
+
+    example = {"dense": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}, "scale": jnp.ones(1)}
+    layers = layers_like(example)
+    assert [l.name for l in layers] == ["dense/bias", "dense/kernel", "scale"]
+    agg = client.create_aggregation(layers, l2_norm_clip=1e9)
+    rng = np.random.default_rng(12)
+    examples = [{"dense": {"kernel": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32),
+                           "bias": jnp.asarray(rng.standard_normal(2), jnp.float32)},
+                 "scale": jnp.asarray(rng.standard_normal(1), jnp.float32)} for _ in range(7)]
+    client.submit(agg, iter(examples))
+    result = client.finalize(agg)
+    assert result.examples == 7
+    np.testing.assert_allclose(result.sums["dense/kernel"], sum(np.asarray(e["dense"]["kernel"]) for e in examples),
+                               rtol=1e-5)
+
+
+def test_graceful_stop_sums_everything_it_accepted():
+    server, port = create_server(Settings(**TEST_SETTINGS))
+    updates = make_updates(4000, seed=13)
+    with Client(f"127.0.0.1:{port}", message_bytes=2048, max_retries=0) as c:
+        agg = c.create_aggregation(LAYERS, l2_norm_clip=1.0)
+        errors = []
+        sender = threading.Thread(target=lambda: _collect(errors, c.submit, agg, updates))
+        sender.start()
+        aggregation = server.registry.get(agg)
+        while aggregation.stats().examples == 0 and sender.is_alive():
+            time.sleep(0.01)  # wait until batches are flowing
+        server.stop(grace=2.0)
+        sender.join(timeout=60)
+    # Every batch the server accepted was summed before the worker stopped.
+    assert aggregation.pending == 0
+    accepted = sum(aggregation._accepted.values())
+    assert aggregation.stats().batches == accepted > 0
+
+
+def _collect(errors, fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # the stream is cut by the stop: expected
+        errors.append(e)

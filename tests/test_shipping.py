@@ -1,0 +1,39 @@
+"""The container files agree with the CLI and the settings (no Docker engine here to build them)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import yaml
+
+from clipd.server.settings import Settings
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_compose_file_parses_and_matches_the_service():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    service = compose["services"]["clipd"]
+    assert service["command"] == ["clipd", "serve"]
+    env = service["environment"]
+    assert {"50051:50051", "8080:8080"} == set(service["ports"])
+    assert env["CLIPD_GRPC_PORT"] == "50051" and env["CLIPD_ADMIN_PORT"] == "8080"
+    assert "/readyz" in " ".join(service["healthcheck"]["test"])
+    settings = Settings.from_env({k: v for k, v in env.items() if v and not v.startswith("$")})
+    assert (settings.host, settings.grpc_port, settings.admin_port) == ("0.0.0.0", 50051, 8080)
+
+
+def test_dockerfile_runs_the_same_serve_command_with_a_healthcheck():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'^CMD \["clipd", "serve"\]$', dockerfile, re.M)
+    assert "HEALTHCHECK" in dockerfile and "/readyz" in dockerfile
+    assert "EXPOSE 50051 8080" in dockerfile
+    for folder in ("clipd", "proto", "engine", "server", "client"):
+        assert f"COPY {folder} ./{folder}" in dockerfile
+
+
+def test_settings_from_environment():
+    s = Settings.from_env({"CLIPD_GRPC_PORT": "1234", "CLIPD_ADMIN_AUTH_ALL": "true", "CLIPD_AUTH_TOKEN": "x"},
+                          host="::1", admin_port=None)
+    assert (s.grpc_port, s.admin_auth_all, s.auth_token, s.host, s.admin_port) == (1234, True, "x", "::1", 8080)
