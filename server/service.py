@@ -215,7 +215,7 @@ class _SubmitSession:
             with aggregation.cond:
                 aggregation.cond.wait_for(
                     lambda: aggregation.accumulated(self.client) > sent
-                    or (self.finished and (self.error is not None or aggregation.pending == 0
+                    or (self.finished and (self.error is not None
                                            or aggregation.accumulated(self.client) >= self.last_sequence))
                     or aggregation.state is State.CANCELLED,
                     timeout=1.0,
