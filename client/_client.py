@@ -125,14 +125,17 @@ class Client:
 
     def _call(self, method, request):
         """A unary call, retried while the server is unavailable (every clipd call is idempotent)."""
-        for attempt in range(self.max_retries + 1):
+        return self._retrying(lambda: method(request, timeout=self.timeout, metadata=self._metadata))
+
+    def _retrying(self, attempt):
+        for tries in range(self.max_retries + 1):
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata)
+                return attempt()
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-                if error.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
+                if error.code != grpc.StatusCode.UNAVAILABLE or tries == self.max_retries:
                     raise error from None
-                time.sleep(min(2.0, self.retry_delay * 2**attempt))
+                time.sleep(min(2.0, self.retry_delay * 2**tries))
         raise AssertionError("unreachable")
 
     # Aggregations -------------------------------------------------------------------------
@@ -247,15 +250,7 @@ class Client:
 
         Safe to call again: the server keeps the result until the aggregation is cancelled.
         """
-        for attempt in range(self.max_retries + 1):
-            try:
-                return self._finalize_once(aggregation_id)
-            except grpc.RpcError as e:
-                error = from_rpc_error(e)
-                if error.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_retries:
-                    raise error from None
-                time.sleep(min(2.0, self.retry_delay * 2**attempt))
-        raise AssertionError("unreachable")
+        return self._retrying(lambda: self._finalize_once(aggregation_id))
 
     def _finalize_once(self, aggregation_id: str) -> AggregateResult:
         responses = self._stub.Finalize(

@@ -58,7 +58,20 @@ def _scale(l2_norm: Any, max_norm: Any) -> Any:
     return np.minimum(np.power(np.divide(l2_norm, max_norm), -1), 1.0)
 
 
-class L2Clipping:
+class _ClippingModule:
+    """What declearn's two clipping modules share: a ``max_norm`` and its config."""
+
+    name: ClassVar[str]
+
+    def __init__(self, max_norm: float = 1.0) -> None:
+        self.max_norm = max_norm
+
+    def get_config(self) -> dict[str, Any]:
+        """Returns ``{"max_norm": max_norm}``, as declearn's ``get_config``."""
+        return {"max_norm": self.max_norm}
+
+
+class L2Clipping(_ClippingModule):
     """Per-parameter L2 clipping, as declearn 2.9.1's ``L2Clipping``.
 
     Each coefficient ``g_k`` is scaled by its own
@@ -84,8 +97,6 @@ class L2Clipping:
 
     name: ClassVar[str] = "l2-clipping"
 
-    def __init__(self, max_norm: float = 1.0) -> None:
-        self.max_norm = max_norm
 
     def run(self, gradients: Any) -> Any:
         """Clips each leaf of a pytree (a dict name -> array) to its own L2 norm bound.
@@ -100,12 +111,8 @@ class L2Clipping:
         scales = [_scale(np.power(_sum_of_squares(c), 0.5), self.max_norm) for c in coefs]
         return rebuild([np.multiply(c, s) for c, s in zip(coefs, scales)])
 
-    def get_config(self) -> dict[str, Any]:
-        """Returns ``{"max_norm": max_norm}``, as declearn's ``get_config``."""
-        return {"max_norm": self.max_norm}
 
-
-class L2GlobalClipping:
+class L2GlobalClipping(_ClippingModule):
     """Global L2 clipping of a whole update, as declearn 2.9.1's ``L2GlobalClipping``.
 
     Every coefficient is scaled by the same ``min((||g|| / max_norm) ** -1, 1)``
@@ -131,8 +138,6 @@ class L2GlobalClipping:
 
     name: ClassVar[str] = "l2-global-clipping"
 
-    def __init__(self, max_norm: float = 1.0) -> None:
-        self.max_norm = max_norm
 
     def run(self, gradients: Any) -> Any:
         """Clips a pytree (a dict name -> array) to a global L2 norm bound.
@@ -152,6 +157,3 @@ class L2GlobalClipping:
         scale = _scale(np.power(total, 0.5), self.max_norm)
         return rebuild([np.multiply(c, scale) for c in coefs])
 
-    def get_config(self) -> dict[str, Any]:
-        """Returns ``{"max_norm": max_norm}``, as declearn's ``get_config``."""
-        return {"max_norm": self.max_norm}
