@@ -39,16 +39,55 @@ NUM_BUCKETS = len(RATIO_BUCKETS) + 1
 
 
 class AccumulatorState(NamedTuple):
-    """Running sums and statistics of one aggregation (a pytree). K = number of layers."""
+    """Running sums and statistics of one aggregation (a pytree). K = number of layers.
+
+    The small statistics travel packed in two arrays (fewer buffers per step
+    and per host read); the properties below name their parts.
+    """
 
     sums: tuple[jax.Array, ...]  # per layer: its shape, float32 (float64 for float64 input)
-    example_count: jax.Array  # () int32: valid examples seen, non-finite ones included
-    clip_counts: jax.Array  # (K,) int32: examples whose layer k was scaled down
-    non_finite_count: jax.Array  # () int32: examples with a non-finite squared norm
-    norm_sum: jax.Array  # (K,) float32: sum of the layer norms (for the mean)
-    norm_max: jax.Array  # (K,) float32: largest layer norm
-    layer_norm_histogram: jax.Array  # (K, NUM_BUCKETS) int32: layer norm / layer bound
-    example_norm_histogram: jax.Array  # (NUM_BUCKETS,) int32: example norm / example bound
+    counts: jax.Array  # int32: [examples, non-finite, clip counts (K), layer hist (K*NB), example hist (NB)]
+    norms: jax.Array  # float32: [sum of layer norms (K), largest layer norm (K)]
+
+    @property
+    def num_layers(self) -> int:
+        return (self.counts.shape[0] - 2 - NUM_BUCKETS) // (1 + NUM_BUCKETS)
+
+    @property
+    def example_count(self):
+        """Valid examples seen, non-finite ones included."""
+        return self.counts[0]
+
+    @property
+    def non_finite_count(self):
+        """Examples whose squared norm was not finite (NaN or inf entries, or overflow)."""
+        return self.counts[1]
+
+    @property
+    def clip_counts(self):
+        """``(K,)``: examples whose layer k was scaled down (GLOBAL: the same count K times)."""
+        return self.counts[2 : 2 + self.num_layers]
+
+    @property
+    def layer_norm_histogram(self):
+        """``(K, NUM_BUCKETS)``: layer norm / layer bound, bucketed by ``RATIO_BUCKETS``."""
+        k = self.num_layers
+        return self.counts[2 + k : 2 + k + k * NUM_BUCKETS].reshape(k, NUM_BUCKETS)
+
+    @property
+    def example_norm_histogram(self):
+        """``(NUM_BUCKETS,)``: whole-example norm / example bound."""
+        return self.counts[self.counts.shape[0] - NUM_BUCKETS :]
+
+    @property
+    def norm_sum(self):
+        """``(K,)``: sum of the layer norms of the examples in the statistics (for the mean)."""
+        return self.norms[: self.norms.shape[0] // 2]
+
+    @property
+    def norm_max(self):
+        """``(K,)``: largest layer norm seen."""
+        return self.norms[self.norms.shape[0] // 2 :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +115,9 @@ def multiplier(norm: jax.Array, bound: jax.Array, rescale_to_unit_norm: bool) ->
 def _histogram(ratios: jax.Array, rows: jax.Array) -> jax.Array:
     """Counts of ``ratios[..., b]`` per bucket over the rows where ``rows`` is True."""
     edges = jnp.asarray(RATIO_BUCKETS, ratios.dtype)
-    index = jnp.searchsorted(edges, ratios, side="left")
-    one_hot = jax.nn.one_hot(index, NUM_BUCKETS, dtype=jnp.int32)
-    return jnp.sum(one_hot * rows[..., None], axis=-2, dtype=jnp.int32)
+    index = jnp.sum(ratios[..., None] > edges, axis=-1)  # edges[i-1] < ratio <= edges[i]
+    in_bucket = (index[..., None] == jnp.arange(NUM_BUCKETS)) & rows[..., None]
+    return jnp.sum(in_bucket, axis=-2, dtype=jnp.int32)
 
 
 def _ratio(norm: jax.Array, bound: jax.Array) -> jax.Array:
@@ -106,7 +145,7 @@ def _clip_and_sum(flat, squared, valid, bounds, config, sum_dtypes):
 
 
 def _accumulate(state, layers, valid, bounds, example_bound, config):
-    compute_dtype = state.norm_sum.dtype
+    compute_dtype = state.norms.dtype
     sum_dtypes = tuple(s.dtype for s in state.sums)
     flat = tuple(x.reshape(x.shape[0], -1) for x in layers)
     squared = _row_squared_norms(flat, compute_dtype)
@@ -144,17 +183,21 @@ def _accumulate(state, layers, valid, bounds, example_bound, config):
     layer_bounds = bounds[:, None] if config.per_layer else bounds[0]
     in_stats = counted & jnp.isfinite(layer_norms)  # (K, B)
     example_in_stats = counted & jnp.isfinite(example_norms)
+    counts = jnp.concatenate([
+        jnp.stack([jnp.sum(valid, dtype=jnp.int32), jnp.sum(valid & ~finite_rows, dtype=jnp.int32)]),
+        clip_counts,
+        _histogram(_ratio(layer_norms, layer_bounds), in_stats).reshape(-1),
+        _histogram(_ratio(example_norms, example_bound), example_in_stats),
+    ])
+    stat_norms = jnp.where(in_stats, layer_norms, 0.0)
+    k = len(flat)
     return AccumulatorState(
         sums=tuple(s + c.reshape(s.shape) for s, c in zip(state.sums, contributions)),
-        example_count=state.example_count + jnp.sum(valid, dtype=jnp.int32),
-        clip_counts=state.clip_counts + clip_counts,
-        non_finite_count=state.non_finite_count + jnp.sum(valid & ~finite_rows, dtype=jnp.int32),
-        norm_sum=state.norm_sum + jnp.sum(jnp.where(in_stats, layer_norms, 0.0), axis=1),
-        norm_max=jnp.maximum(state.norm_max, jnp.max(jnp.where(in_stats, layer_norms, 0.0), axis=1)),
-        layer_norm_histogram=state.layer_norm_histogram
-        + _histogram(_ratio(layer_norms, layer_bounds), in_stats),
-        example_norm_histogram=state.example_norm_histogram
-        + _histogram(_ratio(example_norms, example_bound), example_in_stats),
+        counts=state.counts + counts,
+        norms=jnp.concatenate([
+            state.norms[:k] + jnp.sum(stat_norms, axis=1),
+            jnp.maximum(state.norms[k:], jnp.max(stat_norms, axis=1)),
+        ]),
     )
 
 
@@ -167,15 +210,11 @@ def merge(a: AccumulatorState, b: AccumulatorState) -> AccumulatorState:
     Partial sums from several workers or replicas merge into the state that one
     worker would have reached on all their batches (up to float rounding).
     """
+    k = len(a.sums)
     return AccumulatorState(
         sums=tuple(x + y for x, y in zip(a.sums, b.sums)),
-        example_count=a.example_count + b.example_count,
-        clip_counts=a.clip_counts + b.clip_counts,
-        non_finite_count=a.non_finite_count + b.non_finite_count,
-        norm_sum=a.norm_sum + b.norm_sum,
-        norm_max=jnp.maximum(a.norm_max, b.norm_max),
-        layer_norm_histogram=a.layer_norm_histogram + b.layer_norm_histogram,
-        example_norm_histogram=a.example_norm_histogram + b.example_norm_histogram,
+        counts=a.counts + b.counts,
+        norms=jnp.concatenate([a.norms[:k] + b.norms[:k], jnp.maximum(a.norms[k:], b.norms[k:])]),
     )
 
 
@@ -213,13 +252,8 @@ class ClipAccumulator:
         k = len(self.layers)
         return AccumulatorState(
             sums=tuple(jnp.zeros(l.shape, dt) for l, dt in zip(self.layers, self.sum_dtypes)),
-            example_count=jnp.zeros((), jnp.int32),
-            clip_counts=jnp.zeros((k,), jnp.int32),
-            non_finite_count=jnp.zeros((), jnp.int32),
-            norm_sum=jnp.zeros((k,), self.compute_dtype),
-            norm_max=jnp.zeros((k,), self.compute_dtype),
-            layer_norm_histogram=jnp.zeros((k, NUM_BUCKETS), jnp.int32),
-            example_norm_histogram=jnp.zeros((NUM_BUCKETS,), jnp.int32),
+            counts=jnp.zeros((2 + k + (k + 1) * NUM_BUCKETS,), jnp.int32),
+            norms=jnp.zeros((2 * k,), self.compute_dtype),
         )
 
     def update(
