@@ -8,7 +8,9 @@ next bucket size (so each layer spec compiles a handful of programs once, at
 warm-up), and runs one jitted accumulator step. Steps are asynchronous: while
 the device sums one buffer, the worker copies the next batches into the
 aggregation's other buffer. A batch is acknowledged once the step that holds
-its last row has finished.
+its last row has finished. The statistics are read back from the device at
+most every ``STATS_PERIOD`` while batches keep coming, and whenever the queue
+runs empty.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -28,6 +31,7 @@ from .batches import Batch
 from .errors import Unavailable
 
 log = logging.getLogger(__name__)
+STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
@@ -87,6 +91,7 @@ class DeviceWorker:
         self._states: dict[str, Any] = {}  # aggregation id -> AccumulatorState (device)
         self._staging: dict[str, list[list[np.ndarray]]] = {}
         self._slot: dict[str, int] = {}
+        self._stats_read: dict[str, float] = {}  # when each aggregation's statistics were last read
         self._inflight: _InFlight | None = None
         self.device_kind = jax.devices()[0].device_kind
         self.ready = threading.Event()  # set once the device has run a first program
@@ -235,8 +240,10 @@ class DeviceWorker:
 
     def _dispatch(self, aggregation: Aggregation, buffers, rows: int, done) -> None:
         bucket = bucket_for(rows, bucket_sizes(aggregation.device_rows))
-        layers = [jax.device_put(buf[:bucket]) for buf in buffers]
-        valid = jax.device_put(np.arange(bucket) < rows)
+        # Aligned numpy views go to the jitted step as they are: on the CPU JAX reads them in
+        # place (one jax.device_put per array costs more than the step for small batches).
+        layers = [buf[:bucket] for buf in buffers]
+        valid = np.arange(bucket) < rows
         self._finish_inflight()
         state = self._states[aggregation.id]
         self._states[aggregation.id] = aggregation.accumulator.update(state, layers, valid)
@@ -248,14 +255,20 @@ class DeviceWorker:
             return
         inflight, self._inflight = self._inflight, None
         state = self._states[inflight.aggregation.id]
-        stats = jax.device_get(state._replace(sums=()))
+        now = time.monotonic()
+        if now - self._stats_read.get(inflight.aggregation.id, 0.0) >= STATS_PERIOD or not self._queue:
+            stats = jax.device_get(state._replace(sums=()))  # waits for the step
+            self._stats_read[inflight.aggregation.id] = now
+        else:
+            stats = None
+            jax.block_until_ready(state.counts)
         inflight.aggregation.record(inflight.done, stats)
 
     def _warm_up(self, aggregation: Aggregation) -> None:
         acc = aggregation.accumulator
         for bucket in bucket_sizes(aggregation.device_rows):
-            layers = [jax.device_put(np.zeros((bucket, *l.shape), l.dtype)) for l in aggregation.layers]
-            jax.block_until_ready(acc.update(acc.init(), layers, jax.device_put(np.zeros(bucket, bool))))
+            layers = [np.zeros((bucket, *l.shape), l.dtype) for l in aggregation.layers]
+            jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(bucket, bool)))
         self._states[aggregation.id] = acc.init()
         aggregation.mark_open()
 
@@ -263,3 +276,4 @@ class DeviceWorker:
         self._states.pop(aggregation_id, None)
         self._staging.pop(aggregation_id, None)
         self._slot.pop(aggregation_id, None)
+        self._stats_read.pop(aggregation_id, None)
