@@ -17,6 +17,7 @@ import numpy as np
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
+from . import wire
 from .errors import ClipdError, UnavailableError, from_rpc_error
 from .updates import Layer, example_nbytes, iter_updates, rebatch
 
@@ -105,6 +106,10 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(target, options)
         self._stub = pb_grpc.ClipdStub(self._channel)
+        # Submit sends messages the client serialized itself (client/wire.py): one copy of the data.
+        self._submit = self._channel.stream_stream(
+            "/clipd.v1.Clipd/Submit", request_serializer=None, response_deserializer=pb.SubmitResponse.FromString
+        )
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.message_bytes = message_bytes
         self.window_bytes = window_bytes
@@ -224,7 +229,7 @@ class Client:
         while True:
             acked_before = stream.acked
             try:
-                responses = self._stub.Submit(stream.requests(), metadata=self._metadata)
+                responses = self._submit(stream.requests(), metadata=self._metadata)
                 for response in responses:
                     stream.acknowledge(response.acknowledged_sequence)
                     if progress:
@@ -307,7 +312,7 @@ class _Sent:
     sequence: int
     rows: int
     nbytes: int
-    messages: list[pb.SubmitRequest]
+    messages: list[bytes]  # serialized SubmitRequest messages
 
 
 class _BatchStream:
@@ -409,9 +414,8 @@ class _BatchStream:
                 self._unacked_bytes += entry.nbytes
                 return entry
 
-    def _encode(self, sequence: int, batch: list[np.ndarray]) -> list[pb.SubmitRequest]:
-        """The messages of one batch: whole tensors if they fit in one message, else byte chunks."""
-        header = dict(aggregation_id=self.aggregation_id, client_id=self.client_id, sequence=sequence)
+    def _encode(self, sequence: int, batch: list[np.ndarray]) -> list[bytes]:
+        """The serialized messages of one batch: whole tensors if they fit in one message, else chunks."""
         messages, chunks, size = [], [], 0
         for k, array in enumerate(batch):
             data = array.reshape(-1).view(np.uint8)  # works for bfloat16 too
@@ -419,10 +423,9 @@ class _BatchStream:
             for offset in range(0, len(data), self.message_bytes):
                 piece = data[offset : offset + self.message_bytes]
                 if chunks and size + len(piece) > self.message_bytes:
-                    messages.append(pb.SubmitRequest(chunks=chunks, **header))
+                    messages.append(wire.submit_request(self.aggregation_id, self.client_id, sequence, chunks))
                     chunks, size = [], 0
-                chunks.append(pb.TensorChunk(layer=k, dtype=code, shape=array.shape, offset=offset,
-                                             data=piece.tobytes()))
+                chunks.append(wire.tensor_chunk(k, code, array.shape, offset, piece))
                 size += len(piece)
-        messages.append(pb.SubmitRequest(chunks=chunks, **header))
+        messages.append(wire.submit_request(self.aggregation_id, self.client_id, sequence, chunks))
         return messages

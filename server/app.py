@@ -11,8 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from clipd.v1 import clipd_pb2, clipd_pb2_grpc
+from clipd.v1 import clipd_pb2
 
+from . import wire
 from .aggregations import Registry
 from .service import ClipdServicer
 from .settings import Settings
@@ -54,6 +55,28 @@ def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
+def _clipd_handlers(servicer) -> grpc.GenericRpcHandler:
+    """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies)."""
+    service = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in service.methods:
+        parse = getattr(clipd_pb2, method.input_type.name).FromString
+        if method.name == "Submit":
+            parse = wire.parse_submit_request
+        handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
+            getattr(servicer, method.name),
+            request_deserializer=parse,
+            response_serializer=getattr(clipd_pb2, method.output_type.name).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
 class ClipdServer:
     """The running service: gRPC server, device worker, registry, and (optionally) the admin API."""
 
@@ -80,7 +103,7 @@ class ClipdServer:
             interceptors=interceptors,
             maximum_concurrent_rpcs=settings.workers,
         )
-        clipd_pb2_grpc.add_ClipdServicer_to_server(self.servicer, self.grpc)
+        self.grpc.add_generic_rpc_handlers((_clipd_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
