@@ -182,12 +182,13 @@ def _accumulate(state, layers, valid, bounds, example_bound, config):
         example_norms = jnp.sqrt(jnp.sum(jnp.square(norms), axis=0))
     layer_bounds = bounds[:, None] if config.per_layer else bounds[0]
     in_stats = counted & jnp.isfinite(layer_norms)  # (K, B)
-    example_in_stats = counted & jnp.isfinite(example_norms)
+    # One histogram over K + 1 rows: each layer against its bound, then the whole example.
+    ratios = jnp.concatenate([_ratio(layer_norms, layer_bounds), _ratio(example_norms, example_bound)[None]])
+    rows = jnp.concatenate([in_stats, (counted & jnp.isfinite(example_norms))[None]])
     counts = jnp.concatenate([
         jnp.stack([jnp.sum(valid, dtype=jnp.int32), jnp.sum(valid & ~finite_rows, dtype=jnp.int32)]),
         clip_counts,
-        _histogram(_ratio(layer_norms, layer_bounds), in_stats).reshape(-1),
-        _histogram(_ratio(example_norms, example_bound), example_in_stats),
+        _histogram(ratios, rows).reshape(-1),
     ])
     stat_norms = jnp.where(in_stats, layer_norms, 0.0)
     k = len(flat)
