@@ -160,8 +160,9 @@ def _accumulate(state, layers, valid, bounds, example_bound, config):
         needs_cleaning = ~finite_rows
         keep = lambda x: valid[:, None] & jnp.isfinite(x)  # noqa: E731
 
-    def fast(flat):  # no row needs cleaning: a 0 multiplier is enough
-        return _clip_and_sum(flat, squared, valid, bounds, config, sum_dtypes)
+    # The usual case, computed unconditionally (inside a lax.cond branch XLA's CPU backend runs the
+    # dots about 2x slower): a 0 multiplier is enough when no masked or dropped row is non-finite.
+    fast = _clip_and_sum(flat, squared, valid, bounds, config, sum_dtypes)
 
     def cleaned(flat):  # rare: select the entries to keep first (one more pass)
         flat = tuple(jnp.where(keep(x), x, jnp.zeros((), x.dtype)) for x in flat)
@@ -169,7 +170,7 @@ def _accumulate(state, layers, valid, bounds, example_bound, config):
             flat, _row_squared_norms(flat, compute_dtype), valid, bounds, config, sum_dtypes
         )
 
-    contributions, norms = jax.lax.cond(jnp.any(needs_cleaning), cleaned, fast, flat)
+    contributions, norms = jax.lax.cond(jnp.any(needs_cleaning), cleaned, lambda _: fast, flat)
 
     counted = valid if config.non_finite is not NonFinite.ZERO_EXAMPLE else valid & finite_rows
     clipped = counted & (norms > bounds[:, None])  # (G, B)
