@@ -32,6 +32,7 @@ from .errors import Unavailable
 
 log = logging.getLogger(__name__)
 STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming
+FILL_WAIT = 0.002  # how long a step less than half full waits for more batches (seconds)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
@@ -165,9 +166,14 @@ class DeviceWorker:
                 self._cond.notify_all()
             return item
 
-    def _more_for(self, aggregation: Aggregation, rows: int) -> _Work | None:
-        """The next queued batch if it belongs to ``aggregation`` and fits in ``rows`` more rows."""
+    def _more_for(self, aggregation: Aggregation, rows: int, deadline: float = 0.0) -> _Work | None:
+        """The next queued batch if it belongs to ``aggregation`` and fits in ``rows`` more rows.
+
+        With an empty queue it waits until ``deadline`` (``time.monotonic()``) for one to arrive.
+        """
         with self._cond:
+            if not self._queue and deadline > time.monotonic():
+                self._cond.wait(deadline - time.monotonic())
             if self._queue:
                 head = self._queue[0]
                 if isinstance(head, _Work) and head.aggregation is aggregation and head.batch.rows <= rows:
@@ -211,6 +217,7 @@ class DeviceWorker:
         capacity = aggregation.device_rows
         buffers = self._buffers(aggregation)
         fill, done = 0, []
+        deadline = time.monotonic() + FILL_WAIT  # small batches arriving one by one fill a step
         work: _Work | None = first
         while work is not None:
             batch, start = work.batch, 0
@@ -223,7 +230,7 @@ class DeviceWorker:
                     self._dispatch(aggregation, buffers, fill, done)
                     buffers, fill, done = self._buffers(aggregation), 0, []
             done.append((work.client, batch.sequence, batch.rows, batch.nbytes))
-            work = self._more_for(aggregation, capacity - fill)
+            work = self._more_for(aggregation, capacity - fill, deadline if fill < capacity // 2 else 0.0)
         self._dispatch(aggregation, buffers, fill, done)
 
     def _buffers(self, aggregation: Aggregation) -> list[np.ndarray]:
