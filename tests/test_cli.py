@@ -30,3 +30,34 @@ def test_serve_help_lists_the_ports():
     assert out.returncode == 0
     for flag in ("--host", "--grpc-port", "--admin-port"):
         assert flag in out.stdout
+
+
+def test_serve_runs_until_sigterm_and_serves_both_ports():
+    import json
+    import re
+    import signal
+    import urllib.request
+
+    import numpy as np
+
+    from clipd.client import Client
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", "0", "--admin-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        found = re.search(r"gRPC on 127\.0\.0\.1:(\d+), admin API on http://127\.0\.0\.1:(\d+)", line)
+        assert found, line + proc.stderr.read()
+        grpc_port, admin_port = map(int, found.groups())
+        with Client(f"127.0.0.1:{grpc_port}") as c:
+            agg = c.create_aggregation({"x": (3,)}, l2_norm_clip=1.0)
+            c.submit(agg, np.ones((4, 3), np.float32))
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/api/v1/aggregations/{agg}", timeout=30) as r:
+            assert json.load(r)["examples"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
