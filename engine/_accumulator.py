@@ -17,7 +17,6 @@ clipped when ``n > c``: a tie is not clipped, as in optax and jax_privacy.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
