@@ -16,7 +16,6 @@ clipped when ``n > c``: a tie is not clipped, as in optax and jax_privacy.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -89,9 +88,8 @@ class AccumulatorState(NamedTuple):
         return self.norms[self.norms.shape[0] // 2 :]
 
 
-@dataclasses.dataclass(frozen=True)
-class _StepConfig:
-    """The static part of a step: what changes the compiled program."""
+class _StepConfig(NamedTuple):
+    """The static part of a step: what changes the compiled program (a tuple: cheap to hash)."""
 
     per_layer: bool
     rescale_to_unit_norm: bool
