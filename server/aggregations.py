@@ -160,19 +160,24 @@ class Aggregation:
         with self.cond:
             return self.cond.wait_for(lambda: self.pending == 0, timeout)
 
-    def finalize(self, read_sums) -> Result:
-        """Closes, waits for every accepted batch, and keeps ``Result`` (a second call returns it)."""
+    def finalize(self, read_state) -> Result:
+        """Closes, waits for every accepted batch, and keeps ``Result`` (a second call returns it).
+
+        ``read_state()`` returns the final accumulator state (numpy); its statistics
+        replace the last snapshot, which may be up to the worker's read period old.
+        """
         with self._finalize_lock:
             if self.result is not None:
                 return self.result
             self.close()
             self.wait_drained()
-            sums = read_sums()
+            state = read_state()
             with self.cond:
                 if self.state is State.CANCELLED:
                     raise FailedPrecondition(f"aggregation {self.id} was cancelled")
                 self.state = State.FINALIZED
-                self.result = Result(self._stats_locked(), sums)
+                self._device_stats = state._replace(sums=())
+                self.result = Result(self._stats_locked(), tuple(np.asarray(s) for s in state.sums))
                 return self.result
 
     def cancel(self) -> None:

@@ -120,12 +120,12 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         """Closes the aggregation, waits for its last batch, and keeps the result (idempotent)."""
         aggregation = self.registry.get(aggregation_id)
 
-        def read_sums():
+        def read_state():
             state = self.worker.read(aggregation)
             self.worker.forget(aggregation)
-            return tuple(np.asarray(s) for s in state.sums)
+            return state
 
-        return aggregation.finalize(read_sums)
+        return aggregation.finalize(read_state)
 
     def _describe(self, aggregation: Aggregation) -> pb.Aggregation:
         return pb.Aggregation(
