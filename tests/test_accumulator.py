@@ -343,3 +343,18 @@ def test_jit_equals_eager(flat, policy):
         eager = _run(policy, flat)
     for x, y in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+garbage_values = st.sampled_from([0.0, 1.0, -3.5, 1e30, np.nan, np.inf, -np.inf])
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(flat=rows, policy=policies, garbage=garbage_values)
+def test_padding_rows_never_change_the_result(flat, policy, garbage):
+    batch = _layers(flat)
+    acc = make_acc(batch, policy)
+    unpadded = to_np(stream(acc, batch, chunk=8, bucket=8, garbage=0.0))
+    padded = to_np(stream(acc, batch, chunk=3, bucket=8, garbage=garbage))
+    np.testing.assert_array_equal(padded.counts, unpadded.counts)
+    for x, y in zip(padded.sums, unpadded.sums):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-4)
