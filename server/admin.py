@@ -213,10 +213,7 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
 
     @app.delete("/api/v1/aggregations/{aggregation_id}")
     def cancel_aggregation(_: Writer, aggregation: AggregationParam) -> dict[str, Any]:
-        server.registry.remove(aggregation.id)
-        aggregation.cancel()
-        server.worker.forget(aggregation)
-        return aggregation_view(aggregation)
+        return aggregation_view(server.servicer.cancel(aggregation.id))
 
     @app.get("/metrics")
     def metrics(_: Reader) -> Response:

@@ -10,6 +10,7 @@ import numpy as np
 from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite
 from clipd.v1 import clipd_pb2 as pb
 
+from .aggregations import State, Stats
 from .errors import InvalidArgument
 
 DTYPES: dict[int, np.dtype] = {
@@ -33,6 +34,14 @@ NON_FINITE = {
     pb.ClipPolicy.PROPAGATE: NonFinite.PROPAGATE,
     pb.ClipPolicy.REJECT: NonFinite.ZERO_EXAMPLE,  # never reaches the engine: rejected on arrival
 }
+STATES = {  # FINALIZING has no proto state: it still reports OPEN
+    State.WARMING_UP: pb.Aggregation.WARMING_UP,
+    State.OPEN: pb.Aggregation.OPEN,
+    State.FINALIZING: pb.Aggregation.OPEN,
+    State.FINALIZED: pb.Aggregation.FINALIZED,
+    State.CANCELLED: pb.Aggregation.CANCELLED,
+}
+
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 MAX_LAYERS = 4096
 
@@ -107,4 +116,26 @@ def tensor_chunks(layer: int, array: np.ndarray, max_bytes: int):
         yield pb.TensorChunk(
             layer=layer, dtype=code, shape=array.shape, offset=offset, data=bytes(data[offset : offset + step])
         )
+
+
+def stats_to_proto(stats: Stats) -> pb.AggregationStats:
+    return pb.AggregationStats(
+        aggregation_id=stats.aggregation_id,
+        state=STATES[stats.state],
+        examples=stats.examples,
+        batches=stats.batches,
+        bytes=stats.bytes,
+        non_finite=stats.non_finite,
+        clipped=stats.clipped,
+        layers=[
+            pb.LayerStats(name=l.name, bound=l.bound, clipped=l.clipped, norm_mean=l.norm_mean,
+                          norm_max=l.norm_max, norm_histogram=l.norm_histogram)
+            for l in stats.layers
+        ],
+        bucket_upper_bounds=stats.bucket_upper_bounds,
+        example_norm_histogram=stats.example_norm_histogram,
+        example_bound=stats.example_bound,
+        updated_unix_seconds=stats.updated_unix_seconds,
+        examples_per_second=stats.examples_per_second,
+    )
 

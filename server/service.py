@@ -19,19 +19,11 @@ from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 from . import codec
-from .aggregations import Aggregation, Registry, Result, State, Stats
+from .aggregations import Aggregation, Registry, Result, State
 from .batches import BatchAssembler
 from .errors import AlreadyExists, ClipdError, FailedPrecondition, InvalidArgument
 from .settings import Settings
 from .worker import DeviceWorker
-
-STATES = {
-    State.WARMING_UP: pb.Aggregation.WARMING_UP,
-    State.OPEN: pb.Aggregation.OPEN,
-    State.FINALIZING: pb.Aggregation.OPEN,
-    State.FINALIZED: pb.Aggregation.FINALIZED,
-    State.CANCELLED: pb.Aggregation.CANCELLED,
-}
 
 
 def _status_on_error(method):
@@ -95,14 +87,18 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     @_status_on_error
     def CancelAggregation(self, request: pb.CancelAggregationRequest, context) -> pb.Aggregation:
-        aggregation = self.registry.remove(request.aggregation_id)
+        return self._describe(self.cancel(request.aggregation_id))
+
+    def cancel(self, aggregation_id: str) -> Aggregation:
+        """Drops an aggregation, its queued batches and its device state (gRPC and admin API)."""
+        aggregation = self.registry.remove(aggregation_id)
         aggregation.cancel()
         self.worker.forget(aggregation)
-        return self._describe(aggregation)
+        return aggregation
 
     @_status_on_error
     def GetStats(self, request: pb.GetStatsRequest, context) -> pb.AggregationStats:
-        return stats_to_proto(self.registry.get(request.aggregation_id).stats())
+        return codec.stats_to_proto(self.registry.get(request.aggregation_id).stats())
 
     def Finalize(self, request: pb.FinalizeRequest, context):
         try:
@@ -111,7 +107,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             self.rejected(e.code)
             context.abort(e.code, str(e))
         limit = min(request.max_chunk_bytes or self.settings.max_message_bytes, self.settings.max_message_bytes)
-        yield pb.FinalizeResponse(stats=stats_to_proto(result.stats))
+        yield pb.FinalizeResponse(stats=codec.stats_to_proto(result.stats))
         for k, total in enumerate(result.sums):
             for chunk in codec.tensor_chunks(k, total, max(1, limit - 1024)):
                 yield pb.FinalizeResponse(sum=chunk)
@@ -132,7 +128,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             aggregation_id=aggregation.id,
             layers=codec.layers_to_proto(aggregation.layers),
             policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
-            state=STATES[aggregation.state],
+            state=codec.STATES[aggregation.state],
             layer_bounds=aggregation.accumulator.bounds,
             examples=aggregation.stats().examples,
             created_unix_seconds=aggregation.created,
@@ -248,26 +244,3 @@ def _check_finite(batch, aggregation: Aggregation) -> None:
                 f"batch {batch.sequence}, layer {layer.name!r}: example {row} holds NaN or inf,"
                 " and the policy rejects non-finite values"
             )
-
-
-def stats_to_proto(stats: Stats) -> pb.AggregationStats:
-    return pb.AggregationStats(
-        aggregation_id=stats.aggregation_id,
-        state=STATES[stats.state],
-        examples=stats.examples,
-        batches=stats.batches,
-        bytes=stats.bytes,
-        non_finite=stats.non_finite,
-        clipped=stats.clipped,
-        layers=[
-            pb.LayerStats(name=l.name, bound=l.bound, clipped=l.clipped, norm_mean=l.norm_mean,
-                          norm_max=l.norm_max, norm_histogram=l.norm_histogram)
-            for l in stats.layers
-        ],
-        bucket_upper_bounds=stats.bucket_upper_bounds,
-        example_norm_histogram=stats.example_norm_histogram,
-        example_bound=stats.example_bound,
-        updated_unix_seconds=stats.updated_unix_seconds,
-        examples_per_second=stats.examples_per_second,
-    )
-
