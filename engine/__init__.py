@@ -1,12 +1,14 @@
 """clipd.engine: the clipping math, in pure JAX (no gRPC, no web, no I/O)."""
 
 from ._accumulator import (
+    CHUNK_ELEMENTS,
     NUM_BUCKETS,
     RATIO_BUCKETS,
     AccumulatorState,
     ClipAccumulator,
     merge,
     multiplier,
+    sum_buffer_runs,
 )
 from ._declearn import L2Clipping, L2GlobalClipping
 from ._jax_privacy import clip_pytree
@@ -16,6 +18,7 @@ from ._policy import BoundKind, ClipPolicy, LayerSpec, NonFinite
 
 __all__ = [
     "AccumulatorState",
+    "CHUNK_ELEMENTS",
     "BoundKind",
     "ClipAccumulator",
     "ClipPolicy",
@@ -33,4 +36,5 @@ __all__ = [
     "multiplier",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
+    "sum_buffer_runs",
 ]

@@ -16,6 +16,8 @@ clipped when ``n > c``: a tie is not clipped, as in optax and jax_privacy.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -36,56 +38,125 @@ bucket ending at 1.0 holds the examples that were not clipped (ties included).
 NUM_BUCKETS = len(RATIO_BUCKETS) + 1
 
 
-class AccumulatorState(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class AccumulatorState:
     """Running sums and statistics of one aggregation (a pytree). K = number of layers.
 
-    The small statistics travel packed in two arrays (fewer buffers per step
-    and per host read); the properties below name their parts.
+    Two buffers, so that a step writes few outputs (on the CPU, XLA runs a program
+    of at most 8 kernels inline; more go through a thread pool that costs more than
+    the math on small batches):
+
+    - ``sum_chunks``: the clipped sums of all layers, flat, one after the other, in
+      the compute dtype (float32; float64 for float64 input); runs of small layers
+      share a buffer (see ``sum_buffer_runs``);
+    - ``stats``: integers ``[examples, non-finite, clip counts (K), K + 1 histogram
+      rows of NUM_BUCKETS, then the bits of K norm sums and K norm maxima]``. A
+      histogram row (each layer against its bound, then the whole example against
+      the example bound) holds the number of norms it counted, then how many of
+      them exceed each edge of ``RATIO_BUCKETS`` (a survival count: a step adds one
+      reduction, the bucket counts are its differences).
+
+    The properties below decode them, on jax or numpy arrays alike.
     """
 
-    sums: tuple[jax.Array, ...]  # per layer: its shape, float32 (float64 for float64 input)
-    counts: jax.Array  # int32: [examples, non-finite, clip counts (K), layer hist (K*NB), example hist (NB)]
-    norms: jax.Array  # float32: [sum of layer norms (K), largest layer norm (K)]
+    sum_chunks: tuple | None
+    stats: jax.Array | np.ndarray
+    layers: tuple[tuple[tuple[int, ...], str], ...]  # static: (shape, sum dtype) per layer
 
     @property
     def num_layers(self) -> int:
-        return (self.counts.shape[0] - 2 - NUM_BUCKETS) // (1 + NUM_BUCKETS)
+        return len(self.layers)
+
+    @property
+    def chunk_runs(self) -> tuple[tuple[int, int], ...]:
+        return sum_buffer_runs([math.prod(shape) for shape, _ in self.layers])
+
+    @property
+    def sums(self) -> tuple:
+        """Per layer: the clipped sum, in its layer's shape and sum dtype."""
+        out = []
+        for chunk, (i, j) in zip(self.sum_chunks, self.chunk_runs):
+            offset = 0
+            for shape, dtype in self.layers[i:j]:
+                size = math.prod(shape)
+                out.append(chunk[offset : offset + size].reshape(shape).astype(dtype))
+                offset += size
+        return tuple(out)
 
     @property
     def example_count(self):
         """Valid examples seen, non-finite ones included."""
-        return self.counts[0]
+        return self.stats[0]
 
     @property
     def non_finite_count(self):
         """Examples whose squared norm was not finite (NaN or inf entries, or overflow)."""
-        return self.counts[1]
+        return self.stats[1]
 
     @property
     def clip_counts(self):
         """``(K,)``: examples whose layer k was scaled down (GLOBAL: the same count K times)."""
-        return self.counts[2 : 2 + self.num_layers]
+        return self.stats[2 : 2 + self.num_layers]
+
+    def _histograms(self):
+        k = self.num_layers
+        survival = self.stats[2 + k : _count_slots(k)].reshape(k + 1, NUM_BUCKETS)
+        # bucket i = (counted over edge i-1) - (counted over edge i); the last one is open.
+        return survival - _concat(survival[:, 1:], survival[:, :1] * 0, axis=1)
 
     @property
     def layer_norm_histogram(self):
         """``(K, NUM_BUCKETS)``: layer norm / layer bound, bucketed by ``RATIO_BUCKETS``."""
-        k = self.num_layers
-        return self.counts[2 + k : 2 + k + k * NUM_BUCKETS].reshape(k, NUM_BUCKETS)
+        return self._histograms()[:-1]
 
     @property
     def example_norm_histogram(self):
         """``(NUM_BUCKETS,)``: whole-example norm / example bound."""
-        return self.counts[self.counts.shape[0] - NUM_BUCKETS :]
+        return self._histograms()[-1]
 
     @property
     def norm_sum(self):
         """``(K,)``: sum of the layer norms of the examples in the statistics (for the mean)."""
-        return self.norms[: self.norms.shape[0] // 2]
+        n = _count_slots(self.num_layers)
+        return _bits_to_float(self.stats[n : n + self.num_layers])
 
     @property
     def norm_max(self):
         """``(K,)``: largest layer norm seen."""
-        return self.norms[self.norms.shape[0] // 2 :]
+        return _bits_to_float(self.stats[_count_slots(self.num_layers) + self.num_layers :])
+
+    def statistics_only(self) -> AccumulatorState:
+        """The same state without its sums (cheap to copy to the host)."""
+        return dataclasses.replace(self, sum_chunks=None)
+
+
+jax.tree_util.register_dataclass(AccumulatorState, data_fields=["sum_chunks", "stats"], meta_fields=["layers"])
+
+
+def _count_slots(k: int) -> int:
+    """Length of the integer part of ``stats`` for K layers."""
+    return 2 + k + (k + 1) * NUM_BUCKETS
+
+
+def _concat(*arrays, axis=0):
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        return np.concatenate(arrays, axis=axis)
+    return jnp.concatenate(arrays, axis=axis)
+
+
+_FLOAT_OF_INT = {np.dtype(np.int32): np.float32, np.dtype(np.int64): np.float64}
+_INT_OF_FLOAT = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
+
+
+def _bits_to_float(bits):
+    dtype = _FLOAT_OF_INT[np.dtype(bits.dtype)]
+    if isinstance(bits, np.ndarray):
+        return np.ascontiguousarray(bits).view(dtype)
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _float_to_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, _INT_OF_FLOAT[np.dtype(x.dtype)])
 
 
 class _StepConfig(NamedTuple):
@@ -109,111 +180,148 @@ def multiplier(norm: jax.Array, bound: jax.Array, rescale_to_unit_norm: bool) ->
     return jnp.nan_to_num(jnp.minimum(bound / norm, 1.0), nan=1.0)
 
 
-def _histogram(ratios: jax.Array, rows: jax.Array) -> jax.Array:
-    """Counts of ``ratios[..., b]`` per bucket over the rows where ``rows`` is True."""
-    edges = jnp.asarray(RATIO_BUCKETS, ratios.dtype)
-    index = jnp.sum(ratios[..., None] > edges, axis=-1)  # edges[i-1] < ratio <= edges[i]
-    in_bucket = (index[..., None] == jnp.arange(NUM_BUCKETS)) & rows[..., None]
-    return jnp.sum(in_bucket, axis=-2, dtype=jnp.int32)
-
-
-def _ratio(norm: jax.Array, bound: jax.Array) -> jax.Array:
-    return jnp.where(norm == 0, 0.0, norm / bound)
-
-
 def _row_squared_norms(flat: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
     """``(K, B)``: the squared L2 norm of each layer of each example."""
     return jnp.stack([jnp.sum(jnp.square(x.astype(dtype)), axis=1) for x in flat])
 
 
-def _clip_and_sum(flat, squared, valid, bounds, config, sum_dtypes):
-    """Clip multipliers and the multiplier-weighted column sums of every layer."""
-    if config.per_layer:
-        norms = jnp.sqrt(squared)  # (K, B)
-    else:
-        norms = jnp.sqrt(jnp.sum(squared, axis=0))[None]  # (1, B)
-    factors = multiplier(norms, bounds[:, None], config.rescale_to_unit_norm)
-    factors = jnp.where(valid, factors, 0.0)
-    contributions = tuple(
-        jnp.tensordot(factors[k if config.per_layer else 0].astype(dt), x.astype(dt), axes=1)
-        for k, (x, dt) in enumerate(zip(flat, sum_dtypes))
+def _clip_norms(squared: jax.Array, per_layer: bool) -> jax.Array:
+    """``(G, B)``: the norms the bounds apply to (each layer's, or the whole example's)."""
+    if per_layer or squared.shape[0] == 1:
+        return jnp.sqrt(squared)
+    return jnp.sqrt(jnp.sum(squared, axis=0))[None]
+
+
+def _clipped_sums(flat, squared, keep, bounds, config, dtype) -> jax.Array:
+    """The multiplier-weighted column sums of every layer, one after the other (flat)."""
+    factors = multiplier(_clip_norms(squared, config.per_layer), bounds[:, None], config.rescale_to_unit_norm)
+    factors = jnp.where(keep, factors, 0.0).astype(dtype)
+    return tuple(
+        jnp.tensordot(factors[k if config.per_layer else 0], x.astype(dtype), axes=1)
+        for k, x in enumerate(flat)
     )
-    return contributions, norms
 
 
-def _accumulate(state, layers, valid, bounds, example_bound, config):
-    compute_dtype = state.norms.dtype
-    sum_dtypes = tuple(s.dtype for s in state.sums)
+CHUNK_ELEMENTS = 1 << 16
+"""Consecutive layers smaller than this share one sum buffer (one add per step instead of many)."""
+
+
+def sum_buffer_runs(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Runs ``(first, end)`` of consecutive layers that share a sum buffer.
+
+    Small layers are packed together up to ``CHUNK_ELEMENTS``; a larger layer has
+    its own buffer (adding a packed dot output costs a copy, which only pays off
+    for small layers).
+
+    >>> sum_buffer_runs([10, 20, 70_000, 5, 5])
+    ((0, 2), (2, 3), (3, 5))
+    """
+    runs, first, total = [], 0, 0
+    for k, size in enumerate(sizes):
+        if k > first and total + size > CHUNK_ELEMENTS:
+            runs.append((first, k))
+            first, total = k, 0
+        total += size
+    runs.append((first, len(sizes)))
+    return tuple(runs)
+
+
+def _combine_stats(stats, counts, norm_sum, norm_max):
+    """``stats`` plus a step's (or another state's) counts, norm sums and norm maxima.
+
+    One elementwise select over the whole vector, so that XLA updates it in place.
+    """
+    n, k = counts.shape[0], norm_sum.shape[0]
+    floats = _bits_to_float(stats)
+    zeros = jnp.zeros((k,), floats.dtype)
+    summed = _float_to_bits(floats + jnp.concatenate([jnp.zeros((n,), floats.dtype), norm_sum, zeros]))
+    maxed = _float_to_bits(jnp.maximum(floats, jnp.concatenate([jnp.zeros((n + k,), floats.dtype), norm_max])))
+    counted = stats + jnp.concatenate([counts.astype(stats.dtype), jnp.zeros((2 * k,), stats.dtype)])
+    slot = jnp.arange(stats.shape[0])
+    return jnp.where(slot < n, counted, jnp.where(slot < n + k, summed, maxed))
+
+
+def _accumulate(state, layers, valid, limits, config):
+    """One step. ``limits``: ``[bounds (G), example bound]``, G = K per layer, 1 global."""
+    k = len(layers)
+    groups = k if config.per_layer else 1
+    bounds, example_bound = limits[:groups], limits[groups]
+    dtype = state.sum_chunks[0].dtype
     flat = tuple(x.reshape(x.shape[0], -1) for x in layers)
-    squared = _row_squared_norms(flat, compute_dtype)
+    squared = _row_squared_norms(flat, dtype)
     finite_rows = jnp.all(jnp.isfinite(squared), axis=0)
-    if config.non_finite is NonFinite.PROPAGATE:
-        needs_cleaning = ~finite_rows & ~valid  # only padding may not leak into the sum
-        keep = lambda x: valid[:, None]  # noqa: E731
-    elif config.non_finite is NonFinite.ZERO_EXAMPLE:
-        needs_cleaning = ~finite_rows
-        keep = lambda x: (valid & finite_rows)[:, None]  # noqa: E731
-    else:
-        needs_cleaning = ~finite_rows
-        keep = lambda x: valid[:, None] & jnp.isfinite(x)  # noqa: E731
+    # PROPAGATE lets non-finite examples into the sum (only padding must not leak in); ZERO_ENTRIES
+    # counts them once cleaned; ZERO_EXAMPLE drops them.
+    needs_cleaning = ~finite_rows & ~valid if config.non_finite is NonFinite.PROPAGATE else ~finite_rows
+    counted = valid & finite_rows if config.non_finite is NonFinite.ZERO_EXAMPLE else valid
 
     # The usual case, computed unconditionally (inside a lax.cond branch XLA's CPU backend runs the
     # dots about 2x slower): a 0 multiplier is enough when no masked or dropped row is non-finite.
-    fast = _clip_and_sum(flat, squared, valid, bounds, config, sum_dtypes)
+    fast = _clipped_sums(flat, squared, valid, bounds, config, dtype)
 
-    def cleaned(flat):  # rare: select the entries to keep first (one more pass)
-        flat = tuple(jnp.where(keep(x), x, jnp.zeros((), x.dtype)) for x in flat)
-        return _clip_and_sum(
-            flat, _row_squared_norms(flat, compute_dtype), valid, bounds, config, sum_dtypes
-        )
+    def cleaned(operands):  # rare: select the entries to keep first (one more pass)
+        flat, valid, limits = operands
+        if config.non_finite is NonFinite.ZERO_ENTRIES:
+            flat = tuple(jnp.where(valid[:, None] & jnp.isfinite(x), x, jnp.zeros((), x.dtype)) for x in flat)
+        else:
+            keep = valid if config.non_finite is NonFinite.PROPAGATE else valid & finite_rows
+            flat = tuple(jnp.where(keep[:, None], x, jnp.zeros((), x.dtype)) for x in flat)
+        squared = _row_squared_norms(flat, dtype)
+        return _clipped_sums(flat, squared, valid, limits[:groups], config, dtype), squared
 
-    contributions, norms = jax.lax.cond(jnp.any(needs_cleaning), cleaned, lambda _: fast, flat)
+    contributions, cleaned_squared = jax.lax.cond(
+        jnp.any(needs_cleaning), cleaned, lambda _: (fast, squared), (flat, valid, limits)
+    )
+    if config.non_finite is NonFinite.ZERO_ENTRIES:  # the statistics are those of the cleaned rows
+        squared = cleaned_squared
 
-    counted = valid if config.non_finite is not NonFinite.ZERO_EXAMPLE else valid & finite_rows
-    clipped = counted & (norms > bounds[:, None])  # (G, B)
-    clip_counts = jnp.sum(clipped, axis=1, dtype=jnp.int32)
-    layer_norms = norms if config.per_layer else jnp.sqrt(squared)
-    if not config.per_layer:
-        clip_counts = jnp.broadcast_to(clip_counts, (len(flat),))
-        example_norms = norms[0]
-    else:
-        example_norms = jnp.sqrt(jnp.sum(jnp.square(norms), axis=0))
-    layer_bounds = bounds[:, None] if config.per_layer else bounds[0]
-    in_stats = counted & jnp.isfinite(layer_norms)  # (K, B)
-    # One histogram over K + 1 rows: each layer against its bound, then the whole example.
-    ratios = jnp.concatenate([_ratio(layer_norms, layer_bounds), _ratio(example_norms, example_bound)[None]])
+    layer_norms = jnp.sqrt(squared)  # (K, B)
+    norms = _clip_norms(squared, config.per_layer)  # (G, B)
+    example_norms = norms[0] if groups == 1 else jnp.sqrt(jnp.sum(squared, axis=0))
+    clipped = jnp.broadcast_to(counted & (norms > bounds[:, None]), (k, valid.shape[0]))
+    # A norm exceeds edge e of its histogram when norm > e * bound: at e = 1 exactly the clip test.
+    edges = jnp.asarray(RATIO_BUCKETS, dtype)
+    layer_edges = (bounds[:, None] if config.per_layer else bounds[:1, None]) * edges  # (K or 1, E)
+    all_norms = jnp.concatenate([layer_norms, example_norms[None]])  # (K+1, B)
+    all_edges = jnp.concatenate([jnp.broadcast_to(layer_edges, (k, edges.shape[0])), (example_bound * edges)[None]])
+    in_stats = counted & jnp.isfinite(layer_norms)
     rows = jnp.concatenate([in_stats, (counted & jnp.isfinite(example_norms))[None]])
-    counts = jnp.concatenate([
-        jnp.stack([jnp.sum(valid, dtype=jnp.int32), jnp.sum(valid & ~finite_rows, dtype=jnp.int32)]),
-        clip_counts,
-        _histogram(ratios, rows).reshape(-1),
-    ])
+    exceeds = rows[:, :, None] & (all_norms[:, :, None] > all_edges[:, None, :])  # (K+1, B, E)
+    survival = jnp.concatenate([rows[:, :, None], exceeds], axis=2)  # (K+1, B, NUM_BUCKETS)
+    indicators = jnp.concatenate([
+        valid[None], (valid & ~finite_rows)[None], clipped,
+        jnp.moveaxis(survival, 1, 2).reshape(-1, valid.shape[0]),
+    ])  # (count slots, B)
     stat_norms = jnp.where(in_stats, layer_norms, 0.0)
-    k = len(flat)
-    return AccumulatorState(
-        sums=tuple(s + c.reshape(s.shape) for s, c in zip(state.sums, contributions)),
-        counts=state.counts + counts,
-        norms=jnp.concatenate([
-            state.norms[:k] + jnp.sum(stat_norms, axis=1),
-            jnp.maximum(state.norms[k:], jnp.max(stat_norms, axis=1)),
-        ]),
+    return dataclasses.replace(
+        state,
+        sum_chunks=tuple(
+            chunk + (jnp.concatenate(contributions[i:j]) if j - i > 1 else contributions[i])
+            for chunk, (i, j) in zip(state.sum_chunks, state.chunk_runs)
+        ),
+        stats=_combine_stats(
+            state.stats, jnp.sum(indicators, axis=1, dtype=state.stats.dtype),
+            jnp.sum(stat_norms, axis=1), jnp.max(stat_norms, axis=1),
+        ),
     )
 
 
 _accumulate_jit = jax.jit(_accumulate, static_argnames=("config",), donate_argnums=(0,))
 
 
+@jax.jit
 def merge(a: AccumulatorState, b: AccumulatorState) -> AccumulatorState:
     """Combines two partial states of the same aggregation (sums and counts add up).
 
     Partial sums from several workers or replicas merge into the state that one
     worker would have reached on all their batches (up to float rounding).
     """
-    k = len(a.sums)
-    return AccumulatorState(
-        sums=tuple(x + y for x, y in zip(a.sums, b.sums)),
-        counts=a.counts + b.counts,
-        norms=jnp.concatenate([a.norms[:k] + b.norms[:k], jnp.maximum(a.norms[k:], b.norms[k:])]),
+    k = a.num_layers
+    n = _count_slots(k)
+    return dataclasses.replace(
+        a,
+        sum_chunks=tuple(x + y for x, y in zip(a.sum_chunks, b.sum_chunks)),
+        stats=_combine_stats(a.stats, b.stats[:n], b.norm_sum, b.norm_max),
     )
 
 
@@ -242,17 +350,20 @@ class ClipAccumulator:
         self.sum_dtypes = tuple(_sum_dtype(layer.dtype) for layer in self.layers)
         self.compute_dtype = jnp.result_type(*self.sum_dtypes)
         self.bounds = tuple(policy.layer_bounds(self.layers))
-        self._bounds = jnp.asarray(self.bounds, self.compute_dtype)
-        self._example_bound = jnp.asarray(policy.example_bound(self.layers), self.compute_dtype)
+        groups = self.bounds if policy.is_per_layer else self.bounds[:1]
+        self._limits = jnp.asarray([*groups, policy.example_bound(self.layers)], self.compute_dtype)
         self._config = _StepConfig(policy.is_per_layer, policy.rescale_to_unit_norm, policy.non_finite)
 
     def init(self) -> AccumulatorState:
         """An empty state: zero sums and counts."""
         k = len(self.layers)
         return AccumulatorState(
-            sums=tuple(jnp.zeros(l.shape, dt) for l, dt in zip(self.layers, self.sum_dtypes)),
-            counts=jnp.zeros((2 + k + (k + 1) * NUM_BUCKETS,), jnp.int32),
-            norms=jnp.zeros((2 * k,), self.compute_dtype),
+            sum_chunks=tuple(
+                jnp.zeros((sum(layer.size for layer in self.layers[i:j]),), self.compute_dtype)
+                for i, j in sum_buffer_runs([layer.size for layer in self.layers])
+            ),
+            stats=jnp.zeros((_count_slots(k) + 2 * k,), _INT_OF_FLOAT[np.dtype(self.compute_dtype)]),
+            layers=tuple((layer.shape, str(np.dtype(dt))) for layer, dt in zip(self.layers, self.sum_dtypes)),
         )
 
     def update(
@@ -263,7 +374,7 @@ class ClipAccumulator:
         ``state`` is donated: do not use it afterwards. Rows where ``valid`` is
         False contribute exactly zero and are not counted, whatever they hold.
         """
-        return _accumulate_jit(state, tuple(batch), valid, self._bounds, self._example_bound, self._config)
+        return _accumulate_jit(state, tuple(batch), valid, self._limits, self._config)
 
     merge = staticmethod(merge)
 

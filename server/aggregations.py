@@ -176,7 +176,7 @@ class Aggregation:
                 if self.state is State.CANCELLED:
                     raise FailedPrecondition(f"aggregation {self.id} was cancelled")
                 self.state = State.FINALIZED
-                self._device_stats = state._replace(sums=())
+                self._device_stats = state.statistics_only()
                 self.result = Result(self._stats_locked(), tuple(np.asarray(s) for s in state.sums))
                 return self.result
 

@@ -264,11 +264,11 @@ class DeviceWorker:
         state = self._states[inflight.aggregation.id]
         now = time.monotonic()
         if now - self._stats_read.get(inflight.aggregation.id, 0.0) >= STATS_PERIOD or not self._queue:
-            stats = jax.device_get(state._replace(sums=()))  # waits for the step
+            stats = jax.device_get(state.statistics_only())  # waits for the step
             self._stats_read[inflight.aggregation.id] = now
         else:
             stats = None
-            jax.block_until_ready(state.counts)
+            jax.block_until_ready(state.stats)
         inflight.aggregation.record(inflight.done, stats)
 
     def _warm_up(self, aggregation: Aggregation) -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from jax_privacy import clipping as jp
 
 from clipd.engine import (
+    CHUNK_ELEMENTS,
     NUM_BUCKETS,
     BoundKind,
     ClipAccumulator,
@@ -21,6 +22,7 @@ from clipd.engine import (
     LayerSpec,
     NonFinite,
     merge,
+    sum_buffer_runs,
 )
 from helpers import assert_close, global_norms, layer_shapes, random_batch
 
@@ -47,6 +49,20 @@ def stream(acc, batch, chunk=5, bucket=8, garbage=np.nan, state=None):
 
 def to_np(state):
     return jax.tree.map(np.asarray, state)
+
+
+COUNT_FIELDS = ("example_count", "non_finite_count", "clip_counts", "layer_norm_histogram", "example_norm_histogram")
+FLOAT_FIELDS = ("norm_sum", "norm_max")
+
+
+def assert_same_state(a, b, rtol=1e-6, atol=0.0):
+    """Counts equal exactly; sums and norm statistics equal up to float rounding."""
+    for name in COUNT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
+    for name in FLOAT_FIELDS:
+        np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=rtol, atol=atol, err_msg=name)
+    for x, y in zip(a.sums, b.sums, strict=True):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
 def typical_bound(batch):
@@ -87,6 +103,28 @@ def test_explicit_layer_bounds_match_optax_per_layer():
         (ref,), count = optax.per_example_global_norm_clip([jnp.asarray(x)], c)
         assert_close(state.sums[k], ref)
         assert state.clip_counts[k] == int(count)
+
+
+@pytest.mark.parametrize("kind", [BoundKind.GLOBAL, BoundKind.PER_LAYER_UNIFORM])
+def test_layers_in_several_sum_buffers_match_optax(kind):
+    # Small layers share a sum buffer, a layer over CHUNK_ELEMENTS has its own: 3 buffers here.
+    big = CHUNK_ELEMENTS + 3
+    shapes = [(4,), (2, 3), (big,), (5,), (1,)]
+    assert len(sum_buffer_runs([math.prod(s) for s in shapes])) == 3
+    rng = np.random.default_rng(31)
+    batch = random_batch(rng, 9, shapes)
+    c = typical_bound(batch)
+    state = to_np(stream(make_acc(batch, ClipPolicy(kind, l2_norm_clip=c)), batch, chunk=4, bucket=4))
+    grads = [jnp.asarray(x) for x in batch]
+    if kind is BoundKind.GLOBAL:
+        ref_sums, count = optax.per_example_global_norm_clip(grads, c)
+        ref_counts = [int(count)] * len(shapes)
+    else:
+        ref_sums, ref_counts = optax.per_example_layer_norm_clip(grads, c, uniform=True)
+    for ours, ref in zip(state.sums, ref_sums, strict=True):
+        assert ours.shape == ref.shape
+        assert_close(ours, ref)
+    assert state.clip_counts.tolist() == [int(r) for r in ref_counts]
 
 
 @pytest.mark.parametrize("bound", [0.0, 1.5, math.inf])
@@ -186,14 +224,13 @@ def test_padding_contributes_exactly_zero(garbage, mode):
     # A batch of padding only leaves the state exactly as it was.
     only_padding = [np.full((8, *x.shape[1:]), garbage, x.dtype) for x in batch]
     state = to_np(acc.update(acc.init(), only_padding, np.zeros(8, bool)))
-    for leaf in jax.tree.leaves(state):
+    for leaf in jax.tree.leaves(state):  # the raw buffers: all bits zero
         np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
     # Padded with garbage or with zeros: the same counts, and sums equal up to summation order
     # (non-finite padding takes the select-first code path).
     with_garbage = to_np(stream(acc, batch, chunk=3, bucket=8, garbage=garbage))
     with_zeros = to_np(stream(acc, batch, chunk=3, bucket=8, garbage=0.0))
-    for a, b in zip(jax.tree.leaves(with_garbage), jax.tree.leaves(with_zeros)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+    assert_same_state(with_garbage, with_zeros)
     assert int(with_garbage.example_count) == 11
 
 
@@ -217,11 +254,7 @@ def test_merge_of_partial_states_equals_whole_stream():
     whole = to_np(stream(acc, batch))
     first, second = [x[:17] for x in batch], [x[17:] for x in batch]
     merged = to_np(merge(stream(acc, first), stream(acc, second)))
-    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(whole)):
-        if a.dtype.kind == "f":
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        else:
-            np.testing.assert_array_equal(a, b)
+    assert_same_state(merged, whole, rtol=1e-5, atol=1e-6)
 
 
 def test_no_recompilation_after_warm_up():
@@ -248,8 +281,8 @@ def test_state_is_donated():
     acc = make_acc([x], ClipPolicy())
     state = acc.init()
     new = acc.update(state, [x], np.ones(4, bool))
-    assert state.sums[0].is_deleted()
-    assert not new.sums[0].is_deleted()
+    assert state.sum_chunks[0].is_deleted() and state.stats.is_deleted()
+    assert not new.sum_chunks[0].is_deleted()
 
 
 @pytest.mark.parametrize(
@@ -341,8 +374,7 @@ def test_jit_equals_eager(flat, policy):
     jitted = _run(policy, flat)
     with jax.disable_jit():
         eager = _run(policy, flat)
-    for x, y in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    assert_same_state(jitted, eager, rtol=1e-5, atol=1e-5)
 
 
 garbage_values = st.sampled_from([0.0, 1.0, -3.5, 1e30, np.nan, np.inf, -np.inf])
@@ -355,6 +387,4 @@ def test_padding_rows_never_change_the_result(flat, policy, garbage):
     acc = make_acc(batch, policy)
     unpadded = to_np(stream(acc, batch, chunk=8, bucket=8, garbage=0.0))
     padded = to_np(stream(acc, batch, chunk=3, bucket=8, garbage=garbage))
-    np.testing.assert_array_equal(padded.counts, unpadded.counts)
-    for x, y in zip(padded.sums, unpadded.sums):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-4)
+    assert_same_state(padded, unpadded, rtol=1e-5, atol=1e-4)
