@@ -19,7 +19,7 @@ class Settings:
     max_batch_bytes: int = 1024 * MiB  # largest batch (all its chunks) in memory
     max_queued_bytes: int = 256 * MiB  # batches waiting for the device; beyond it streams wait
     max_aggregations: int = 64  # open at once (finalized ones are kept until cancelled)
-    max_device_rows: int = 1024  # examples per device step, rounded down to a power of two
+    max_device_rows: int = 4096  # examples per device step, rounded down to a power of two
     staging_bytes: int = 16 * MiB  # host buffer (x2) per aggregation that examples are packed into
     workers: int = 64  # gRPC handler threads: at most this many RPCs at once
     auth_token: str = ""  # when set, every RPC needs "authorization: Bearer <token>"; admin writes need it
