@@ -262,17 +262,19 @@ def _accumulate(state, layers, valid, limits, config):
     fast = _clipped_sums(flat, squared, valid, bounds, config, dtype)
 
     def cleaned(operands):  # rare: select the entries to keep first (one more pass)
-        flat, valid, limits = operands
+        flat, squared, valid, limits = operands
         if config.non_finite is NonFinite.ZERO_ENTRIES:
             flat = tuple(jnp.where(valid[:, None] & jnp.isfinite(x), x, jnp.zeros((), x.dtype)) for x in flat)
         else:
-            keep = valid if config.non_finite is NonFinite.PROPAGATE else valid & finite_rows
+            keep = valid
+            if config.non_finite is NonFinite.ZERO_EXAMPLE:
+                keep = valid & jnp.all(jnp.isfinite(squared), axis=0)
             flat = tuple(jnp.where(keep[:, None], x, jnp.zeros((), x.dtype)) for x in flat)
         squared = _row_squared_norms(flat, dtype)
         return _clipped_sums(flat, squared, valid, limits[:groups], config, dtype), squared
 
     contributions, cleaned_squared = jax.lax.cond(
-        jnp.any(needs_cleaning), cleaned, lambda _: (fast, squared), (flat, valid, limits)
+        jnp.any(needs_cleaning), cleaned, lambda _: (fast, squared), (flat, squared, valid, limits)
     )
     if config.non_finite is NonFinite.ZERO_ENTRIES:  # the statistics are those of the cleaned rows
         squared = cleaned_squared
@@ -281,18 +283,23 @@ def _accumulate(state, layers, valid, limits, config):
     norms = _clip_norms(squared, config.per_layer)  # (G, B)
     example_norms = norms[0] if groups == 1 else jnp.sqrt(jnp.sum(squared, axis=0))
     clipped = jnp.broadcast_to(counted & (norms > bounds[:, None]), (k, valid.shape[0]))
-    # A norm exceeds edge e of its histogram when norm > e * bound: at e = 1 exactly the clip test.
+    # Histogram rows: each layer against its bound, then the whole example against the example
+    # bound. A row holds its count, then how many exceed each edge e (norm > e * bound: at e = 1
+    # exactly the clip test).
     edges = jnp.asarray(RATIO_BUCKETS, dtype)
-    layer_edges = (bounds[:, None] if config.per_layer else bounds[:1, None]) * edges  # (K or 1, E)
-    all_norms = jnp.concatenate([layer_norms, example_norms[None]])  # (K+1, B)
-    all_edges = jnp.concatenate([jnp.broadcast_to(layer_edges, (k, edges.shape[0])), (example_bound * edges)[None]])
-    in_stats = counted & jnp.isfinite(layer_norms)
-    rows = jnp.concatenate([in_stats, (counted & jnp.isfinite(example_norms))[None]])
-    exceeds = rows[:, :, None] & (all_norms[:, :, None] > all_edges[:, None, :])  # (K+1, B, E)
-    survival = jnp.concatenate([rows[:, :, None], exceeds], axis=2)  # (K+1, B, NUM_BUCKETS)
+    in_stats = counted & jnp.isfinite(layer_norms)  # (K, B)
+    layer_edges = (bounds if config.per_layer else jnp.broadcast_to(bounds[:1], (k,)))[:, None] * edges
+    example_rows = counted & jnp.isfinite(example_norms)  # (B,)
+
+    def survival(rows, norms, row_edges):  # (R, B), (R, B), (R, E) -> (R * NUM_BUCKETS, B)
+        exceeds = rows[:, :, None] & (norms[:, :, None] > row_edges[:, None, :])  # (R, B, E)
+        counts = jnp.concatenate([rows[:, :, None], exceeds], axis=2)  # (R, B, NUM_BUCKETS)
+        return jnp.moveaxis(counts, 1, 2).reshape(-1, rows.shape[1])
+
     indicators = jnp.concatenate([
         valid[None], (valid & ~finite_rows)[None], clipped,
-        jnp.moveaxis(survival, 1, 2).reshape(-1, valid.shape[0]),
+        survival(in_stats, layer_norms, layer_edges),
+        survival(example_rows[None], example_norms[None], (example_bound * edges)[None]),
     ])  # (count slots, B)
     stat_norms = jnp.where(in_stats, layer_norms, 0.0)
     return dataclasses.replace(
