@@ -42,7 +42,7 @@ NUM_BUCKETS = len(RATIO_BUCKETS) + 1
 class AccumulatorState:
     """Running sums and statistics of one aggregation (a pytree). K = number of layers.
 
-    Two buffers, so that a step writes few outputs (on the CPU, XLA runs a program
+    Few buffers, so that a step writes few outputs (on the CPU, XLA runs a program
     of at most 8 kernels inline; more go through a thread pool that costs more than
     the math on small batches):
 
@@ -193,7 +193,7 @@ def _clip_norms(squared: jax.Array, per_layer: bool) -> jax.Array:
 
 
 def _clipped_sums(flat, squared, keep, bounds, config, dtype) -> jax.Array:
-    """The multiplier-weighted column sums of every layer, one after the other (flat)."""
+    """Per layer: the multiplier-weighted column sum of its ``(B, n_k)`` rows."""
     factors = multiplier(_clip_norms(squared, config.per_layer), bounds[:, None], config.rescale_to_unit_norm)
     factors = jnp.where(keep, factors, 0.0).astype(dtype)
     sums = []
