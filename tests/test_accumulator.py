@@ -127,6 +127,21 @@ def test_layers_in_several_sum_buffers_match_optax(kind):
     assert state.clip_counts.tolist() == [int(r) for r in ref_counts]
 
 
+def test_several_sum_buffers_merge_and_decode_alike_on_device_and_host():
+    shapes = [(3,), (CHUNK_ELEMENTS + 1,), (2, 2)]
+    rng = np.random.default_rng(32)
+    batch = random_batch(rng, 12, shapes)
+    acc = make_acc(batch, ClipPolicy(BoundKind.PER_LAYER_PROPORTIONAL, l2_norm_clip=typical_bound(batch)))
+    whole = stream(acc, batch, chunk=4, bucket=4)
+    merged = merge(stream(acc, [x[:5] for x in batch], chunk=4, bucket=4),
+                   stream(acc, [x[5:] for x in batch], chunk=4, bucket=4))
+    assert len(whole.sum_chunks) == 3
+    assert_same_state(to_np(merged), to_np(whole), rtol=1e-5, atol=1e-6)
+    # The properties decode device arrays and their host copies to the same values.
+    assert_same_state(whole, to_np(whole), rtol=0.0)
+    assert [s.shape for s in whole.sums] == shapes
+
+
 @pytest.mark.parametrize("bound", [0.0, 1.5, math.inf])
 @pytest.mark.parametrize("kind", [BoundKind.GLOBAL, BoundKind.PER_LAYER_UNIFORM])
 def test_rescale_to_unit_norm_matches_jax_privacy(kind, bound):
