@@ -22,6 +22,20 @@ class InvalidArgumentError(ClipdError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class InvalidUpdateError(InvalidArgumentError, ValueError):
+    """An update does not fit the aggregation's layers; found by the client, before anything is sent.
+
+    ``layer`` names the layer at fault ("" when the update as a whole is wrong),
+    ``expected`` and ``got`` say what the aggregation wants and what came.
+    """
+
+    def __init__(self, details: str, *, layer: str = "", expected=None, got=None) -> None:
+        super().__init__(details)
+        self.layer = layer
+        self.expected = expected
+        self.got = got
+
+
 class NotFoundError(ClipdError):
     code = grpc.StatusCode.NOT_FOUND
 

@@ -47,10 +47,12 @@ def tensor_chunk(layer: int, dtype: int, shape: Sequence[int], offset: int, data
     return [head, *tail]
 
 
-def submit_request(aggregation_id: str, client_id: str, sequence: int, chunks: Sequence[list]) -> bytes:
+def submit_request(aggregation_id: str, client_id: str, sequence: int, chunks: Sequence[list],
+                   writer_id: str = "") -> bytes:
     """One serialized SubmitRequest; ``chunks`` are ``tensor_chunk`` results."""
     parts: list = [*_string(1, aggregation_id.encode()), *_string(2, client_id.encode()), _uint(3, sequence)]
     for chunk in chunks:
         size = sum(len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes for p in chunk)
         parts += [varint(4 << 3 | 2), varint(size), *chunk]
+    parts += _string(5, writer_id.encode())
     return b"".join(parts)

@@ -28,6 +28,7 @@ class SubmitMessage(NamedTuple):
     client_id: str
     sequence: int
     chunks: list[Chunk]
+    writer_id: str = ""
 
 
 def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
@@ -93,20 +94,22 @@ def _chunk(buf: memoryview, start: int, end: int) -> Chunk:
 def parse_submit_request(message: bytes) -> SubmitMessage:
     """The fields of a serialized SubmitRequest, tensor data as memoryviews of ``message``."""
     buf = memoryview(message)
-    aggregation_id = client_id = ""
+    aggregation_id = client_id = writer_id = ""
     sequence = 0
     chunks = []
     for field, wire_type, value in _fields(buf, 0, len(buf)):
-        if field in (1, 2) and wire_type == 2:
+        if field in (1, 2, 5) and wire_type == 2:
             text = str(buf[value[0] : value[1]], "utf-8")
             if field == 1:
                 aggregation_id = text
-            else:
+            elif field == 2:
                 client_id = text
+            else:
+                writer_id = text
         elif field == 3 and wire_type == 0:
             sequence = value
         elif field == 4 and wire_type == 2:
             chunks.append(_chunk(buf, *value))
-        elif field in (1, 2, 3, 4):
+        elif field in (1, 2, 3, 4, 5):
             raise ValueError(f"SubmitRequest field {field} has wire type {wire_type}")
-    return SubmitMessage(aggregation_id, client_id, sequence, chunks)
+    return SubmitMessage(aggregation_id, client_id, sequence, chunks, writer_id)

@@ -20,27 +20,28 @@ chunks = st.lists(
     ),
     max_size=4,
 )
-requests = st.tuples(st.text(max_size=20), st.text(max_size=20), st.integers(0, 2**64 - 1), chunks)
+requests = st.tuples(st.text(max_size=20), st.text(max_size=20), st.integers(0, 2**64 - 1), chunks, st.text(max_size=20))
 
 
-def _protobuf(agg, client, seq, cs) -> pb.SubmitRequest:
+def _protobuf(agg, client, seq, cs, writer) -> pb.SubmitRequest:
     return pb.SubmitRequest(
-        aggregation_id=agg, client_id=client, sequence=seq,
+        aggregation_id=agg, client_id=client, sequence=seq, writer_id=writer,
         chunks=[pb.TensorChunk(layer=l, dtype=d, shape=s, offset=o, data=b) for l, d, s, o, b in cs],
     )
 
 
 def _as_tuple(m):
-    return (m.aggregation_id, m.client_id, m.sequence,
+    return (m.aggregation_id, m.client_id, m.sequence, m.writer_id,
             [(c.layer, c.dtype, tuple(c.shape), c.offset, bytes(c.data)) for c in m.chunks])
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(requests)
 def test_client_encoding_parses_with_protobuf(request):
-    agg, client, seq, cs = request
+    agg, client, seq, cs, writer = request
     encoded = client_wire.submit_request(
-        agg, client, seq, [client_wire.tensor_chunk(l, d, s, o, np.frombuffer(b, np.uint8)) for l, d, s, o, b in cs]
+        agg, client, seq, [client_wire.tensor_chunk(l, d, s, o, np.frombuffer(b, np.uint8)) for l, d, s, o, b in cs],
+        writer,
     )
     assert _as_tuple(pb.SubmitRequest.FromString(encoded)) == _as_tuple(_protobuf(*request))
     assert encoded == _protobuf(*request).SerializeToString()  # byte-identical to protobuf's own output
