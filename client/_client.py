@@ -18,7 +18,7 @@ from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 from . import wire
-from .errors import ClipdError, UnavailableError, from_rpc_error
+from .errors import ClipdError, FailedPreconditionError, UnavailableError, from_rpc_error
 from .updates import Layer, example_nbytes, iter_updates, rebatch
 
 MiB = 1 << 20
@@ -48,6 +48,27 @@ class SubmitReport:
     bytes: int
     reconnects: int
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitProgress:
+    """Where a failed submission stands (``error.progress``); ``Client.resume(error)`` continues it."""
+
+    aggregation_id: str
+    client_id: str
+    acknowledged_batches: int  # durably in the sum
+    acknowledged_examples: int  # the first examples of the submitted updates
+    unacknowledged_batches: int  # numbered, maybe sent, not acknowledged: resume resends them
+    _stream: Any = dataclasses.field(repr=False, compare=False)
+
+
+def _with_progress(error: Exception, stream: _BatchStream) -> Exception:
+    """``error`` with where the submission stands: ``client_id``, ``acknowledged_examples``, ``progress``."""
+    error.progress = SubmitProgress(stream.aggregation_id, stream.client_id, stream.batches_acked,
+                                    stream.examples_acked, stream.unacknowledged, stream)
+    error.client_id = stream.client_id
+    error.acknowledged_examples = stream.examples_acked
+    return error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +108,7 @@ class Client:
         max_message_bytes: int = 16 * MiB,
         window_bytes: int = 64 * MiB,
         timeout: float = 120.0,
-        max_retries: int = 8,
+        retry_timeout: float = 60.0,
         retry_delay: float = 0.05,
     ) -> None:
         if message_bytes > max_message_bytes - 64 * 1024:
@@ -114,7 +135,7 @@ class Client:
         self.message_bytes = message_bytes
         self.window_bytes = window_bytes
         self.timeout = timeout
-        self.max_retries = max_retries
+        self.retry_timeout = retry_timeout
         self.retry_delay = retry_delay
         self._layers: dict[str, list[Layer]] = {}
 
@@ -133,15 +154,18 @@ class Client:
         return self._retrying(lambda: method(request, timeout=self.timeout, metadata=self._metadata))
 
     def _retrying(self, attempt):
-        for tries in range(self.max_retries + 1):
+        """Retries UNAVAILABLE (a server restarting, a connection dropped) for up to ``retry_timeout`` s."""
+        deadline = time.monotonic() + self.retry_timeout
+        tries = 0
+        while True:
             try:
                 return attempt()
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-                if error.code != grpc.StatusCode.UNAVAILABLE or tries == self.max_retries:
+                if error.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise error from None
                 time.sleep(min(2.0, self.retry_delay * 2**tries))
-        raise AssertionError("unreachable")
+                tries += 1
 
     # Aggregations -------------------------------------------------------------------------
     def create_aggregation(
@@ -213,40 +237,80 @@ class Client:
     # Streaming ------------------------------------------------------------------------------
     def submit(self, aggregation_id: str, updates: Any, *, client_id: str | None = None,
                progress: bool = False) -> SubmitReport:
-        """Streams updates into an aggregation and returns once every one is summed.
+        """Streams updates into an aggregation and returns once every one is durably summed.
 
         ``updates`` is one example (a pytree of arrays, one per layer), a batch
-        (the same with a leading batch axis), or an iterable of either. They are
-        packed into messages of about ``message_bytes``; an example larger than
-        that is split into chunks. A dropped connection is retried and the
-        stream resumed after the last acknowledged batch.
+        (the same with a leading batch axis), or an iterable of either. Each is
+        checked against the aggregation's layers before anything of it is sent
+        (``InvalidUpdateError`` names the layer and the shapes). They are packed
+        into messages of about ``message_bytes``; an example larger than that is
+        split into chunks.
+
+        A ``client_id`` used before in this aggregation appends: the server says
+        where that client stands and this submission numbers its batches after
+        it. A dropped connection or a restarting server (UNAVAILABLE) is retried
+        for up to ``retry_timeout`` seconds without progress, and the stream
+        resumes after the last acknowledged batch.
+
+        On failure the typed error carries ``client_id``, ``acknowledged_examples``
+        (examples of this call durably in the sum: the first ones of ``updates``)
+        and ``progress``; :meth:`resume` sends exactly what was not acknowledged.
         """
         layers = self.layers(aggregation_id)
         batches = rebatch(iter_updates(updates, layers), example_nbytes(layers), self.message_bytes)
         stream = _BatchStream(aggregation_id, client_id or uuid.uuid4().hex, batches, self.message_bytes,
                               self.window_bytes)
+        return self._stream(stream, progress)
+
+    def resume(self, error: ClipdError, *, progress: bool = False) -> SubmitReport:
+        """Continues the submission that raised ``error``: resends its unacknowledged batches with
+        their original sequence numbers (so the server drops any it already holds), then the rest.
+
+        The report counts the whole submission, this call and the failed one together.
+        """
+        if getattr(error, "progress", None) is None:
+            raise ValueError("resume takes an error raised by Client.submit or Client.resume")
+        stream = error.progress._stream
+        stream.source_error = None
+        return self._stream(stream, progress)
+
+    def _stream(self, stream: _BatchStream, progress: bool) -> SubmitReport:
         started, failures, reconnects = time.perf_counter(), 0, 0
+        last_progress = time.monotonic()
         while True:
             acked_before = stream.acked
             try:
                 responses = self._submit(stream.requests(), metadata=self._metadata)
+                greeted = False
                 for response in responses:
-                    stream.acknowledge(response.acknowledged_sequence)
+                    if not greeted:  # the answer to this attempt's hello
+                        stream.greet(response)
+                        greeted = True
+                    else:
+                        stream.acknowledge(response.acknowledged_sequence)
                     if progress:
                         _show_progress(stream, started)
                 if stream.complete:
                     stream.stop()
                     if progress:
                         print(file=sys.stderr)
-                    return SubmitReport(stream.client_id, stream.acked, stream.examples_acked,
+                    if stream.source_error is not None:
+                        raise _with_progress(stream.source_error, stream)
+                    return SubmitReport(stream.client_id, stream.batches_acked, stream.examples_acked,
                                         stream.bytes_acked, reconnects, time.perf_counter() - started)
                 error: ClipdError = UnavailableError("the stream ended before every batch was acknowledged")
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-            failures = 0 if stream.acked > acked_before else failures + 1
-            if not error.retryable or failures > self.max_retries:
+            except ClipdError as e:  # the client's own checks (greet)
+                responses.cancel()
+                error = e
+            if stream.acked > acked_before:
+                failures, last_progress = 0, time.monotonic()
+            else:
+                failures += 1
+            if not error.retryable or time.monotonic() - last_progress > self.retry_timeout:
                 stream.stop()
-                raise error from None
+                raise _with_progress(error, stream) from None
             reconnects += 1
             time.sleep(min(2.0, self.retry_delay * 2**failures))
 
@@ -318,43 +382,73 @@ class _Sent:
 class _BatchStream:
     """Numbered batches with a window of unacknowledged ones, resendable on a new stream.
 
-    Each ``requests()`` generator (one per connection attempt) first resends every
-    batch after the last acknowledgement, then pulls new batches from the source
-    while fewer than ``window_bytes`` are unacknowledged.
+    Each ``requests()`` generator (one per connection attempt) first sends a
+    hello and waits for the server's answer (``greet``): on the first attempt it
+    says where this client stands, and numbering starts after it. Then it
+    resends every batch after the last acknowledgement and pulls new batches
+    from the source while fewer than ``window_bytes`` are unacknowledged.
     """
 
     def __init__(self, aggregation_id: str, client_id: str, batches: Iterator[list[np.ndarray]],
                  message_bytes: int, window_bytes: int) -> None:
         self.aggregation_id = aggregation_id
         self.client_id = client_id
+        self.writer_id = uuid.uuid4().hex  # this submission, as the server tells writers apart
         self._source = batches
         self._source_lock = threading.Lock()
         self._cond = threading.Condition()
         self._window: collections.deque[_Sent] = collections.deque()
         self._unacked_bytes = 0
-        self._next_sequence = 1
+        self._next_sequence: int | None = None  # known once the server has answered the first hello
+        self._greetings = 0
         self._generation = 0
         self._exhausted = False
+        self.source_error: Exception | None = None  # a bad update: nothing after it is sent
         self.message_bytes = message_bytes
         self.window_bytes = window_bytes
-        self.acked = 0
+        self.acked = 0  # the client's highest acknowledged sequence
+        self.batches_acked = 0  # of this submission
         self.examples_acked = 0
         self.bytes_acked = 0
 
     @property
     def complete(self) -> bool:
         with self._cond:
-            return self._exhausted and self.acked == self._next_sequence - 1
+            return self._exhausted and not self._window and self._next_sequence is not None
+
+    @property
+    def unacknowledged(self) -> int:
+        with self._cond:
+            return len(self._window)
+
+    def greet(self, response: pb.SubmitResponse) -> None:
+        """Takes the server's answer to a hello: where this client stands."""
+        with self._cond:
+            if self._next_sequence is None:  # a new submission: number after what the server has
+                self._next_sequence = response.accepted_sequence + 1
+                self.acked = response.acknowledged_sequence
+            elif (self._window and response.writer_id not in ("", self.writer_id)
+                  and response.accepted_sequence >= self._window[0].sequence):
+                raise FailedPreconditionError(
+                    f"client {self.client_id!r}: another submission wrote batches after this one's"
+                    f" {self._window[0].sequence - 1}; resending would be taken as duplicates"
+                )
+            self._greetings += 1
+            self._acknowledge_locked(response.acknowledged_sequence)
 
     def acknowledge(self, sequence: int) -> None:
         with self._cond:
-            while self._window and self._window[0].sequence <= sequence:
-                done = self._window.popleft()
-                self._unacked_bytes -= done.nbytes
-                self.examples_acked += done.rows
-                self.bytes_acked += done.nbytes
-            self.acked = max(self.acked, sequence)
-            self._cond.notify_all()
+            self._acknowledge_locked(sequence)
+
+    def _acknowledge_locked(self, sequence: int) -> None:
+        while self._window and self._window[0].sequence <= sequence:
+            done = self._window.popleft()
+            self._unacked_bytes -= done.nbytes
+            self.batches_acked += 1
+            self.examples_acked += done.rows
+            self.bytes_acked += done.nbytes
+        self.acked = max(self.acked, sequence)
+        self._cond.notify_all()
 
     def stop(self) -> None:
         """Ends any generator still held by an old call."""
@@ -362,12 +456,18 @@ class _BatchStream:
             self._generation += 1
             self._cond.notify_all()
 
-    def requests(self) -> Iterator[pb.SubmitRequest]:
+    def requests(self) -> Iterator[bytes]:
         with self._cond:
             self._generation += 1
             generation = self._generation
-            sent = self.acked
+            greetings = self._greetings
             self._cond.notify_all()
+        yield wire.submit_request(self.aggregation_id, self.client_id, 0, [], self.writer_id)
+        with self._cond:
+            self._cond.wait_for(lambda: generation != self._generation or self._greetings > greetings)
+            if generation != self._generation:
+                return
+            sent = self.acked
         while True:
             with self._cond:
                 self._cond.wait_for(
@@ -401,7 +501,10 @@ class _BatchStream:
                 entry = self._next_to_send(sent)  # another attempt may have pulled it meanwhile
                 if entry is not None or self._exhausted:
                     return entry
-            batch = next(self._source, None)
+            try:
+                batch = next(self._source, None)
+            except Exception as e:  # a bad update (InvalidUpdateError): send nothing more, report it
+                self.source_error, batch = e, None
             with self._cond:
                 if batch is None:
                     self._exhausted = True
@@ -423,9 +526,9 @@ class _BatchStream:
             for offset in range(0, len(data), self.message_bytes):
                 piece = data[offset : offset + self.message_bytes]
                 if chunks and size + len(piece) > self.message_bytes:
-                    messages.append(wire.submit_request(self.aggregation_id, self.client_id, sequence, chunks))
+                    messages.append(wire.submit_request(self.aggregation_id, self.client_id, sequence, chunks, self.writer_id))
                     chunks, size = [], 0
                 chunks.append(wire.tensor_chunk(k, code, array.shape, offset, piece))
                 size += len(piece)
-        messages.append(wire.submit_request(self.aggregation_id, self.client_id, sequence, chunks))
+        messages.append(wire.submit_request(self.aggregation_id, self.client_id, sequence, chunks, self.writer_id))
         return messages

@@ -10,6 +10,7 @@ import argparse
 import logging
 import math
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -24,7 +25,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.from_env(
         host=args.host, grpc_port=args.grpc_port, admin_port=args.admin_port, auth_token=args.token,
-        compilation_cache_dir=args.compilation_cache_dir,
+        compilation_cache_dir=args.compilation_cache_dir, data_dir=args.data_dir,
+        retention_seconds=args.retention_seconds, checkpoint_interval=args.checkpoint_interval,
     )
     serve(settings)
     return 0
@@ -47,25 +49,30 @@ def _demo(args: argparse.Namespace) -> int:
 
     server = None
     target = args.target
-    if target is None:
-        from clipd.server.app import create_server
-        from clipd.server.settings import Settings
+    with tempfile.TemporaryDirectory(prefix="clipd-demo-") as data_dir:
+        if target is None:
+            from clipd.server.app import create_server
+            from clipd.server.settings import Settings
 
-        server, port = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1, max_device_rows=256))
-        target = f"127.0.0.1:{port}"
-        print(f"started an embedded clipd server on {target}")
-    try:
-        updates = _demo_updates(args.examples, args.seed)
-        with Client(target, token=args.token) as client:
-            aggregation = client.create_aggregation(DEMO_LAYERS, policy=args.policy, l2_norm_clip=args.clip)
-            started = time.perf_counter()
-            report = client.submit(aggregation, updates)
-            result = client.finalize(aggregation)
-            seconds = time.perf_counter() - started
-        return _report(result, updates, args, report, seconds)
-    finally:
-        if server is not None:
-            server.stop(grace=1.0)
+            server, port = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1,
+                                                  max_device_rows=256, data_dir=data_dir))
+            target = f"127.0.0.1:{port}"
+            print(f"started an embedded clipd server on {target} (state in a temporary directory)")
+        try:
+            updates = _demo_updates(args.examples, args.seed)
+            with Client(target, token=args.token) as client:
+                aggregation = client.create_aggregation(DEMO_LAYERS, policy=args.policy, l2_norm_clip=args.clip)
+                try:
+                    started = time.perf_counter()
+                    report = client.submit(aggregation, updates)
+                    result = client.finalize(aggregation)
+                    seconds = time.perf_counter() - started
+                finally:
+                    client.cancel(aggregation)  # the demo leaves nothing behind on the server
+            return _report(result, updates, args, report, seconds)
+        finally:
+            if server is not None:
+                server.stop(grace=1.0)
 
 
 def _report(result, updates, args, report, seconds) -> int:
@@ -106,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--admin-port", type=int, default=None, help="env CLIPD_ADMIN_PORT; default 8080, -1 off")
     serve.add_argument("--token", default=None, help="require this bearer token (env CLIPD_AUTH_TOKEN)")
     serve.add_argument("--compilation-cache-dir", default=None, help="JAX persistent compilation cache")
+    serve.add_argument("--data-dir", default=None,
+                       help="where aggregations, checkpoints and results are kept (env CLIPD_DATA_DIR;"
+                            " default: ~/.local/state/clipd; 'memory': nothing survives a restart)")
+    serve.add_argument("--retention-seconds", type=float, default=None,
+                       help="finalized results are deleted after this (env CLIPD_RETENTION_SECONDS; default 86400)")
+    serve.add_argument("--checkpoint-interval", type=float, default=None,
+                       help="seconds between checkpoints, the acknowledgement latency (default 0.05)")
     serve.set_defaults(run=_serve)
     demo = sub.add_parser("demo", help="stream synthetic updates and check the aggregate")
     demo.add_argument("--target", default=None, help="HOST:PORT of a server (default: start one in-process)")

@@ -200,7 +200,9 @@ def _clipped_sums(flat, squared, keep, bounds, config, dtype) -> jax.Array:
     for k, x in enumerate(flat):
         if sums:  # one dot after the other: two at once share the memory bandwidth and run slower
             x, _ = jax.lax.optimization_barrier((x, sums[-1]))
-        sums.append(jnp.tensordot(factors[k if config.per_layer else 0], x.astype(dtype), axes=1))
+        # Full float32 precision on every backend (GPUs would otherwise round the inputs to TF32).
+        sums.append(jnp.tensordot(factors[k if config.per_layer else 0], x.astype(dtype), axes=1,
+                                  precision=jax.lax.Precision.HIGHEST))
     return tuple(sums)
 
 

@@ -1,8 +1,8 @@
-"""Aggregation state on the host: lifecycle, client sequences, snapshots of the statistics.
+"""Aggregation state on the host: lifecycle, client sequences, totals and statistics.
 
-The device state (the accumulator's pytree) belongs to the worker; everything
-here is guarded by the aggregation's condition variable and read by the
-servicer and the admin API without touching the device.
+The device state (the accumulator's delta since the last flush) belongs to the
+worker; everything here is guarded by the aggregation's condition variable and
+read by the servicer and the admin API without touching the device.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import uuid
 
 import numpy as np
 
-from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec
+from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 
-from .errors import FailedPrecondition, NotFound, ResourceExhausted
+from .errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
 
 
 class State(str, enum.Enum):
@@ -27,6 +27,10 @@ class State(str, enum.Enum):
     FINALIZING = "finalizing"
     FINALIZED = "finalized"
     CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+TAKES_BATCHES = (State.WARMING_UP, State.OPEN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Stats:
     example_bound: float
     updated_unix_seconds: float
     examples_per_second: float
+    failure_reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +70,17 @@ class Result:
 
 
 class Aggregation:
-    """One aggregation: its spec, its clients' sequence numbers, its latest statistics."""
+    """One aggregation: its spec, its clients' sequence numbers, its totals and latest statistics.
+
+    Three marks per client, each a batch sequence number, in this order:
+    ``accepted`` (taken in, queued or summed) >= ``summed`` (in the device sum)
+    >= ``durable`` (in a committed checkpoint). Streams acknowledge ``durable``
+    only. After a restart all three start at the recovered checkpoint's marks.
+    """
 
     def __init__(self, aggregation_id: str, layers: tuple[LayerSpec, ...], policy: ClipPolicy,
-                 reject_non_finite: bool, max_device_rows: int, staging_bytes: int) -> None:
+                 reject_non_finite: bool, max_device_rows: int, staging_bytes: int,
+                 recovered: PartialState | None = None, created: float | None = None) -> None:
         self.id = aggregation_id
         self.layers = layers
         self.policy = policy
@@ -77,14 +89,22 @@ class Aggregation:
         self.example_bytes = sum(l.size * np.dtype(l.dtype).itemsize for l in layers)
         rows = max(1, min(max_device_rows, staging_bytes // max(1, self.example_bytes)))
         self.device_rows = 1 << (rows.bit_length() - 1)  # a power of two
-        self.created = time.time()
+        self.created = time.time() if created is None else created
         self.cond = threading.Condition()
         self.state = State.WARMING_UP
-        self.pending = 0  # batches accepted and not yet accumulated
-        self._accepted: dict[str, int] = {}
-        self._accumulated: dict[str, int] = {}
-        self._examples = self._batches = self._bytes = 0
-        self._device_stats = None  # the last state snapshot without its sums (numpy)
+        self.failure_reason = ""
+        self.finished: float | None = None  # unix time it was finalized or failed
+        self.pending = 0  # batches accepted and not yet summed
+        self.totals = recovered if recovered is not None else PartialState.empty(layers)  # as of the last flush
+        marks = {client: sequence for client, (sequence, _) in self.totals.clients.items()}
+        self._accepted = dict(marks)
+        self._summed = dict(marks)
+        self._durable = dict(marks)
+        self._last_writer = {client: writer for client, (_, writer) in self.totals.clients.items()}
+        self._open_writers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._examples, self._batches, self._bytes = self.totals.examples, self.totals.batches, self.totals.bytes
+        self._rate_base = self._examples
+        self._device_stats = None  # statistics of the device delta since the last flush (numpy)
         self._updated = self.created
         self._rates: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.result: Result | None = None
@@ -92,15 +112,44 @@ class Aggregation:
 
     @property
     def examples(self) -> int:
-        """Examples in the sum so far."""
+        """Examples in the sum so far (durable or about to be)."""
         return self._examples
 
+    def _check_takes_batches(self) -> None:
+        if self.state is State.FAILED:
+            raise FailedPrecondition(f"aggregation {self.id} failed: {self.failure_reason}")
+        if self.state not in TAKES_BATCHES:
+            raise FailedPrecondition(f"aggregation {self.id} is {self.state.value}: it takes no more batches")
+
     # Clients and sequence numbers -------------------------------------------------
-    def accept(self, client_id: str, sequence: int) -> bool:
+    def attach(self, client_id: str, writer: str) -> tuple[int, int, str]:
+        """A stream of ``writer`` opens for ``client_id``: ``(durable, accepted, last writer)``.
+
+        Refused while a stream of another writer (another submission) is open for
+        the same client: their sequence numbers would collide. ``writer`` ""
+        (streams without a hello) is never refused.
+        """
+        with self.cond:
+            self._check_takes_batches()
+            others = [w for w, n in self._open_writers[client_id].items() if n and w != writer]
+            if writer and others:
+                raise FailedPrecondition(
+                    f"client {client_id!r} is being written by another submission; wait for it to end"
+                    " or use another client_id"
+                )
+            self._open_writers[client_id][writer] += 1
+            return (self._durable.get(client_id, 0), self._accepted.get(client_id, 0),
+                    self._last_writer.get(client_id, ""))
+
+    def detach(self, client_id: str, writer: str) -> None:
+        with self.cond:
+            self._open_writers[client_id][writer] -= 1
+            self.cond.notify_all()
+
+    def accept(self, client_id: str, sequence: int, writer: str = "") -> bool:
         """Reserves a batch: True if new, False if a duplicate of an accepted one."""
         with self.cond:
-            if self.state not in (State.WARMING_UP, State.OPEN):
-                raise FailedPrecondition(f"aggregation {self.id} is {self.state.value}: it takes no more batches")
+            self._check_takes_batches()
             last = self._accepted.get(client_id, 0)
             if sequence <= last:
                 return False
@@ -109,20 +158,22 @@ class Aggregation:
                     f"client {client_id!r}: batch {sequence} after {last}; sequence numbers go up by one from 1"
                 )
             self._accepted[client_id] = sequence
+            self._last_writer[client_id] = writer
             self.pending += 1
             return True
 
-    def accumulated(self, client_id: str) -> int:
+    def durable(self, client_id: str) -> int:
+        """The client's highest batch in a committed checkpoint."""
         with self.cond:
-            return self._accumulated.get(client_id, 0)
+            return self._durable.get(client_id, 0)
 
     # Called by the worker ---------------------------------------------------------
-    def record(self, done: list[tuple[str, int, int, int]], device_stats) -> None:
-        """Marks ``(client, sequence, rows, nbytes)`` batches as in the sum, with the new statistics."""
+    def record(self, done: list[tuple[str, str, int, int, int]], device_stats) -> None:
+        """Marks ``(client, writer, sequence, rows, nbytes)`` batches summed, with the delta's statistics."""
         now = time.time()
         with self.cond:
-            for client, sequence, rows, nbytes in done:
-                self._accumulated[client] = max(self._accumulated.get(client, 0), sequence)
+            for client, _, sequence, rows, nbytes in done:
+                self._summed[client] = max(self._summed.get(client, 0), sequence)
                 self._examples += rows
                 self._bytes += nbytes
                 self._batches += 1
@@ -134,8 +185,22 @@ class Aggregation:
                 self._rates.append((now, self._examples))
             self.cond.notify_all()
 
+    def flushed(self, totals: PartialState) -> None:
+        """The worker added the device delta into ``totals`` (the delta restarts from zero)."""
+        with self.cond:
+            self.totals = totals
+            self._device_stats = None
+
+    def mark_durable(self, clients) -> None:
+        """A checkpoint holding these client marks was committed: acknowledge up to them."""
+        with self.cond:
+            for client, (sequence, _) in clients.items():
+                if sequence > self._durable.get(client, 0):
+                    self._durable[client] = sequence
+            self.cond.notify_all()
+
     def drop(self, count: int) -> None:
-        """Forgets ``count`` accepted batches that will never be accumulated (cancelled)."""
+        """Forgets ``count`` accepted batches that will never be summed (cancelled or failed)."""
         with self.cond:
             self.pending -= count
             self.cond.notify_all()
@@ -146,39 +211,78 @@ class Aggregation:
                 self.state = State.OPEN
             self.cond.notify_all()
 
+    def fail(self, reason: str) -> bool:
+        """Moves to FAILED (True), unless already finished; streams and Finalize then fail with ``reason``."""
+        with self.cond:
+            if self.state in (State.FINALIZED, State.CANCELLED, State.FAILED):
+                return False
+            self.state = State.FAILED
+            self.failure_reason = reason
+            self.finished = time.time()
+            self.cond.notify_all()
+            return True
+
     # Lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Stops taking batches; FINALIZING until :meth:`wait_drained` sees the last one summed."""
         with self.cond:
             if self.state is State.CANCELLED:
                 raise FailedPrecondition(f"aggregation {self.id} was cancelled")
-            if self.state in (State.WARMING_UP, State.OPEN):
+            if self.state is State.FAILED:
+                raise FailedPrecondition(f"aggregation {self.id} failed: {self.failure_reason}")
+            if self.state in TAKES_BATCHES:
                 self.state = State.FINALIZING
             self.cond.notify_all()
 
     def wait_drained(self, timeout: float | None = None) -> bool:
+        """Waits until every accepted batch is summed (or the aggregation ended otherwise)."""
         with self.cond:
-            return self.cond.wait_for(lambda: self.pending == 0, timeout)
+            return self.cond.wait_for(
+                lambda: self.pending == 0 or self.state in (State.CANCELLED, State.FAILED), timeout)
 
-    def finalize(self, read_state) -> Result:
-        """Closes, waits for every accepted batch, and keeps ``Result`` (a second call returns it).
+    def finalize(self, commit_final, timeout: float) -> Result:
+        """Closes, waits for every accepted batch, commits the final state, keeps ``Result``.
 
-        ``read_state()`` returns the final accumulator state (numpy); its statistics
-        replace the last snapshot, which may be up to the worker's read period old.
+        ``commit_final()`` flushes the device delta, commits the totals as the
+        final checkpoint and returns them. A second call returns the same result.
+        ``DeadlineExceeded`` if the accepted batches are not summed within ``timeout``.
         """
         with self._finalize_lock:
             if self.result is not None:
                 return self.result
             self.close()
-            self.wait_drained()
-            state = read_state()
+            if not self.wait_drained(timeout):
+                raise DeadlineExceeded(
+                    f"aggregation {self.id}: {self.pending} accepted batches not summed after {timeout:g} s")
             with self.cond:
-                if self.state is State.CANCELLED:
-                    raise FailedPrecondition(f"aggregation {self.id} was cancelled")
+                self._check_not_ended()
+            totals = commit_final()
+            with self.cond:
+                self._check_not_ended()
                 self.state = State.FINALIZED
-                self._device_stats = state.statistics_only()
-                self.result = Result(self._stats_locked(), tuple(np.asarray(s) for s in state.sums))
+                self.finished = time.time()
+                self.totals = totals
+                self._device_stats = None
+                self.mark_durable(totals.clients)
+                self.result = self._result_locked()
                 return self.result
+
+    def restore_result(self, finished: float | None) -> None:
+        """Marks a recovered aggregation FINALIZED with its recovered totals as the result."""
+        with self.cond:
+            self.state = State.FINALIZED
+            self.finished = finished
+            self.result = self._result_locked()
+
+    def _result_locked(self) -> Result:
+        sums = tuple(s.astype(dtype) for s, dtype in zip(self.totals.sums, self.accumulator.sum_dtypes))
+        return Result(self._stats_locked(), sums)
+
+    def _check_not_ended(self) -> None:
+        if self.state is State.CANCELLED:
+            raise FailedPrecondition(f"aggregation {self.id} was cancelled")
+        if self.state is State.FAILED:
+            raise FailedPrecondition(f"aggregation {self.id} failed: {self.failure_reason}")
 
     def cancel(self) -> None:
         with self.cond:
@@ -192,42 +296,37 @@ class Aggregation:
             return self._stats_locked()
 
     def _stats_locked(self) -> Stats:
+        t = self.totals if self._device_stats is None else self.totals.absorb(self._device_stats)
         k = len(self.layers)
-        d = self._device_stats
-        zeros = np.zeros((k, len(RATIO_BUCKETS) + 1), np.int64)
-        clip_counts = d.clip_counts if d is not None else np.zeros(k, np.int64)
-        norm_sum = d.norm_sum if d is not None else np.zeros(k)
-        norm_max = d.norm_max if d is not None else np.zeros(k)
-        hist = d.layer_norm_histogram if d is not None else zeros
-        counted = hist.sum(axis=1)
+        counted = t.layer_histograms.sum(axis=1)
         bounds = self.accumulator.bounds if self.policy.is_per_layer else self.accumulator.bounds * k
         layers = tuple(
             LayerStats(
                 name=spec.name,
                 bound=float(bounds[i]),
-                clipped=int(clip_counts[i]),
-                norm_mean=float(norm_sum[i] / counted[i]) if counted[i] else 0.0,
-                norm_max=float(norm_max[i]),
-                norm_histogram=tuple(int(c) for c in hist[i]),
+                clipped=int(t.clip_counts[i]),
+                norm_mean=float(t.norm_sum[i] / counted[i]) if counted[i] else 0.0,
+                norm_max=float(t.norm_max[i]),
+                norm_histogram=tuple(int(c) for c in t.layer_histograms[i]),
             )
             for i, spec in enumerate(self.layers)
         )
-        clipped = int(clip_counts[0]) if not self.policy.is_per_layer else int(np.sum(clip_counts))
-        example_hist = d.example_norm_histogram if d is not None else zeros[0]
+        clipped = int(t.clip_counts[0]) if not self.policy.is_per_layer else int(np.sum(t.clip_counts))
         return Stats(
             aggregation_id=self.id,
             state=self.state,
             examples=self._examples,
             batches=self._batches,
             bytes=self._bytes,
-            non_finite=int(d.non_finite_count) if d is not None else 0,
+            non_finite=t.non_finite,
             clipped=clipped,
             layers=layers,
             bucket_upper_bounds=RATIO_BUCKETS,
-            example_norm_histogram=tuple(int(c) for c in example_hist),
+            example_norm_histogram=tuple(int(c) for c in t.example_histogram),
             example_bound=self.policy.example_bound(self.layers),
             updated_unix_seconds=self._updated,
             examples_per_second=self._rate(),
+            failure_reason=self.failure_reason,
         )
 
     def _rate(self, window: float = 10.0) -> float:
@@ -235,33 +334,44 @@ class Aggregation:
         now = time.time()
         start = max(self.created, now - window)
         before = [n for t, n in self._rates if t <= start]
-        base = before[-1] if before else 0
+        base = before[-1] if before else self._rate_base
         return (self._examples - base) / (now - start) if now > start else 0.0
 
 
 class Registry:
-    """The aggregations of one server, by id, with a limit on how many exist at once."""
+    """The aggregations of one server, by id. Only open ones count toward ``max_aggregations``."""
 
     def __init__(self, max_aggregations: int) -> None:
         self.max_aggregations = max_aggregations
         self._lock = threading.Lock()
         self._by_id: dict[str, Aggregation] = {}
 
-    def create(self, aggregation_id: str, make) -> tuple[Aggregation, bool]:
-        """The aggregation with this id (``make(id)`` builds a new one); True if it was created."""
+    def create(self, aggregation_id: str, make, publish) -> tuple[Aggregation, bool]:
+        """The aggregation with this id; True if it was created.
+
+        ``make(id)`` builds a new one and ``publish(aggregation)`` runs before any
+        other request can see it (the server stores it and queues its warm-up).
+        """
         with self._lock:
             aggregation_id = aggregation_id or uuid.uuid4().hex
             existing = self._by_id.get(aggregation_id)
             if existing is not None:
                 return existing, False
-            if len(self._by_id) >= self.max_aggregations:
+            open_now = sum(a.state in (*TAKES_BATCHES, State.FINALIZING) for a in self._by_id.values())
+            if open_now >= self.max_aggregations:
                 raise ResourceExhausted(
-                    f"{len(self._by_id)} aggregations exist, the limit is {self.max_aggregations};"
-                    " cancel finished ones"
+                    f"{open_now} aggregations are open, the limit is {self.max_aggregations};"
+                    " finalize or cancel some"
                 )
             aggregation = make(aggregation_id)
+            publish(aggregation)
             self._by_id[aggregation_id] = aggregation
             return aggregation, True
+
+    def add(self, aggregation: Aggregation) -> None:
+        """Adds a recovered aggregation."""
+        with self._lock:
+            self._by_id[aggregation.id] = aggregation
 
     def get(self, aggregation_id: str) -> Aggregation:
         with self._lock:
@@ -281,3 +391,8 @@ class Registry:
         with self._lock:
             return list(self._by_id.values())
 
+    def expired(self, before: float) -> list[Aggregation]:
+        """Finalized or failed aggregations that finished before ``before`` (unix seconds)."""
+        with self._lock:
+            return [a for a in self._by_id.values()
+                    if a.state in (State.FINALIZED, State.FAILED) and a.finished is not None and a.finished < before]

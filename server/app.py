@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -13,10 +14,11 @@ from grpc_reflection.v1alpha import reflection
 
 from clipd.v1 import clipd_pb2
 
-from . import wire
-from .aggregations import Registry
+from . import codec, wire
+from .aggregations import Aggregation, Registry
 from .service import ClipdServicer
 from .settings import Settings
+from .store import FAILED, FINALIZED, Store, open_store
 from .worker import DeviceWorker
 
 log = logging.getLogger(__name__)
@@ -87,9 +89,12 @@ class ClipdServer:
 
             jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations)
-        self.worker = DeviceWorker(settings.max_queued_bytes)
-        self.servicer = ClipdServicer(settings, self.registry, self.worker)
+        self.worker = DeviceWorker(settings.max_queued_bytes, self.store, settings.checkpoint_interval,
+                                   settings.checkpoint_max_duty)
+        recover(self.store, self.registry, self.worker, settings)
+        self.servicer = ClipdServicer(settings, self.registry, self.worker, self.store)
         self.health = health.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -118,9 +123,23 @@ class ClipdServer:
             self.port = self.grpc.add_insecure_port(address)
         self.admin = None
         self.stopped = threading.Event()
+        self._janitor = threading.Thread(target=self._expire_results, name="clipd-janitor", daemon=True)
+
+    def _expire_results(self) -> None:
+        """Deletes finalized and failed aggregations once they are older than the retention period."""
+        period = min(60.0, self.settings.retention_seconds / 4)
+        while not self.stopped.wait(period):
+            for aggregation in self.registry.expired(time.time() - self.settings.retention_seconds):
+                try:
+                    self.servicer.cancel(aggregation.id)
+                    log.info("aggregation %s expired (retention %g s)", aggregation.id,
+                             self.settings.retention_seconds)
+                except Exception:  # already gone, or the store failed: try again next round
+                    log.exception("could not expire aggregation %s", aggregation.id)
 
     def start(self) -> ClipdServer:
         self.grpc.start()
+        self._janitor.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("clipd gRPC on %s:%d (device: %s)", self.settings.host, self.port, self.worker.device_kind)
@@ -144,8 +163,35 @@ class ClipdServer:
         self.health.enter_graceful_shutdown()
         self.grpc.stop(grace).wait()
         self.worker.stop()
+        self.store.close()
         if self.admin is not None:
             self.admin.stop()
+
+
+def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Settings) -> None:
+    """Brings back every aggregation of the store as of its last checkpoint.
+
+    Open ones warm up again and keep taking batches: their clients resume after
+    the checkpoint's sequence numbers (anything older is a duplicate). Finalized
+    ones serve their result again; failed ones keep their reason.
+    """
+    for record in store.records():
+        layers, policy, reject = codec.spec_from_json(record.spec)
+        totals = store.load_checkpoint(record.aggregation_id)
+        aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
+                                  settings.staging_bytes, recovered=totals, created=record.created)
+        if record.state == FINALIZED and totals is not None:
+            aggregation.restore_result(record.finished)
+        elif record.state == FINALIZED:
+            aggregation.fail("the final checkpoint can't be read back")
+        elif record.state == FAILED:
+            aggregation.fail(record.reason)
+            aggregation.finished = record.finished
+        else:
+            worker.warm_up(aggregation)
+        registry.add(aggregation)
+        log.info("recovered aggregation %s: %s, %d examples", record.aggregation_id,
+                 aggregation.state.value, aggregation.examples)
 
 
 def create_server(settings: Settings) -> tuple[ClipdServer, int]:

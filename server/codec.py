@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import ml_dtypes
@@ -40,6 +41,7 @@ STATES = {  # FINALIZING has no proto state: it still reports OPEN
     State.FINALIZING: pb.Aggregation.OPEN,
     State.FINALIZED: pb.Aggregation.FINALIZED,
     State.CANCELLED: pb.Aggregation.CANCELLED,
+    State.FAILED: pb.Aggregation.FAILED,
 }
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -64,8 +66,38 @@ def layers_from_proto(layers) -> tuple[LayerSpec, ...]:
         if any(d <= 0 for d in layer.shape):
             raise InvalidArgument(f"layer {layer.name!r}: dimensions must be positive, got {list(layer.shape)}")
         names.add(layer.name)
-        specs.append(LayerSpec(layer.name, tuple(layer.shape), str(dtype_of(layer.dtype, f"layer {layer.name!r}"))))
+        dtype = dtype_of(layer.dtype, f"layer {layer.name!r}")
+        if dtype == np.float64 and not _x64_enabled():
+            raise InvalidArgument(
+                f"layer {layer.name!r}: FLOAT64 layers need a server running JAX with float64 enabled"
+                " (JAX_ENABLE_X64=1); send FLOAT32 (sums are kept in float64 on the host either way)"
+            )
+        specs.append(LayerSpec(layer.name, tuple(layer.shape), str(dtype)))
     return tuple(specs)
+
+
+def _x64_enabled() -> bool:
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
+
+
+def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool) -> str:
+    """An aggregation's layers and policy as JSON, for the store."""
+    return json.dumps({
+        "layers": [[l.name, list(l.shape), l.dtype] for l in layers],
+        "policy": {"kind": policy.kind.value, "l2_norm_clip": policy.l2_norm_clip,
+                   "layer_clips": list(policy.layer_clips), "rescale_to_unit_norm": policy.rescale_to_unit_norm,
+                   "non_finite": policy.non_finite.value},
+        "reject_non_finite": reject_non_finite,
+    })
+
+
+def spec_from_json(text: str) -> tuple[tuple[LayerSpec, ...], ClipPolicy, bool]:
+    """The inverse of :func:`spec_to_json`."""
+    spec = json.loads(text)
+    layers = tuple(LayerSpec(name, tuple(shape), dtype) for name, shape, dtype in spec["layers"])
+    return layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"])
 
 
 def layers_to_proto(layers) -> list[pb.LayerSpec]:
@@ -137,5 +169,6 @@ def stats_to_proto(stats: Stats) -> pb.AggregationStats:
         example_bound=stats.example_bound,
         updated_unix_seconds=stats.updated_unix_seconds,
         examples_per_second=stats.examples_per_second,
+        failure_reason=stats.failure_reason,
     )
 

@@ -33,3 +33,7 @@ class ResourceExhausted(ClipdError):
 
 class Unavailable(ClipdError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(ClipdError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

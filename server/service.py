@@ -3,8 +3,9 @@
 Request path of a batch: ``Submit`` (a reader thread per stream) ->
 ``BatchAssembler.add`` (chunks checked and reassembled) -> ``_check_finite``
 (policy REJECT only) -> ``Aggregation.accept`` (sequence numbers, duplicates)
--> ``DeviceWorker.submit`` (bounded queue) -> worker step -> the accumulator.
-The stream's responses acknowledge what ``Aggregation.record`` marked summed.
+-> ``DeviceWorker.submit`` (bounded queue) -> worker step -> the accumulator's
+device delta -> a flush into the host totals -> a checkpoint committed to the
+store -> ``Aggregation.mark_durable``. The stream acknowledges durable batches only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .aggregations import Aggregation, Registry, Result, State
 from .batches import BatchAssembler
 from .errors import AlreadyExists, ClipdError, FailedPrecondition, InvalidArgument
 from .settings import Settings
+from .store import AggregationRecord, Store
 from .worker import DeviceWorker
 
 
@@ -47,10 +49,11 @@ def _check_id(value: str, what: str) -> str:
 
 
 class ClipdServicer(pb_grpc.ClipdServicer):
-    def __init__(self, settings: Settings, registry: Registry, worker: DeviceWorker) -> None:
+    def __init__(self, settings: Settings, registry: Registry, worker: DeviceWorker, store: Store) -> None:
         self.settings = settings
         self.registry = registry
         self.worker = worker
+        self.store = store
         self.rejections: dict[str, int] = {}
         self.active_streams = 0
         self._lock = threading.Lock()
@@ -70,10 +73,16 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             return Aggregation(aggregation_id, layers, policy, reject,
                                self.settings.max_device_rows, self.settings.staging_bytes)
 
-        aggregation, created = self.registry.create(requested, make)
-        if created:
+        def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it
+            record = AggregationRecord(aggregation.id, codec.spec_to_json(layers, policy, reject),
+                                       created=aggregation.created)
+            if not self.store.create(record):
+                raise AlreadyExists(f"aggregation {aggregation.id!r} exists in the store")
             self.worker.warm_up(aggregation)
-        elif (aggregation.layers, aggregation.policy, aggregation.reject_non_finite) != (layers, policy, reject):
+
+        aggregation, created = self.registry.create(requested, make, publish)
+        if not created and (aggregation.layers, aggregation.policy, aggregation.reject_non_finite) != (
+                layers, policy, reject):
             raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
         return self._describe(aggregation)
 
@@ -90,10 +99,11 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         return self._describe(self.cancel(request.aggregation_id))
 
     def cancel(self, aggregation_id: str) -> Aggregation:
-        """Drops an aggregation, its queued batches and its device state (gRPC and admin API)."""
+        """Drops an aggregation (or a finished one's result): queued batches, device state, store."""
         aggregation = self.registry.remove(aggregation_id)
         aggregation.cancel()
         self.worker.forget(aggregation)
+        self.store.delete(aggregation.id)
         return aggregation
 
     @_status_on_error
@@ -113,15 +123,10 @@ class ClipdServicer(pb_grpc.ClipdServicer):
                 yield pb.FinalizeResponse(sum=chunk)
 
     def finalize(self, aggregation_id: str) -> Result:
-        """Closes the aggregation, waits for its last batch, and keeps the result (idempotent)."""
+        """Closes the aggregation, waits for its last batch, commits and keeps the result (idempotent)."""
         aggregation = self.registry.get(aggregation_id)
-
-        def read_state():
-            state = self.worker.read(aggregation)
-            self.worker.forget(aggregation)
-            return state
-
-        return aggregation.finalize(read_state)
+        timeout = self.settings.finalize_timeout
+        return aggregation.finalize(lambda: self.worker.commit_final(aggregation, timeout), timeout)
 
     def _describe(self, aggregation: Aggregation) -> pb.Aggregation:
         return pb.Aggregation(
@@ -130,8 +135,9 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
             state=codec.STATES[aggregation.state],
             layer_bounds=aggregation.accumulator.bounds,
-            examples=aggregation.stats().examples,
+            examples=aggregation.examples,
             created_unix_seconds=aggregation.created,
+            failure_reason=aggregation.failure_reason,
         )
 
     # Streaming ----------------------------------------------------------------------
@@ -156,6 +162,8 @@ class _SubmitSession:
         self.bound = threading.Event()
         self.aggregation: Aggregation | None = None
         self.client = ""
+        self.writer = ""
+        self.greeting: pb.SubmitResponse | None = None  # the answer to a hello, until sent
         self.last_sequence = 0  # the highest sequence this stream delivered whole
         self.finished = False
         self.error: Exception | None = None
@@ -167,6 +175,8 @@ class _SubmitSession:
                 if self.aggregation is None:
                     self._bind(message)
                     assembler = BatchAssembler(self.aggregation.layers, self.servicer.settings.max_batch_bytes)
+                    if message.sequence == 0 and not message.chunks:
+                        continue  # a hello: answered by the response side
                 elif (message.aggregation_id, message.client_id) != (self.aggregation.id, self.client):
                     raise InvalidArgument("a stream carries one aggregation and one client_id")
                 if message.sequence < 1:
@@ -176,9 +186,9 @@ class _SubmitSession:
                     continue
                 if self.aggregation.reject_non_finite:
                     _check_finite(batch, self.aggregation)
-                if self.aggregation.accept(self.client, batch.sequence):
+                if self.aggregation.accept(self.client, batch.sequence, self.writer):
                     try:
-                        self.servicer.worker.submit(self.aggregation, self.client, batch)
+                        self.servicer.worker.submit(self.aggregation, self.client, self.writer, batch)
                     except ClipdError:
                         self.aggregation.drop(1)
                         raise
@@ -191,40 +201,51 @@ class _SubmitSession:
             self.finished = True
             self.bound.set()
             if self.aggregation is not None:
-                with self.aggregation.cond:
-                    self.aggregation.cond.notify_all()
+                self.aggregation.detach(self.client, self.writer)  # wakes the response side too
 
-    def _bind(self, message: pb.SubmitRequest) -> None:
+    def _bind(self, message) -> None:
         aggregation = self.servicer.registry.get(message.aggregation_id)
         self.client = _check_id(message.client_id, "client_id")
+        self.writer = message.writer_id
+        durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
+        self.greeting = pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=accepted,
+                                          aggregation_examples=aggregation.examples, writer_id=last_writer)
         self.aggregation = aggregation
         self.bound.set()
 
     def acknowledgements(self, context):
-        """Yields an acknowledgement whenever this client's summed sequence moves; ends with the stream."""
+        """Yields the hello's answer, then an acknowledgement whenever this client's durable sequence moves."""
         while not self.bound.wait(timeout=1.0):
             if not context.is_active():
                 return
-        sent = 0
         aggregation = self.aggregation
+        sent = 0
+        if aggregation is not None and self.greeting is not None:
+            sent = self.greeting.acknowledged_sequence
+            yield self.greeting
+        ended = (State.CANCELLED, State.FAILED)
         while aggregation is not None:
             with aggregation.cond:
                 aggregation.cond.wait_for(
-                    lambda: aggregation.accumulated(self.client) > sent
+                    lambda: aggregation.durable(self.client) > sent
                     or (self.finished and (self.error is not None
-                                           or aggregation.accumulated(self.client) >= self.last_sequence))
-                    or aggregation.state is State.CANCELLED,
+                                           or aggregation.durable(self.client) >= self.last_sequence))
+                    or aggregation.state in ended,
                     timeout=1.0,
                 )
-                done = aggregation.accumulated(self.client)
+                done = aggregation.durable(self.client)
                 examples = aggregation.examples
+                state = aggregation.state
             if done > sent:
                 sent = done
                 yield pb.SubmitResponse(acknowledged_sequence=done, aggregation_examples=examples)
             if self.finished and (self.error is not None or done >= self.last_sequence):
                 break
-            if aggregation.state is State.CANCELLED:
+            if state is State.CANCELLED:
                 self.error = self.error or FailedPrecondition(f"aggregation {aggregation.id} was cancelled")
+                break
+            if state is State.FAILED:
+                self.error = FailedPrecondition(f"aggregation {aggregation.id} failed: {aggregation.failure_reason}")
                 break
             if not context.is_active():
                 return

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 
 MiB = 1 << 20
+
+
+def default_data_dir() -> str:
+    """The per-user state directory: ``$XDG_STATE_HOME/clipd``, else ``~/.local/state/clipd``."""
+    base = os.environ.get("XDG_STATE_HOME") or str(pathlib.Path.home() / ".local" / "state")
+    return str(pathlib.Path(base) / "clipd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +34,25 @@ class Settings:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
+    # Durability: aggregations, checkpoints and results live here ("memory": nothing survives a restart).
+    data_dir: str = dataclasses.field(default_factory=default_data_dir)
+    checkpoint_interval: float = 0.05  # seconds between checkpoint starts (the acknowledgement latency)
+    checkpoint_max_duty: float = 0.25  # large states: checkpoints spaced so writing takes <= this share
+    finalize_timeout: float = 300.0  # Finalize waits at most this long for accepted batches to be summed
+    retention_seconds: float = 86400.0  # finalized and failed aggregations are deleted after this
 
     def __post_init__(self) -> None:
         for field in ("max_message_bytes", "max_batch_bytes", "max_queued_bytes", "max_aggregations",
                       "max_device_rows", "staging_bytes", "workers"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
+        for field in ("checkpoint_interval", "finalize_timeout", "retention_seconds"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
+        if not 0 < self.checkpoint_max_duty <= 1:
+            raise ValueError(f"Settings.checkpoint_max_duty must be in (0, 1], got {self.checkpoint_max_duty}")
+        if not self.data_dir:
+            raise ValueError("Settings.data_dir must name a directory (or 'memory')")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("Settings: tls_cert_file and tls_key_file go together")
 
@@ -46,6 +66,8 @@ class Settings:
             if raw is not None:
                 if field.type == "int":
                     values[field.name] = int(raw)
+                elif field.type == "float":
+                    values[field.name] = float(raw)
                 elif field.type == "bool":
                     values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
                 else:

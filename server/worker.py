@@ -3,14 +3,27 @@
 Validated batches wait in a queue bounded in bytes (a full queue makes the
 streams wait: back-pressure). The worker packs consecutive batches of one
 aggregation into a 64-byte-aligned host staging buffer of ``device_rows`` rows,
-hands it to JAX with ``jax.device_put`` (zero-copy on the CPU) padded to the
-next bucket size (so each layer spec compiles a handful of programs once, at
-warm-up), and runs one jitted accumulator step. Steps are asynchronous: while
-the device sums one buffer, the worker copies the next batches into the
-aggregation's other buffer. A batch is acknowledged once the step that holds
-its last row has finished. The statistics are read back from the device at
-most every ``STATS_PERIOD`` while batches keep coming, and whenever the queue
-runs empty.
+hands it to the jitted accumulator step padded to the next bucket size (so each
+layer spec compiles a handful of programs once, at warm-up), and runs it.
+Steps are asynchronous: while the device sums one buffer, the worker copies
+the next batches into the aggregation's other buffer.
+
+Durability (group commit). The device holds a *delta* (float32 sums, int32
+counts) since the last flush. A flush adds the delta into the aggregation's
+host totals (a ``PartialState`` in float64/int64, with each client's highest
+summed sequence) and restarts the delta from zero. A checkpoint is a flush
+whose totals the committer thread then writes to the store; once the commit
+returns, the batches it covers are acknowledged. One checkpoint covers every
+batch summed since the previous one. Checkpoints of an aggregation start at
+most every ``checkpoint_interval`` seconds, and further apart when writing
+takes long (large models): writing takes at most ``checkpoint_max_duty`` of
+the time. A delta is also flushed every ``FLUSH_STEPS`` steps, which bounds
+the float32 rounding error of the sums and keeps the int32 counters far from
+overflow.
+
+A step that fails (or a warm-up, or a checkpoint write) fails its aggregation:
+state FAILED with the reason; its queued batches are dropped and its streams
+and Finalize get the error.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from typing import Any, Callable
@@ -26,13 +40,17 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from clipd.engine import PartialState
+
 from .aggregations import Aggregation, State
 from .batches import Batch
 from .errors import Unavailable
+from .store import Store
 
 log = logging.getLogger(__name__)
 STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming
 FILL_WAIT = 0.002  # how long a step less than half full waits for more batches (seconds)
+FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
@@ -61,6 +79,7 @@ def bucket_for(rows: int, buckets: list[int]) -> int:
 class _Work:
     aggregation: Aggregation
     client: str
+    writer: str
     batch: Batch
 
 
@@ -77,30 +96,52 @@ class _Stop:
 @dataclasses.dataclass
 class _InFlight:
     aggregation: Aggregation
-    done: list[tuple[str, int, int, int]]
+    done: list[tuple[str, str, int, int, int]]  # (client, writer, sequence, rows, nbytes)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """The device side of one aggregation: its delta, what the delta covers, its staging buffers."""
+
+    delta: Any  # AccumulatorState on the device, since the last flush
+    marks: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)  # client -> (seq, writer)
+    batches: int = 0
+    nbytes: int = 0
+    steps: int = 0
+    staging: list[list[np.ndarray]] | None = None
+    next_staging: int = 0
+    stats_read: float = 0.0
+    dirty: bool = False  # batches summed since the last checkpoint started
+    checkpoint_due: float = 0.0  # time.monotonic() when the next checkpoint may start
+    committing: bool = False
 
 
 class DeviceWorker:
-    """Runs every device step of the server, in one thread."""
+    """Runs every device step of the server, in one thread; a second thread commits checkpoints."""
 
-    def __init__(self, max_queued_bytes: int) -> None:
+    def __init__(self, max_queued_bytes: int, store: Store, checkpoint_interval: float = 0.05,
+                 checkpoint_max_duty: float = 0.25) -> None:
         self.max_queued_bytes = max_queued_bytes
+        self.store = store
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_max_duty = checkpoint_max_duty
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self._queued_bytes = 0
         self._stopping = False
-        self._states: dict[str, Any] = {}  # aggregation id -> AccumulatorState (device)
-        self._staging: dict[str, list[list[np.ndarray]]] = {}
-        self._slot: dict[str, int] = {}
-        self._stats_read: dict[str, float] = {}  # when each aggregation's statistics were last read
+        self._recheck = False  # set by the committer: a checkpoint may have become due
+        self._slots: dict[Aggregation, _Slot] = {}  # keyed by the object: a re-created id is another key
         self._inflight: _InFlight | None = None
+        self._commits: queue.Queue = queue.Queue()
         self.device_kind = jax.devices()[0].device_kind
         self.ready = threading.Event()  # set once the device has run a first program
         self._thread = threading.Thread(target=self._run, name="clipd-device-worker", daemon=True)
+        self._committer = threading.Thread(target=self._commit_loop, name="clipd-committer", daemon=True)
         self._thread.start()
+        self._committer.start()
 
     # Producer side (gRPC handler threads) -----------------------------------------
-    def submit(self, aggregation: Aggregation, client: str, batch: Batch) -> None:
+    def submit(self, aggregation: Aggregation, client: str, writer: str, batch: Batch) -> None:
         """Queues an accepted batch; waits while the queue is over its byte budget."""
         with self._cond:
             self._cond.wait_for(
@@ -110,17 +151,20 @@ class DeviceWorker:
             )
             if self._stopping:
                 raise Unavailable("the server is shutting down")
-            self._queue.append(_Work(aggregation, client, batch))
+            self._queue.append(_Work(aggregation, client, writer, batch))
             self._queued_bytes += batch.nbytes
             self._cond.notify_all()
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Runs ``fn`` on the worker thread, after everything queued before it, and returns its result."""
+        return self._enqueue_call(fn).result(timeout)
+
+    def _enqueue_call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._queue.append(_Call(fn, future))
             self._cond.notify_all()
-        return future.result(timeout)
+        return future
 
     @property
     def queued_bytes(self) -> int:
@@ -131,21 +175,35 @@ class DeviceWorker:
         return len(self._queue)
 
     def warm_up(self, aggregation: Aggregation) -> None:
-        """Queues the compilation of every bucket size of ``aggregation``; it opens when done."""
-        with self._cond:
-            self._queue.append(_Call(lambda: self._warm_up(aggregation), concurrent.futures.Future()))
-            self._cond.notify_all()
+        """Queues the compilation of every bucket size of ``aggregation``; it opens when done.
 
-    def read(self, aggregation: Aggregation):
-        """The full state of an aggregation (numpy), once everything queued before has run."""
-        return self.call(lambda: jax.device_get(self._states[aggregation.id]))
+        Queued before the aggregation is published, so every batch of it comes after.
+        """
+        self._enqueue_call(lambda: self._warm_up(aggregation))
+
+    def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> PartialState:
+        """Flushes the aggregation's delta, commits its totals as final, frees its device state.
+
+        Runs after everything queued before it; the final commit goes through
+        the committer after any checkpoint of the same aggregation still being
+        written, so an older checkpoint can never land after it.
+        """
+        finished = concurrent.futures.Future()
+
+        def flush_and_commit():
+            totals = self._flush(aggregation)
+            self._slots.pop(aggregation, None)
+            self._commits.put((aggregation, totals, finished))
+
+        self.call(flush_and_commit, timeout)
+        return finished.result(timeout)
 
     def forget(self, aggregation: Aggregation) -> None:
         """Frees an aggregation's device state and staging buffers."""
-        self.call(lambda: self._forget(aggregation.id))
+        self.call(lambda: self._slots.pop(aggregation, None))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finishes everything queued, then stops the thread."""
+        """Finishes everything queued, commits a last checkpoint of every aggregation, stops both threads."""
         with self._cond:
             self._queue.append(_Stop())
             self._cond.notify_all()
@@ -153,13 +211,17 @@ class DeviceWorker:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._commits.put(None)
+        self._committer.join(timeout)
 
     # The worker thread ----------------------------------------------------------------
-    def _take(self, block: bool):
+    def _take(self, timeout: float | None):
+        """The next queued item, or None after ``timeout`` seconds (None: wait for one)."""
         with self._cond:
-            if not self._queue and not block:
+            self._cond.wait_for(lambda: bool(self._queue) or self._recheck, timeout)
+            self._recheck = False
+            if not self._queue:
                 return None
-            self._cond.wait_for(lambda: bool(self._queue))
             item = self._queue.popleft()
             if isinstance(item, _Work):
                 self._queued_bytes -= item.batch.nbytes
@@ -183,11 +245,20 @@ class DeviceWorker:
                     return head
         return None
 
+    def _wait_budget(self) -> float | None:
+        """How long the worker may wait for new work: 0 with a step in flight, else until a checkpoint is due."""
+        if self._inflight is not None:
+            return 0.0
+        with self._cond:
+            due = [s.checkpoint_due for s in self._slots.values() if s.dirty and not s.committing]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
     def _run(self) -> None:
         jax.block_until_ready(jax.jit(lambda x: x + 1)(np.zeros(8, np.float32)))
         self.ready.set()
         while True:
-            item = self._take(block=self._inflight is None)
+            item = self._take(self._wait_budget())
+            current = item.aggregation if isinstance(item, _Work) else None
             try:
                 if item is None:
                     self._finish_inflight()
@@ -198,9 +269,16 @@ class DeviceWorker:
                     self._run_call(item)
                 else:
                     self._finish_inflight()
+                    for aggregation, slot in list(self._slots.items()):  # stopping: a last checkpoint
+                        if slot.dirty or slot.steps:
+                            self._checkpoint(aggregation)
                     return
-            except Exception:  # a bug, not bad input (that is refused before the queue)
-                log.exception("device worker step failed")
+                self._checkpoint_due()
+            except Exception as e:  # a failed step: fail its aggregation, never the server
+                if current is None:
+                    log.exception("device worker failed outside a step")
+                    continue
+                self._fail(current, f"device step failed: {type(e).__name__}: {e}")
 
     @staticmethod
     def _run_call(item: _Call) -> None:
@@ -209,13 +287,35 @@ class DeviceWorker:
         except Exception as e:  # handed to the caller
             item.future.set_exception(e)
 
+    def _fail(self, aggregation: Aggregation, reason: str) -> None:
+        """Fails an aggregation: its device state and queued batches are dropped, the store says FAILED."""
+        log.error("aggregation %s failed: %s", aggregation.id, reason)
+        self._slots.pop(aggregation, None)
+        if self._inflight is not None and self._inflight.aggregation is aggregation:
+            self._inflight = None
+        if aggregation.fail(reason):
+            try:
+                self.store.set_state(aggregation.id, "failed", reason=reason, finished=time.time())
+            except Exception:  # the store itself may be what failed
+                log.exception("could not record the failure of aggregation %s", aggregation.id)
+        with self._cond:
+            mine = [w for w in self._queue if isinstance(w, _Work) and w.aggregation is aggregation]
+            for work in mine:
+                self._queue.remove(work)
+                self._queued_bytes -= work.batch.nbytes
+            self._cond.notify_all()
+        with aggregation.cond:
+            aggregation.pending = 0
+            aggregation.cond.notify_all()
+
     def _accumulate(self, first: _Work) -> None:
         aggregation = first.aggregation
-        if aggregation.state is State.CANCELLED or aggregation.id not in self._states:
+        slot = self._slots.get(aggregation)
+        if slot is None or aggregation.state in (State.CANCELLED, State.FAILED):
             aggregation.drop(1)
             return
         capacity = aggregation.device_rows
-        buffers = self._buffers(aggregation)
+        buffers = self._buffers(aggregation, slot)
         fill, done = 0, []
         deadline = time.monotonic() + FILL_WAIT  # small batches arriving one by one fill a step
         work: _Work | None = first
@@ -227,33 +327,33 @@ class DeviceWorker:
                     buf[fill : fill + take] = layer[start : start + take]
                 fill, start = fill + take, start + take
                 if fill == capacity and start < batch.rows:  # a batch larger than one step
-                    self._dispatch(aggregation, buffers, fill, done)
-                    buffers, fill, done = self._buffers(aggregation), 0, []
-            done.append((work.client, batch.sequence, batch.rows, batch.nbytes))
+                    self._dispatch(aggregation, slot, buffers, fill, done)
+                    buffers, fill, done = self._buffers(aggregation, slot), 0, []
+            done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
             work = self._more_for(aggregation, capacity - fill, deadline if fill < capacity // 2 else 0.0)
-        self._dispatch(aggregation, buffers, fill, done)
+        self._dispatch(aggregation, slot, buffers, fill, done)
 
-    def _buffers(self, aggregation: Aggregation) -> list[np.ndarray]:
+    @staticmethod
+    def _buffers(aggregation: Aggregation, slot: _Slot) -> list[np.ndarray]:
         """The aggregation's staging buffer not used by the step in flight."""
-        if aggregation.id not in self._staging:
-            self._staging[aggregation.id] = [
+        if slot.staging is None:
+            slot.staging = [
                 [aligned_empty((aggregation.device_rows, *l.shape), l.dtype) for l in aggregation.layers]
                 for _ in range(2)
             ]
-            self._slot[aggregation.id] = 0
-        slot = self._slot[aggregation.id]
-        self._slot[aggregation.id] = 1 - slot
-        return self._staging[aggregation.id][slot]
+        buffers = slot.staging[slot.next_staging]
+        slot.next_staging = 1 - slot.next_staging
+        return buffers
 
-    def _dispatch(self, aggregation: Aggregation, buffers, rows: int, done) -> None:
+    def _dispatch(self, aggregation: Aggregation, slot: _Slot, buffers, rows: int, done) -> None:
         bucket = bucket_for(rows, bucket_sizes(aggregation.device_rows))
         # Aligned numpy views go to the jitted step as they are: on the CPU JAX reads them in
         # place (one jax.device_put per array costs more than the step for small batches).
         layers = [buf[:bucket] for buf in buffers]
         valid = np.arange(bucket) < rows
         self._finish_inflight()
-        state = self._states[aggregation.id]
-        self._states[aggregation.id] = aggregation.accumulator.update(state, layers, valid)
+        slot.delta = aggregation.accumulator.update(slot.delta, layers, valid)
+        slot.steps += 1
         self._inflight = _InFlight(aggregation, done)
 
     def _finish_inflight(self) -> None:
@@ -261,26 +361,101 @@ class DeviceWorker:
         if self._inflight is None:
             return
         inflight, self._inflight = self._inflight, None
-        state = self._states[inflight.aggregation.id]
+        aggregation = inflight.aggregation
+        slot = self._slots[aggregation]
+        try:
+            now = time.monotonic()
+            if now - slot.stats_read >= STATS_PERIOD or not self._queue:
+                stats = jax.device_get(slot.delta.statistics_only())  # waits for the step
+                slot.stats_read = now
+            else:
+                stats = None
+                jax.block_until_ready(slot.delta.stats)
+        except Exception as e:
+            self._fail(aggregation, f"device step failed: {type(e).__name__}: {e}")
+            return
+        for client, writer, sequence, _, nbytes in inflight.done:
+            slot.marks[client] = (sequence, writer)
+            slot.batches += 1
+            slot.nbytes += nbytes
+        slot.dirty = slot.dirty or bool(inflight.done)
+        aggregation.record(inflight.done, stats)
+        if slot.steps >= FLUSH_STEPS:
+            self._flush(aggregation)
+
+    # Flushes and checkpoints ------------------------------------------------------------
+    def _flush(self, aggregation: Aggregation) -> PartialState:
+        """Adds the device delta into the host totals (float64, int64) and restarts it from zero."""
+        self._finish_inflight()
+        slot = self._slots.get(aggregation)
+        if slot is None or not slot.steps:
+            return aggregation.totals
+        delta = jax.device_get(slot.delta)
+        totals = aggregation.totals.absorb(delta, slot.marks, slot.batches, slot.nbytes)
+        slot.delta = aggregation.accumulator.init()
+        slot.marks, slot.batches, slot.nbytes, slot.steps = {}, 0, 0, 0
+        aggregation.flushed(totals)
+        return totals
+
+    def _checkpoint(self, aggregation: Aggregation) -> None:
+        """Flushes and hands the totals to the committer (group commit)."""
+        slot = self._slots[aggregation]
+        totals = self._flush(aggregation)
+        with self._cond:
+            slot.committing, slot.dirty = True, False
+        self._commits.put((aggregation, totals, None))
+
+    def _checkpoint_due(self) -> None:
         now = time.monotonic()
-        if now - self._stats_read.get(inflight.aggregation.id, 0.0) >= STATS_PERIOD or not self._queue:
-            stats = jax.device_get(state.statistics_only())  # waits for the step
-            self._stats_read[inflight.aggregation.id] = now
-        else:
-            stats = None
-            jax.block_until_ready(state.stats)
-        inflight.aggregation.record(inflight.done, stats)
+        with self._cond:
+            due = [a for a, s in self._slots.items() if s.dirty and not s.committing and now >= s.checkpoint_due]
+        for aggregation in due:
+            self._checkpoint(aggregation)
+
+    def _commit_loop(self) -> None:
+        """The committer thread: writes checkpoints in order, then acknowledges what they cover."""
+        while True:
+            item = self._commits.get()
+            if item is None:
+                return
+            aggregation, totals, final = item
+            started = time.monotonic()
+            try:
+                self.store.save_checkpoint(aggregation.id, totals,
+                                           finished=time.time() if final is not None else None)
+            except Exception as e:
+                log.exception("checkpoint of aggregation %s failed", aggregation.id)
+                if final is not None:
+                    final.set_exception(e)
+                self.call_soon(lambda: self._fail(aggregation, f"checkpoint failed: {type(e).__name__}: {e}"))
+            else:
+                aggregation.mark_durable(totals.clients)
+                if final is not None:
+                    final.set_result(totals)
+            took = time.monotonic() - started
+            with self._cond:
+                slot = self._slots.get(aggregation)
+                if slot is not None and final is None:
+                    slot.committing = False
+                    slot.checkpoint_due = started + max(self.checkpoint_interval, took / self.checkpoint_max_duty)
+                self._recheck = True
+                self._cond.notify_all()
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Runs ``fn`` on the worker thread later, without waiting for it."""
+        self._enqueue_call(fn)
 
     def _warm_up(self, aggregation: Aggregation) -> None:
         acc = aggregation.accumulator
-        for bucket in bucket_sizes(aggregation.device_rows):
-            layers = [np.zeros((bucket, *l.shape), l.dtype) for l in aggregation.layers]
-            jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(bucket, bool)))
-        self._states[aggregation.id] = acc.init()
+        try:
+            for bucket in bucket_sizes(aggregation.device_rows):
+                layers = [np.zeros((bucket, *l.shape), l.dtype) for l in aggregation.layers]
+                jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(bucket, bool)))
+            delta = acc.init()
+        except Exception as e:
+            self._fail(aggregation, f"warm-up failed: {type(e).__name__}: {e}")
+            return
+        if aggregation.state in (State.CANCELLED, State.FAILED):
+            return
+        self._slots[aggregation] = _Slot(delta)
         aggregation.mark_open()
-
-    def _forget(self, aggregation_id: str) -> None:
-        self._states.pop(aggregation_id, None)
-        self._staging.pop(aggregation_id, None)
-        self._slot.pop(aggregation_id, None)
-        self._stats_read.pop(aggregation_id, None)

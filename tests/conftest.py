@@ -9,12 +9,14 @@ from clipd.server.app import create_server
 from clipd.server.settings import Settings
 
 TEST_SETTINGS = dict(host="127.0.0.1", grpc_port=0, admin_port=-1, max_device_rows=16,
-                     max_message_bytes=4 << 20, max_aggregations=1000)
+                     max_message_bytes=4 << 20, max_aggregations=1000, data_dir="memory")
 
 
 @pytest.fixture(scope="module")
-def server():
-    server, _ = create_server(Settings(**TEST_SETTINGS))
+def server(tmp_path_factory):
+    """A server with a real (SQLite) store in a fresh directory: acknowledgements wait for checkpoints."""
+    data_dir = tmp_path_factory.mktemp("clipd-data")
+    server, _ = create_server(Settings(**{**TEST_SETTINGS, "data_dir": str(data_dir)}))
     yield server
     server.stop(grace=1.0)
 

@@ -330,7 +330,7 @@ def test_jax_pytrees_and_single_examples_from_the_client(client):
 def test_graceful_stop_sums_everything_it_accepted():
     server, port = create_server(Settings(**TEST_SETTINGS))
     updates = make_updates(4000, seed=13)
-    with Client(f"127.0.0.1:{port}", message_bytes=2048, max_retries=0) as c:
+    with Client(f"127.0.0.1:{port}", message_bytes=2048, retry_timeout=0) as c:
         agg = c.create_aggregation(LAYERS, l2_norm_clip=1.0)
         errors = []
         sender = threading.Thread(target=lambda: _collect(errors, c.submit, agg, updates))

@@ -79,7 +79,7 @@ class CreateAggregationRequest(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., aggregation_id: _Optional[str] = ...) -> None: ...
 
 class Aggregation(_message.Message):
-    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds")
+    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Aggregation.State]
@@ -87,11 +87,13 @@ class Aggregation(_message.Message):
         OPEN: _ClassVar[Aggregation.State]
         FINALIZED: _ClassVar[Aggregation.State]
         CANCELLED: _ClassVar[Aggregation.State]
+        FAILED: _ClassVar[Aggregation.State]
     STATE_UNSPECIFIED: Aggregation.State
     WARMING_UP: Aggregation.State
     OPEN: Aggregation.State
     FINALIZED: Aggregation.State
     CANCELLED: Aggregation.State
+    FAILED: Aggregation.State
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,7 @@ class Aggregation(_message.Message):
     LAYER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     policy: ClipPolicy
@@ -106,7 +109,8 @@ class Aggregation(_message.Message):
     layer_bounds: _containers.RepeatedScalarFieldContainer[float]
     examples: int
     created_unix_seconds: float
-    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ...) -> None: ...
+    failure_reason: str
+    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("layer", "dtype", "shape", "offset", "data")
@@ -123,24 +127,30 @@ class TensorChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("aggregation_id", "client_id", "sequence", "chunks")
+    __slots__ = ("aggregation_id", "client_id", "sequence", "chunks", "writer_id")
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     client_id: str
     sequence: int
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, aggregation_id: _Optional[str] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    writer_id: str
+    def __init__(self, aggregation_id: _Optional[str] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., writer_id: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("acknowledged_sequence", "aggregation_examples")
+    __slots__ = ("acknowledged_sequence", "aggregation_examples", "accepted_sequence", "writer_id")
     ACKNOWLEDGED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    WRITER_ID_FIELD_NUMBER: _ClassVar[int]
     acknowledged_sequence: int
     aggregation_examples: int
-    def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ...) -> None: ...
+    accepted_sequence: int
+    writer_id: str
+    def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ..., accepted_sequence: _Optional[int] = ..., writer_id: _Optional[str] = ...) -> None: ...
 
 class GetAggregationRequest(_message.Message):
     __slots__ = ("aggregation_id",)
@@ -171,7 +181,7 @@ class LayerStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bound: _Optional[float] = ..., clipped: _Optional[int] = ..., norm_mean: _Optional[float] = ..., norm_max: _Optional[float] = ..., norm_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AggregationStats(_message.Message):
-    __slots__ = ("aggregation_id", "state", "examples", "batches", "bytes", "non_finite", "clipped", "layers", "bucket_upper_bounds", "example_norm_histogram", "example_bound", "updated_unix_seconds", "examples_per_second")
+    __slots__ = ("aggregation_id", "state", "examples", "batches", "bytes", "non_finite", "clipped", "layers", "bucket_upper_bounds", "example_norm_histogram", "example_bound", "updated_unix_seconds", "examples_per_second", "failure_reason")
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +195,7 @@ class AggregationStats(_message.Message):
     EXAMPLE_BOUND_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     state: Aggregation.State
     examples: int
@@ -198,7 +209,8 @@ class AggregationStats(_message.Message):
     example_bound: float
     updated_unix_seconds: float
     examples_per_second: float
-    def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ...) -> None: ...
+    failure_reason: str
+    def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., failure_reason: _Optional[str] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")

@@ -118,7 +118,8 @@ class ClipdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelAggregation(self, request, context):
-        """Drops an aggregation and everything it accumulated.
+        """Drops an aggregation and everything it accumulated; on a finalized or
+        failed one it deletes the kept result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
