@@ -9,7 +9,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     CLIPD_HOST=0.0.0.0 \
     CLIPD_GRPC_PORT=50051 \
     CLIPD_ADMIN_PORT=8080 \
-    CLIPD_COMPILATION_CACHE_DIR=/var/cache/clipd/jax
+    CLIPD_COMPILATION_CACHE_DIR=/var/cache/clipd/jax \
+    CLIPD_DATA_DIR=/var/lib/clipd
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -19,9 +20,10 @@ COPY engine ./engine
 COPY server ./server
 COPY client ./client
 RUN pip install --no-cache-dir . && useradd --system --create-home clipd \
-    && mkdir -p /var/cache/clipd/jax && chown clipd /var/cache/clipd/jax
+    && mkdir -p /var/cache/clipd/jax /var/lib/clipd && chown clipd /var/cache/clipd/jax /var/lib/clipd
 USER clipd
 
+VOLUME /var/lib/clipd
 EXPOSE 50051 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import urllib.request, sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/readyz', timeout=2).status == 200 else 1)"]

@@ -1,12 +1,13 @@
 """clipd.client: the Python client of clipd (depends on the generated gRPC code and numpy only)."""
 
 from . import errors
-from ._client import AggregateResult, Client, SubmitReport
+from ._client import AggregateResult, Client, SubmitProgress, SubmitReport
 from .errors import (
     AlreadyExistsError,
     ClipdError,
     FailedPreconditionError,
     InvalidArgumentError,
+    InvalidUpdateError,
     NotFoundError,
     ResourceExhaustedError,
     UnauthenticatedError,
@@ -21,9 +22,11 @@ __all__ = [
     "ClipdError",
     "FailedPreconditionError",
     "InvalidArgumentError",
+    "InvalidUpdateError",
     "Layer",
     "NotFoundError",
     "ResourceExhaustedError",
+    "SubmitProgress",
     "SubmitReport",
     "UnauthenticatedError",
     "UnavailableError",

@@ -2,15 +2,34 @@
 
 No dependency on JAX: nested dicts, lists and tuples are flattened here, in
 JAX's order (dict keys sorted), and anything with ``__array__`` is an array.
+
+Every update is checked against the aggregation's layers before it is
+returned; a mismatch raises :class:`~clipd.client.errors.InvalidUpdateError`,
+which names the layer and what was expected and what came:
+
+- a mapping (nested dicts flatten to ``"a/b"`` names, as :func:`flatten` does)
+  is matched by layer *names* only: a missing layer or an unknown key is an
+  error, never matched by position. A list or tuple of arrays (a pytree without
+  mappings) is matched by *position*, in layer order, and must have one array
+  per layer;
+- each array is one example (the layer's shape) or a batch (a leading batch
+  axis): all layers of one update alike, with the same, non-zero batch size;
+- floating arrays (float16/32/64, and ml_dtypes floats such as bfloat16) are
+  cast to the layer's dtype (float64 rounds to float32; values out of a
+  narrower type's range become inf). Other dtypes (int, bool, complex, object,
+  strings) are refused. Non-finite values are left to the server's policy.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from .errors import InvalidUpdateError
 
 
 class Layer(NamedTuple):
@@ -50,37 +69,197 @@ def layers_like(example: Any, dtype: str | None = None) -> list[Layer]:
     return out
 
 
-def _leaves(update: Any, layers: Sequence[Layer]) -> list[np.ndarray]:
-    """The arrays of one update, in layer order (a dict is matched by layer names)."""
-    if isinstance(update, Mapping) and all(layer.name in update for layer in layers):
-        leaves = [update[layer.name] for layer in layers]
-    else:
-        leaves = [leaf for _, leaf in flatten(update)]
-    if len(leaves) != len(layers):
-        raise ValueError(f"an update has {len(leaves)} arrays, the aggregation has {len(layers)} layers")
-    return [np.asarray(leaf) for leaf in leaves]
+# One update ----------------------------------------------------------------------------------
 
 
 def as_batch(update: Any, layers: Sequence[Layer]) -> list[np.ndarray]:
-    """One update as ``(B, *shape)`` arrays: a single example gets a batch axis of 1."""
-    arrays = _leaves(update, layers)
-    single = all(a.shape == layer.shape for a, layer in zip(arrays, layers))
-    batched = all(a.ndim >= 1 and a.shape[1:] == layer.shape for a, layer in zip(arrays, layers))
-    if single:  # one example (its shapes cannot also be a batch's: one less axis)
+    """One update as ``(B, *shape)`` arrays of the layers' dtypes, in layer order.
+
+    A single example gets a batch axis of 1. Raises ``InvalidUpdateError`` if
+    the update does not fit the layers (see the module's docstring).
+
+    >>> layers = [Layer("w", (2, 3), "float32"), Layer("b", (3,), "float32")]
+    >>> [a.shape for a in as_batch({"w": np.ones((2, 3)), "b": np.ones(3)}, layers)]
+    [(1, 2, 3), (1, 3)]
+    >>> [a.dtype.name for a in as_batch([np.ones((5, 2, 3)), np.ones((5, 3))], layers)]
+    ['float32', 'float32']
+    >>> as_batch({"w": np.ones((3, 2)), "b": np.ones(3)}, layers)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    clipd.client.errors.InvalidUpdateError: layer 'w': shape (3, 2) is neither one example ...
+    """
+    arrays = [_array(leaf, layer) for leaf, layer in zip(_leaves(update, layers), layers)]
+    batched = [_is_batch(a, layer) for a, layer in zip(arrays, layers)]
+    if any(batched) and not all(batched):
+        _raise_mixed(arrays, layers, batched)
+    if not any(batched):
         arrays = [a[None] for a in arrays]
-    elif not batched:
-        got = [list(a.shape) for a in arrays]
-        want = [list(layer.shape) for layer in layers]
-        raise ValueError(f"update shapes {got} are neither one example {want} nor a batch of them")
-    rows = {a.shape[0] for a in arrays}
-    if len(rows) != 1:
-        raise ValueError(f"the layers of a batch have different batch sizes: {sorted(rows)}")
-    out = []
-    for a, layer in zip(arrays, layers):
-        if a.dtype.name != layer.dtype:
-            a = a.astype(_numpy_dtype(layer.dtype))
-        out.append(np.ascontiguousarray(a))
-    return out
+    _check_rows(arrays, layers)
+    return [_cast(a, layer) for a, layer in zip(arrays, layers)]
+
+
+def _leaves(update: Any, layers: Sequence[Layer]) -> list[Any]:
+    """The leaves of one update in layer order: a mapping by names, a list/tuple by position."""
+    if isinstance(update, Mapping) or _holds_mapping(update):
+        return _leaves_by_name(update, layers)
+    if isinstance(update, (list, tuple)):
+        return _leaves_by_position(update, layers)
+    if len(layers) == 1:
+        return [update]
+    names = [layer.name for layer in layers]
+    raise InvalidUpdateError(
+        f"an update is one array of shape {np.shape(update)}, but the aggregation has"
+        f" {len(layers)} layers {_quoted(names)}: give a dict {{name: array}} or a list in"
+        " layer order",
+        expected=names, got=np.shape(update),
+    )
+
+
+def _holds_mapping(tree: Any) -> bool:
+    """Whether a list/tuple pytree has a mapping anywhere in it (then its leaves are named)."""
+    if isinstance(tree, Mapping):
+        return True
+    return isinstance(tree, (list, tuple)) and any(_holds_mapping(x) for x in tree)
+
+
+def _leaves_by_name(update: Any, layers: Sequence[Layer]) -> list[Any]:
+    """The leaves named like the layers, or an error naming the missing layers and unknown keys.
+
+    >>> layers = [Layer("w", (), "float32"), Layer("b", (), "float32")]
+    >>> _leaves_by_name({"W": 1, "b": 2}, layers)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    clipd.client.errors.InvalidUpdateError: ... unknown key 'W' (did you mean 'w'?)
+    """
+    leaves: dict[str, Any] = {}
+    for name, leaf in flatten(update):
+        if name in leaves:
+            raise InvalidUpdateError(f"the update names {name!r} twice", layer=name)
+        leaves[name] = leaf
+    names = [layer.name for layer in layers]
+    missing = [name for name in names if name not in leaves]
+    unknown = [key for key in leaves if key not in set(names)]
+    if missing or unknown:
+        problems = []
+        if missing:
+            problems.append(f"missing layer{'s' if len(missing) > 1 else ''} {_quoted(missing)}")
+        problems += [f"unknown key {key!r}{_suggestion(key, missing)}" for key in unknown]
+        raise InvalidUpdateError(
+            f"the update's names do not match the layers {_quoted(names)}: {'; '.join(problems)}",
+            layer=missing[0] if len(missing) == 1 else "", expected=names, got=list(leaves),
+        )
+    return [leaves[name] for name in names]
+
+
+def _suggestion(key: str, candidates: Sequence[str]) -> str:
+    """`` (did you mean 'w'?)`` when one candidate is close to ``key`` (ignoring case), else ''.
+
+    >>> _suggestion("W", ["w", "b"]), _suggestion("kernel", ["w", "b"])
+    (" (did you mean 'w'?)", '')
+    """
+    by_lower = {}
+    for name in candidates:
+        by_lower.setdefault(name.lower(), name)
+    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+def _leaves_by_position(update: Sequence[Any], layers: Sequence[Layer]) -> list[Any]:
+    leaves = [leaf for _, leaf in flatten(update)]
+    if len(leaves) != len(layers):
+        raise InvalidUpdateError(
+            f"an update given as a list/tuple has {len(leaves)} arrays, matched by position to"
+            f" {len(layers)} layers {_quoted([layer.name for layer in layers])}",
+            expected=len(layers), got=len(leaves),
+        )
+    return leaves
+
+
+def _array(leaf: Any, layer: Layer) -> np.ndarray:
+    """``leaf`` as a numpy array of a floating dtype (a JAX array is copied to the host here)."""
+    try:
+        arr = np.asarray(leaf)
+    except (TypeError, ValueError) as e:
+        raise InvalidUpdateError(f"layer {layer.name!r}: not an array ({e})", layer=layer.name,
+                                 expected=layer.dtype, got=type(leaf).__name__) from None
+    if not _is_floating(arr.dtype):
+        raise InvalidUpdateError(
+            f"layer {layer.name!r}: dtype {arr.dtype} is not a floating type"
+            f" (the layer is {layer.dtype})",
+            layer=layer.name, expected=layer.dtype, got=str(arr.dtype),
+        )
+    return arr
+
+
+def _is_floating(dtype: np.dtype) -> bool:
+    """float16/32/64 and the like, and ml_dtypes' floats (bfloat16, float8_*: numpy kind 'V').
+
+    >>> [_is_floating(np.dtype(t)) for t in ("float64", "int32", "bool", "complex64", "U3", "O")]
+    [True, False, False, False, False, False]
+    """
+    return dtype.kind == "f" or (dtype.type.__module__ == "ml_dtypes" and "float" in dtype.name)
+
+
+def _is_batch(arr: np.ndarray, layer: Layer) -> bool:
+    """False for one example (the layer's shape), True for a batch of them, else an error."""
+    if arr.shape == layer.shape:
+        return False
+    if arr.shape[1:] == layer.shape:
+        return True
+    raise InvalidUpdateError(
+        f"layer {layer.name!r}: shape {arr.shape} is neither one example {layer.shape}"
+        f" nor a batch {_batch_shape(layer.shape)}{_shape_hint(arr.shape, layer.shape)}",
+        layer=layer.name, expected=layer.shape, got=arr.shape,
+    )
+
+
+def _batch_shape(shape: tuple[int, ...]) -> str:
+    """
+    >>> _batch_shape((6, 4)), _batch_shape(())
+    ('(B, 6, 4)', '(B,)')
+    """
+    return f"(B, {', '.join(map(str, shape))})" if shape else "(B,)"
+
+
+def _shape_hint(got: tuple[int, ...], want: tuple[int, ...]) -> str:
+    """What a wrong shape may be: a batch of wrongly shaped examples, or a transposed layer."""
+    if len(got) == len(want) + 1:
+        transposed = " (transposed?)" if sorted(got[1:]) == sorted(want) else ""
+        return f"; as a batch of {got[0]}, its examples have shape {got[1:]}{transposed}"
+    return " (transposed?)" if sorted(got) == sorted(want) else ""
+
+
+def _raise_mixed(arrays: Sequence[np.ndarray], layers: Sequence[Layer],
+                 batched: Sequence[bool]) -> None:
+    kinds = [f"{layer.name!r} {'a batch' if b else 'one example'} {a.shape}"
+             for a, layer, b in zip(arrays, layers, batched)]
+    raise InvalidUpdateError(
+        "an update mixes single examples and batches (all its layers must be one or the other): "
+        + ", ".join(kinds),
+        expected={layer.name: layer.shape for layer in layers},
+        got={layer.name: a.shape for a, layer in zip(arrays, layers)},
+    )
+
+
+def _check_rows(batch: Sequence[np.ndarray], layers: Sequence[Layer]) -> None:
+    """All layers of a batch have the same, non-zero, number of examples."""
+    rows = {layer.name: a.shape[0] for a, layer in zip(batch, layers)}
+    if len(set(rows.values())) > 1:
+        sizes = ", ".join(f"{name!r} {n}" for name, n in rows.items())
+        raise InvalidUpdateError(f"the layers of a batch have different batch sizes: {sizes}",
+                                 got=rows)
+    if 0 in rows.values():
+        shapes = ", ".join(f"{layer.name!r} {a.shape}" for a, layer in zip(batch, layers))
+        raise InvalidUpdateError(f"an update is a batch of 0 examples: {shapes}",
+                                 expected="at least 1", got=0)
+
+
+def _cast(arr: np.ndarray, layer: Layer) -> np.ndarray:
+    """``arr`` in the layer's dtype (native byte order, as the wire sends it), contiguous."""
+    dtype = _numpy_dtype(layer.dtype)
+    if arr.dtype != dtype:
+        arr = arr.astype(dtype)
+    return np.ascontiguousarray(arr)
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -91,24 +270,92 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def _quoted(names: Iterable[str]) -> str:
+    return ", ".join(repr(name) for name in names)
+
+
+# A stream of updates ---------------------------------------------------------------------------
+
+
 def iter_updates(updates: Any, layers: Sequence[Layer]) -> Iterator[list[np.ndarray]]:
-    """Each update of ``updates`` (one update, a batch, or an iterable of either) as a batch."""
-    try:
+    """Each update of ``updates`` (one update, a batch, or an iterable of either) as a batch.
+
+    Whether ``updates`` is one update or an iterable of them is decided once, up
+    front, from its type and structure (see :func:`_is_one_update`); then each
+    update is checked when it is reached. The first bad one raises
+    ``InvalidUpdateError`` ("update #3: ..." in an iterable), after the good ones
+    before it have been yielded. Lazy: one update is read at a time.
+
+    >>> layers = [Layer("w", (2,), "float32")]
+    >>> [b[0].shape for b in iter_updates(iter([np.ones(2), np.ones((3, 2))]), layers)]
+    [(1, 2), (3, 2)]
+    >>> list(iter_updates([np.ones(2), np.ones(3)], layers))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    clipd.client.errors.InvalidUpdateError: update #1: layer 'w': shape (3,) is neither ...
+    """
+    if _is_one_update(updates, layers):
         yield as_batch(updates, layers)
         return
-    except ValueError:
-        if isinstance(updates, (Mapping, np.ndarray)) or not isinstance(updates, Iterable):
-            raise
-    for update in updates:
-        yield as_batch(update, layers)
+    for index, update in enumerate(updates):
+        try:
+            batch = as_batch(update, layers)
+        except InvalidUpdateError as e:
+            raise InvalidUpdateError(f"update #{index}: {e.details}", layer=e.layer,
+                                     expected=e.expected, got=e.got) from None
+        yield batch
+
+
+def _is_one_update(updates: Any, layers: Sequence[Layer]) -> bool:
+    """Whether ``updates`` is one update (else an iterable of them), from its type and structure.
+
+    One update: a mapping, an array (anything with ``__array__``, or not
+    iterable), or a list/tuple that has the layers' own structure (its
+    flattened names are the layer names) or, with several layers, holds an
+    array at its top (an iterable of updates would hold containers). An empty
+    list/tuple, a list/tuple of arrays for a one-layer aggregation, and any
+    other iterable (a generator, an iterator) are iterables of updates.
+
+    >>> layers = [Layer("w", (2,), "float32"), Layer("b", (2,), "float32")]
+    >>> w, b = np.ones(2), np.ones(2)
+    >>> _is_one_update([w, b], layers), _is_one_update([[w, b]], layers), _is_one_update([], layers)
+    (True, False, False)
+    """
+    if isinstance(updates, Mapping):
+        return True
+    if isinstance(updates, (list, tuple)):
+        if not updates:
+            return False
+        names = [layer.name for layer in layers]
+        if len(updates) <= len(layers) and [name for name, _ in flatten(updates)] == names:
+            return True  # the layers' own structure
+        return len(layers) > 1 and any(not isinstance(x, (Mapping, list, tuple)) for x in updates)
+    if hasattr(updates, "__array__") or isinstance(updates, (str, bytes)):
+        return True
+    return not isinstance(updates, Iterable)
+
+
+# Packing batches into messages -----------------------------------------------------------------
 
 
 def rebatch(batches: Iterable[list[np.ndarray]], example_bytes: int, target_bytes: int) -> Iterator[list[np.ndarray]]:
-    """Packs or splits batches into batches of about ``target_bytes`` (at least one example)."""
+    """Packs or splits batches into batches of about ``target_bytes`` (at least one example).
+
+    If ``batches`` raises (a bad update), the rows before it are yielded first,
+    then the error is raised: the good updates before a bad one are sent.
+    """
     rows_per_batch = max(1, target_bytes // max(1, example_bytes))
     pending: list[list[np.ndarray]] = []
     pending_rows = 0
-    for batch in batches:
+    source, failure = iter(batches), None
+    while True:
+        try:
+            batch = next(source)
+        except StopIteration:
+            break
+        except Exception as error:  # raised again below, after the good rows
+            failure = error
+            break
         start, rows = 0, batch[0].shape[0]
         while start < rows:
             take = min(rows - start, rows_per_batch - pending_rows)
@@ -120,6 +367,8 @@ def rebatch(batches: Iterable[list[np.ndarray]], example_bytes: int, target_byte
                 pending, pending_rows = [], 0
     if pending_rows:
         yield _concat(pending)
+    if failure is not None:
+        raise failure
 
 
 def _concat(parts: list[list[np.ndarray]]) -> list[np.ndarray]:

@@ -427,7 +427,8 @@ class DeviceWorker:
                 log.exception("checkpoint of aggregation %s failed", aggregation.id)
                 if final is not None:
                     final.set_exception(e)
-                self.call_soon(lambda: self._fail(aggregation, f"checkpoint failed: {type(e).__name__}: {e}"))
+                reason = f"checkpoint failed: {type(e).__name__}: {e}"
+                self.call_soon(lambda: self._fail(aggregation, reason))
             else:
                 aggregation.mark_durable(totals.clients)
                 if final is not None:

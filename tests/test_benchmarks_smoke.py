@@ -10,14 +10,58 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _positive(text: str) -> float:
+    value = float(text.replace(",", ""))
+    assert value > 0 and value != float("inf"), text
+    return value
+
+
 def test_service_benchmark_quick_run():
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "service.py"), "--quick"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    last = out.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"service_vs_bare_grpc_ratio=\d+\.\d{3}", last), out.stdout
+    lines = out.stdout.strip().splitlines()
+
+    # Throughput table: durable, memory and bare ex/s (and GB/s), then dur/mem and mem/bare.
+    header = next(line for line in lines if line.startswith("case "))
+    columns = [part.split() for part in header.split("|")]
+    assert columns[1:] == [["durable", "ex/s", "GB/s"], ["memory", "ex/s", "GB/s"], ["bare", "ex/s", "GB/s"],
+                           ["dur/mem"], ["mem/bare"]], header
+    cases = ("small/1-per-msg", "small/batched", "large")
+    rows = {line.split()[0]: line for line in lines if "|" in line and line.split()[0] in cases}
+    assert set(rows) == set(cases), out.stdout
+    ratios = {}
+    for name, row in rows.items():
+        parts = [part.split() for part in row.split("|")]
+        assert len(parts) == 6, row
+        for rate, gbs in parts[1:4]:
+            _positive(rate)
+            _positive(gbs)
+        (durable_vs_memory,), (memory_vs_bare,) = parts[4:]
+        ratios[name] = (_positive(durable_vs_memory), _positive(memory_vs_bare))
+
+    # Acknowledgement latency: count, median and p90 ms, back-to-back and after idle, per server.
+    latency = {line.split()[0]: line for line in lines if line.split()[:2] in (["durable", "|"], ["memory", "|"])}
+    assert set(latency) == {"durable", "memory"}, out.stdout
+    for row in latency.values():
+        parts = [part.split() for part in row.split("|")]
+        assert len(parts) == 3 and all(len(p) == 3 for p in parts[1:]), row
+        for count, median, p90 in parts[1:]:
+            assert int(count) > 0, row
+            assert _positive(p90) >= _positive(median), row
+
+    # The last two lines: the smaller ratio of small/batched and large, machine-readable.
+    durable_line, last = lines[-2:]
+    match = re.fullmatch(r"durable_vs_memory_ratio=(\d+\.\d{3})", durable_line)
+    assert match, out.stdout
+    assert abs(float(match[1]) - min(ratios[n][0] for n in ("small/batched", "large"))) <= 0.0015, out.stdout
+    match = re.fullmatch(r"service_vs_bare_grpc_ratio=(\d+\.\d{3})", last)
+    assert match, out.stdout
+    assert abs(float(match[1]) - min(ratios[n][1] for n in ("small/batched", "large"))) <= 0.0015, out.stdout
+    _positive(match[1])
+    assert "durable data_dir" in out.stdout and "memory data_dir 'memory'" in out.stdout, out.stdout
 
 
 def test_engine_benchmark_quick_run():

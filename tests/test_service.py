@@ -141,10 +141,26 @@ def test_dropped_connections_resume_exactly_once(server, seed):
 def test_resending_acknowledged_batches_counts_them_once(client, server):
     updates = make_updates(6, seed=7)
     agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
-    client.submit(agg, updates, client_id="trainer-1")
-    client.submit(agg, updates, client_id="trainer-1")  # same client, sequences 1.. again: duplicates
+    stub = pb_grpc.ClipdStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    batches = [pb.SubmitRequest(aggregation_id=agg, client_id="trainer-1", sequence=i + 1,
+                                chunks=_good_chunks(updates, slice(2 * i, 2 * i + 2))) for i in range(3)]
+    assert _submit_raw(stub, batches)[-1].acknowledged_sequence == 3
+    again = _submit_raw(stub, batches[1:])  # sequences 2 and 3 again (a client that missed the ack)
+    assert again[-1].acknowledged_sequence == 3
     assert client.stats(agg).examples == 6
     assert_result_matches(client.finalize(agg), updates)
+
+
+def test_a_hello_says_where_the_client_stands(client, server):
+    updates = make_updates(4, seed=7)
+    agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+    stub = pb_grpc.ClipdStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    hello = pb.SubmitRequest(aggregation_id=agg, client_id="t", sequence=0, writer_id="w1")
+    assert _submit_raw(stub, [hello])[0].accepted_sequence == 0
+    batch = pb.SubmitRequest(aggregation_id=agg, client_id="t", sequence=1, chunks=_good_chunks(updates))
+    _submit_raw(stub, [hello, batch])
+    answer = _submit_raw(stub, [pb.SubmitRequest(aggregation_id=agg, client_id="t", sequence=0, writer_id="w2")])[0]
+    assert (answer.acknowledged_sequence, answer.accepted_sequence, answer.writer_id) == (1, 1, "w1")
 
 
 # Malformed input, sent with a raw stub: each gets its status and changes nothing.

@@ -37,3 +37,12 @@ def test_settings_from_environment():
     s = Settings.from_env({"CLIPD_GRPC_PORT": "1234", "CLIPD_ADMIN_AUTH_ALL": "true", "CLIPD_AUTH_TOKEN": "x"},
                           host="::1", admin_port=None)
     assert (s.grpc_port, s.admin_auth_all, s.auth_token, s.host, s.admin_port) == (1234, True, "x", "::1", 8080)
+
+
+def test_the_image_and_compose_keep_state_on_a_volume():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    service = compose["services"]["clipd"]
+    data_dir = service["environment"]["CLIPD_DATA_DIR"]
+    assert any(v.endswith(f":{data_dir}") for v in service["volumes"])
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"CLIPD_DATA_DIR={data_dir}" in dockerfile and f"VOLUME {data_dir}" in dockerfile

@@ -1,0 +1,351 @@
+"""The crash-safe one-machine :class:`~clipd.server.store.Store`: SQLite metadata, one file per checkpoint.
+
+Layout of ``data_dir``::
+
+    clipd.sqlite3               aggregations and checkpoint rows (WAL, synchronous=FULL)
+    states/<key>/<gen>.state    one PartialState blob per checkpoint generation
+
+``<key>`` is the aggregation's surrogate integer key, never its id (ids may be
+``"."`` or ``".."``). The two newest generations of an aggregation are kept.
+
+Why a crash at any point loses nothing that was acknowledged and never mixes
+two states (Pillai et al., OSDI'14: a rename alone is not durable):
+
+1. The blob goes to ``<gen>.state.tmp``, is fsynced, renamed to ``<gen>.state``
+   and the directory is fsynced: from then on the file's name and content are
+   on disk. A crash before that leaves a ``.tmp`` or a file with no row.
+2. Only then does one SQLite transaction add the checkpoint's row (size and
+   CRC-32 of the blob) and, with ``finished``, mark the aggregation FINALIZED.
+   ``save_checkpoint`` returns after that commit: the checkpoint is durable.
+3. Rows older than the previous generation go in the same transaction; their
+   files are unlinked after it. A crash in between leaves files with no row.
+
+Opening the store removes what steps 1 and 3 can leave behind (``.tmp`` files,
+files with no row). Reading a checkpoint checks its size and CRC against its
+row and the blob's own checksum; if the newest is damaged, the previous
+generation is used (and a warning logged), so a checkpoint is never half-read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sqlite3
+import threading
+import zlib
+from collections.abc import Iterator
+
+from clipd.engine import CorruptStateError, PartialState
+
+from .store import FINALIZED, STATES, AggregationRecord, Store
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1  # PRAGMA user_version; 0 is an empty database
+KEEP_GENERATIONS = 2  # checkpoint files kept per aggregation: the newest and the one before
+DB_NAME = "clipd.sqlite3"
+STATES_DIR = "states"
+
+_SCHEMA = (
+    """CREATE TABLE aggregations (
+        key INTEGER PRIMARY KEY AUTOINCREMENT,  -- names the state directory; never reused
+        id TEXT NOT NULL UNIQUE,
+        spec TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created REAL NOT NULL,
+        finished REAL,
+        reason TEXT NOT NULL DEFAULT ''
+    )""",
+    """CREATE TABLE checkpoints (
+        aggregation INTEGER NOT NULL REFERENCES aggregations (key),
+        generation INTEGER NOT NULL,
+        file TEXT NOT NULL,  -- name inside states/<key>/
+        nbytes INTEGER NOT NULL,
+        crc32 INTEGER NOT NULL,  -- of the whole blob
+        PRIMARY KEY (aggregation, generation)
+    )""",
+)
+
+_KEY_DIR = re.compile(r"[1-9][0-9]*")
+
+
+class SQLiteStore(Store):
+    """Aggregations and their checkpoints in ``data_dir``, durable on return of every write.
+
+    Two locks: ``_db_lock`` guards the SQLite connection and is held only for
+    SQL; ``_files_lock`` serializes the methods that touch checkpoint files
+    (save, load, delete), so a slow checkpoint write never holds up ``create``,
+    ``get``, ``records`` or ``set_state``. Lock order: files, then db.
+    """
+
+    durable = True
+
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir = os.fspath(data_dir)
+        self._states = os.path.join(self.data_dir, STATES_DIR)
+        self._db_lock = threading.Lock()
+        self._files_lock = threading.Lock()
+        _make_dir(self.data_dir)
+        _make_dir(self._states)
+        self._conn = self._connect(os.path.join(self.data_dir, DB_NAME))
+        try:
+            self._init_schema()
+            _fsync_dir(self.data_dir)  # the database and its WAL are entries of data_dir
+            self._sweep()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    # Opening ------------------------------------------------------------------------------
+    @staticmethod
+    def _connect(path: str) -> sqlite3.Connection:
+        """One connection in autocommit mode: transactions are the explicit ``BEGIN IMMEDIATE`` ones."""
+        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            log.warning("SQLite refused WAL mode for %s (journal mode is %s)", path, mode)
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        return conn
+
+    def _init_schema(self) -> None:
+        """Creates the tables in an empty database; refuses a schema newer than this code knows."""
+        with self._transaction() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"{self.data_dir}: store schema version {version} is newer than this clipd "
+                    f"understands ({SCHEMA_VERSION}); upgrade clipd or use another data dir")
+            if version == 0:
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _sweep(self) -> None:
+        """Removes what a crash leaves under ``states/``: ``*.tmp`` files and files with no checkpoint row."""
+        rows = {(key, name) for key, name in self._query("SELECT aggregation, file FROM checkpoints")}
+        keys = {key for (key,) in self._query("SELECT key FROM aggregations")}
+        removed_dirs = False
+        for entry in os.scandir(self._states):
+            if not (entry.is_dir(follow_symlinks=False) and _KEY_DIR.fullmatch(entry.name)):
+                continue  # not ours: leave it alone
+            key = int(entry.name)
+            stray = [f.name for f in os.scandir(entry.path) if f.is_file(follow_symlinks=False) and (
+                f.name.endswith(".tmp") or (f.name.endswith(".state") and (key, f.name) not in rows))]
+            for name in stray:
+                log.info("store: removing %s/%s left by an interrupted checkpoint", entry.path, name)
+            _remove_files(entry.path, stray)
+            if key not in keys:
+                with contextlib.suppress(OSError):  # not empty: files that are not ours
+                    os.rmdir(entry.path)
+                    removed_dirs = True
+        if removed_dirs:
+            _fsync_dir(self._states)
+
+    # SQL helpers --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic commit, durable when the block exits (rolled back if it raises)."""
+        with self._db_lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+                self._conn.execute("COMMIT")
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+
+    def _query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._db_lock:
+            return self._conn.execute(sql, params).fetchall()
+
+    def _key(self, aggregation_id: str) -> int | None:
+        rows = self._query("SELECT key FROM aggregations WHERE id = ?", (aggregation_id,))
+        return rows[0][0] if rows else None
+
+    def _state_dir(self, key: int) -> str:
+        return os.path.join(self._states, str(key))
+
+    # Aggregations -------------------------------------------------------------------------
+    def create(self, record: AggregationRecord) -> bool:
+        """Adds an aggregation; False (and nothing changes) if its id exists."""
+        _check_state(record.state)
+        with self._transaction() as conn:
+            cursor = conn.execute(
+                "INSERT INTO aggregations (id, spec, state, created, finished, reason) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (id) DO NOTHING",
+                (record.aggregation_id, record.spec, record.state, record.created, record.finished,
+                 record.reason))
+            return cursor.rowcount == 1
+
+    def records(self) -> list[AggregationRecord]:
+        """Every aggregation, oldest first (by ``created``, then by order of creation)."""
+        return [_record(row) for row in self._query(
+            "SELECT id, spec, state, created, finished, reason FROM aggregations ORDER BY created, key")]
+
+    def get(self, aggregation_id: str) -> AggregationRecord | None:
+        rows = self._query("SELECT id, spec, state, created, finished, reason FROM aggregations WHERE id = ?",
+                           (aggregation_id,))
+        return _record(rows[0]) if rows else None
+
+    def set_state(self, aggregation_id: str, state: str, *, reason: str = "",
+                  finished: float | None = None) -> None:
+        """Moves an aggregation to ``state`` (``ValueError`` if unknown; ``KeyError`` if the id is)."""
+        _check_state(state)
+        with self._transaction() as conn:
+            cursor = conn.execute("UPDATE aggregations SET state = ?, reason = ?, finished = ? WHERE id = ?",
+                                  (state, reason, finished, aggregation_id))
+            if cursor.rowcount != 1:
+                raise KeyError(aggregation_id)
+
+    def delete(self, aggregation_id: str) -> None:
+        """Forgets an aggregation: its rows in one commit, then its files (no error if it does not exist)."""
+        with self._files_lock:
+            key = self._key(aggregation_id)
+            if key is None:
+                return
+            with self._transaction() as conn:
+                conn.execute("DELETE FROM checkpoints WHERE aggregation = ?", (key,))
+                conn.execute("DELETE FROM aggregations WHERE key = ?", (key,))
+            self._remove_state_dir(key)
+
+    def _remove_state_dir(self, key: int) -> None:
+        """Best effort: what is left (an error, a crash) has no row and goes at the next open."""
+        directory = self._state_dir(key)
+        try:
+            _remove_files(directory, os.listdir(directory))
+            os.rmdir(directory)
+            _fsync_dir(self._states)
+        except FileNotFoundError:
+            pass  # never checkpointed
+        except OSError as e:
+            log.warning("store: could not remove %s (%s); it goes at the next open", directory, e)
+
+    # Checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *,
+                        finished: float | None = None) -> None:
+        """Commits ``partial`` as the newest checkpoint: file durable first, then its row (see the module doc).
+
+        With ``finished``, the same SQLite commit marks the aggregation FINALIZED.
+        ``KeyError`` (and nothing written) if the aggregation does not exist.
+        """
+        blob = partial.to_bytes()
+        with self._files_lock:
+            key = self._key(aggregation_id)
+            if key is None:
+                raise KeyError(aggregation_id)
+            generation = self._query("SELECT COALESCE(MAX(generation), 0) + 1 FROM checkpoints"
+                                     " WHERE aggregation = ?", (key,))[0][0]
+            directory = self._state_dir(key)
+            if not os.path.isdir(directory):
+                _make_dir(directory)
+            name = f"{generation}.state"
+            _write_durably(directory, name, blob)
+            # If the commit fails, the file stays: it has no row (swept at the next open, or
+            # replaced by the next save of this generation), and deleting it would be wrong
+            # if the commit did reach the disk before the error.
+            pruned = self._commit_checkpoint(key, generation, name, blob, finished)
+            if pruned:
+                _remove_files(directory, pruned)
+                _fsync_dir(directory)
+
+    def _commit_checkpoint(self, key: int, generation: int, name: str, blob: bytes,
+                           finished: float | None) -> list[str]:
+        """One transaction: the new row, FINALIZED if ``finished``, old rows dropped. Returns their files."""
+        with self._transaction() as conn:
+            conn.execute("INSERT INTO checkpoints (aggregation, generation, file, nbytes, crc32)"
+                         " VALUES (?, ?, ?, ?, ?)", (key, generation, name, len(blob), zlib.crc32(blob)))
+            if finished is not None:
+                conn.execute("UPDATE aggregations SET state = ?, finished = ? WHERE key = ?",
+                             (FINALIZED, finished, key))
+            old = conn.execute("SELECT generation, file FROM checkpoints WHERE aggregation = ?"
+                               " ORDER BY generation DESC LIMIT -1 OFFSET ?", (key, KEEP_GENERATIONS)).fetchall()
+            conn.executemany("DELETE FROM checkpoints WHERE aggregation = ? AND generation = ?",
+                             [(key, g) for g, _ in old])
+        return [name for _, name in old]
+
+    def load_checkpoint(self, aggregation_id: str) -> PartialState | None:
+        """The newest checkpoint that reads back intact (an older one if it is damaged), or None."""
+        with self._files_lock:
+            key = self._key(aggregation_id)
+            if key is None:
+                return None
+            rows = self._query("SELECT generation, file, nbytes, crc32 FROM checkpoints"
+                               " WHERE aggregation = ? ORDER BY generation DESC", (key,))
+            for generation, name, nbytes, crc in rows:
+                try:
+                    return self._read_checkpoint(key, name, nbytes, crc)
+                except (OSError, CorruptStateError) as e:
+                    log.warning("store: checkpoint generation %d of aggregation %r is unusable (%s); "
+                                "trying an older one", generation, aggregation_id, e)
+            return None
+
+    def _read_checkpoint(self, key: int, name: str, nbytes: int, crc: int) -> PartialState:
+        """The blob of one checkpoint row, checked against the row and its own checksum."""
+        with open(os.path.join(self._state_dir(key), name), "rb") as f:
+            blob = f.read()
+        if len(blob) != nbytes:
+            raise CorruptStateError(f"{name}: {len(blob)} bytes, the row says {nbytes}")
+        if zlib.crc32(blob) != crc:
+            raise CorruptStateError(f"{name}: CRC-32 differs from the row's")
+        return PartialState.from_bytes(blob)
+
+    def close(self) -> None:
+        """Closes the SQLite connection (a second call does nothing)."""
+        with self._db_lock:
+            self._conn.close()
+
+
+# Helpers ----------------------------------------------------------------------------------
+def _record(row: tuple) -> AggregationRecord:
+    aggregation_id, spec, state, created, finished, reason = row
+    return AggregationRecord(aggregation_id, spec, state, created, finished, reason)
+
+
+def _check_state(state: str) -> None:
+    if state not in STATES:
+        raise ValueError(f"unknown state {state!r} (one of {STATES})")
+
+
+def _fsync_dir(path: str) -> None:
+    """Makes the directory's entries (created, renamed, removed files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dir(path: str) -> None:
+    """Creates ``path`` (mode 0o700) if missing, durably: its parent's entry is fsynced."""
+    try:
+        os.makedirs(path, mode=0o700)
+    except FileExistsError:
+        return
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _write_durably(directory: str, name: str, data: bytes) -> None:
+    """``directory/name`` holds ``data`` on disk, or (after a crash) is absent or the old file."""
+    tmp = os.path.join(directory, name + ".tmp")
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(directory, name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def _remove_files(directory: str, names: list[str]) -> None:
+    """Unlinks files of ``directory`` (already missing ones are fine)."""
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))

@@ -1,0 +1,476 @@
+"""The Store contract, run against every implementation, and the durability of SQLiteStore.
+
+:class:`StoreContract` holds what every store must do (``MemoryStore`` included);
+:class:`TestSQLiteStore` adds what only a durable store can: surviving a reopen,
+falling back past damaged checkpoint files, sweeping crash leftovers, and a
+writer process killed with SIGKILL at random moments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import pathlib
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState
+from clipd.server.sqlite_store import SQLiteStore
+from clipd.server.store import FAILED, FINALIZED, OPEN, AggregationRecord, MemoryStore, Store
+
+def state_at(n: int) -> PartialState:
+    """A partial state determined by ``n`` alone, with values that survive no lossy round trip.
+
+    Self-contained (but for the module's imports): the SIGKILL test runs its source in a child.
+    """
+    layers = (LayerSpec("w", (2, 3)), LayerSpec("b", (3,), "float64"))
+    rng = np.random.default_rng(n)
+    return PartialState.empty(layers).absorb_totals(
+        sums=[rng.normal(size=(2, 3)) / 3.0, np.array([n / 7.0, -0.0, 1e-300])],
+        examples=n, non_finite=n % 3, clip_counts=np.array([n, n // 2]),
+        layer_histograms=rng.integers(0, 1000, size=(2, NUM_BUCKETS)),
+        example_histogram=rng.integers(0, 1000, size=NUM_BUCKETS),
+        norm_sum=rng.uniform(0, 10, size=2), norm_max=rng.uniform(0, 10, size=2),
+        clients={"alice": (n, "w1"), "bob": (2 * n + 1, f"writer-{n}")}, batches=n + 1, nbytes=100 * n)
+
+
+def record(aggregation_id: str, created: float = 1.0, spec: str = '{"layers": []}') -> AggregationRecord:
+    return AggregationRecord(aggregation_id, spec, created=created)
+
+
+class StoreContract:
+    """Every test a Store implementation must pass; subclasses supply ``make_store``."""
+
+    def make_store(self, tmp_path: pathlib.Path) -> Store:
+        raise NotImplementedError
+
+    @pytest.fixture()
+    def store(self, tmp_path):
+        store = self.make_store(tmp_path)
+        yield store
+        store.close()
+
+    def test_create_then_get(self, store):
+        rec = AggregationRecord("a1", '{"x": 1}', created=12.5)
+        assert store.get("a1") is None
+        assert store.create(rec) is True
+        assert store.get("a1") == rec
+        assert store.get("a2") is None
+
+    def test_create_twice_returns_false_and_keeps_the_first(self, store):
+        first = AggregationRecord("dup", '{"v": 1}', created=1.0)
+        assert store.create(first)
+        assert store.create(AggregationRecord("dup", '{"v": 2}', created=2.0, state=FAILED)) is False
+        assert store.get("dup") == first
+        assert store.records() == [first]
+
+    def test_records_oldest_first(self, store):
+        for aggregation_id, created in [("c", 3.0), ("a", 1.0), ("b2", 2.0), ("b1", 2.0)]:
+            assert store.create(record(aggregation_id, created))
+        # Equal times keep the order of creation.
+        assert [r.aggregation_id for r in store.records()] == ["a", "b2", "b1", "c"]
+
+    def test_ids_that_look_like_paths(self, store):
+        ids = [".", "..", "../x", "a/b", "", "é 😀"]
+        for k, aggregation_id in enumerate(ids):
+            assert store.create(record(aggregation_id, created=float(k)))
+            store.save_checkpoint(aggregation_id, state_at(k + 1))
+        assert [r.aggregation_id for r in store.records()] == ids
+        for k, aggregation_id in enumerate(ids):
+            assert store.load_checkpoint(aggregation_id) == state_at(k + 1)
+
+    def test_set_state(self, store):
+        store.create(record("a"))
+        store.set_state("a", FAILED, reason="device on fire", finished=42.0)
+        got = store.get("a")
+        assert (got.state, got.reason, got.finished) == (FAILED, "device on fire", 42.0)
+        store.set_state("a", OPEN)
+        got = store.get("a")
+        assert (got.state, got.reason, got.finished) == (OPEN, "", None)
+
+    def test_set_state_errors(self, store):
+        store.create(record("a"))
+        with pytest.raises(ValueError):
+            store.set_state("a", "paused")
+        with pytest.raises(KeyError):
+            store.set_state("nope", FAILED)
+        assert store.get("a").state == OPEN
+        assert store.get("nope") is None
+
+    def test_checkpoint_round_trip_is_exact(self, store):
+        store.create(record("a"))
+        assert store.load_checkpoint("a") is None
+        assert store.load_checkpoint("unknown") is None
+        state = state_at(5)
+        store.save_checkpoint("a", state)
+        loaded = store.load_checkpoint("a")
+        assert loaded == state
+        assert loaded.clients == {"alice": (5, "w1"), "bob": (11, "writer-5")}
+        assert loaded != state_at(6)
+
+    def test_newest_checkpoint_wins(self, store):
+        store.create(record("a"))
+        store.create(record("b"))
+        for n in (1, 2, 3):
+            store.save_checkpoint("a", state_at(n))
+        store.save_checkpoint("b", state_at(10))
+        assert store.load_checkpoint("a") == state_at(3)
+        assert store.load_checkpoint("b") == state_at(10)
+
+    def test_save_with_finished_marks_finalized(self, store):
+        store.create(record("a"))
+        store.save_checkpoint("a", state_at(1))
+        assert store.get("a").state == OPEN
+        store.save_checkpoint("a", state_at(2), finished=99.5)
+        got = store.get("a")
+        assert (got.state, got.finished) == (FINALIZED, 99.5)
+        assert store.load_checkpoint("a") == state_at(2)
+
+    def test_save_checkpoint_on_unknown_id_raises(self, store):
+        with pytest.raises(KeyError):
+            store.save_checkpoint("ghost", state_at(1))
+        with pytest.raises(KeyError):
+            store.save_checkpoint("ghost", state_at(1), finished=1.0)
+        assert store.get("ghost") is None
+        assert store.load_checkpoint("ghost") is None
+
+    def test_delete(self, store):
+        store.create(record("a"))
+        store.create(record("b"))
+        store.save_checkpoint("a", state_at(1))
+        store.save_checkpoint("b", state_at(2))
+        store.delete("a")
+        store.delete("a")  # again: no error
+        store.delete("never-existed")
+        assert store.get("a") is None
+        assert store.load_checkpoint("a") is None
+        assert [r.aggregation_id for r in store.records()] == ["b"]
+        assert store.load_checkpoint("b") == state_at(2)
+        # The id can be reused, without the old checkpoints.
+        assert store.create(record("a"))
+        assert store.load_checkpoint("a") is None
+
+    def test_threads_checkpoint_concurrently(self, store):
+        threads, saves = 4, 6
+        ids = [f"t{k}" for k in range(threads)]
+        for aggregation_id in ids:
+            store.create(record(aggregation_id))
+        errors: list[BaseException] = []
+
+        def work(k: int) -> None:
+            try:
+                for n in range(1, saves + 1):
+                    store.save_checkpoint(ids[k], state_at(100 * k + n))
+                    store.get(ids[k])
+                    store.records()
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=30)
+        assert not any(w.is_alive() for w in workers)
+        assert errors == []
+        for k, aggregation_id in enumerate(ids):
+            assert store.load_checkpoint(aggregation_id) == state_at(100 * k + saves)
+
+
+class TestMemoryStore(StoreContract):
+    def make_store(self, tmp_path):
+        return MemoryStore()
+
+
+def _checkpoint_files(data_dir: pathlib.Path) -> dict[str, list[str]]:
+    """``states/`` as {directory name: sorted file names}."""
+    states = data_dir / "states"
+    return {d.name: sorted(f.name for f in d.iterdir()) for d in sorted(states.iterdir())}
+
+
+def _only_dir(data_dir: pathlib.Path) -> pathlib.Path:
+    (directory,) = (data_dir / "states").iterdir()
+    return directory
+
+
+def _only_dir_name(store: SQLiteStore, aggregation_id: str) -> str:
+    """The state directory name of an aggregation (its surrogate key), read from the database."""
+    with sqlite3.connect(os.path.join(store.data_dir, "clipd.sqlite3")) as conn:
+        (key,) = conn.execute("SELECT key FROM aggregations WHERE id = ?", (aggregation_id,)).fetchone()
+    return str(key)
+
+
+class TestSQLiteStore(StoreContract):
+    def make_store(self, tmp_path):
+        return SQLiteStore(str(tmp_path / "data"))
+
+    def test_layout_and_settings(self, tmp_path):
+        data = tmp_path / "new" / "data"
+        store = SQLiteStore(str(data))
+        try:
+            assert (data.stat().st_mode & 0o777) & ~0o700 == 0
+            assert store.durable
+            with sqlite3.connect(data / "clipd.sqlite3") as conn:
+                assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+                assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+        finally:
+            store.close()
+
+    def test_everything_survives_reopen(self, tmp_path):
+        data = str(tmp_path / "data")
+        store = SQLiteStore(data)
+        store.create(AggregationRecord("a", '{"a": 1}', created=3.0))
+        store.create(AggregationRecord("b", '{"b": 2}', created=1.0))
+        store.create(AggregationRecord("c", '{"c": 3}', created=2.0))
+        store.save_checkpoint("a", state_at(1))
+        store.save_checkpoint("a", state_at(2))
+        store.save_checkpoint("b", state_at(7), finished=50.0)
+        store.set_state("c", FAILED, reason="out of memory", finished=60.0)
+        expected = store.records()
+        store.close()
+
+        store = SQLiteStore(data)
+        try:
+            assert store.records() == expected
+            assert [r.aggregation_id for r in expected] == ["b", "c", "a"]
+            assert store.get("b") == AggregationRecord("b", '{"b": 2}', FINALIZED, 1.0, 50.0, "")
+            assert store.get("c") == AggregationRecord("c", '{"c": 3}', FAILED, 2.0, 60.0, "out of memory")
+            assert store.load_checkpoint("a") == state_at(2)
+            assert store.load_checkpoint("b") == state_at(7)
+            assert store.load_checkpoint("c") is None
+            store.save_checkpoint("a", state_at(3))  # generations go on after a reopen
+            assert store.load_checkpoint("a") == state_at(3)
+            assert _checkpoint_files(pathlib.Path(data))[_only_dir_name(store, "a")] == ["2.state", "3.state"]
+        finally:
+            store.close()
+
+    def test_newer_schema_is_refused(self, tmp_path):
+        data = tmp_path / "data"
+        SQLiteStore(str(data)).close()
+        with sqlite3.connect(data / "clipd.sqlite3") as conn:
+            conn.execute("PRAGMA user_version = 99")
+        with pytest.raises(RuntimeError, match="schema version 99"):
+            SQLiteStore(str(data))
+
+    def test_only_two_generations_are_kept(self, tmp_path):
+        data = tmp_path / "data"
+        store = SQLiteStore(str(data))
+        try:
+            store.create(record("a"))
+            for n in range(1, 6):
+                store.save_checkpoint("a", state_at(n))
+            assert sorted(p.name for p in _only_dir(data).iterdir()) == ["4.state", "5.state"]
+            assert store.load_checkpoint("a") == state_at(5)
+        finally:
+            store.close()
+
+    def test_unknown_id_writes_no_file(self, tmp_path):
+        data = tmp_path / "data"
+        store = SQLiteStore(str(data))
+        try:
+            with pytest.raises(KeyError):
+                store.save_checkpoint("ghost", state_at(1))
+            assert _checkpoint_files(data) == {}
+        finally:
+            store.close()
+
+    def test_delete_removes_files(self, tmp_path):
+        data = tmp_path / "data"
+        store = SQLiteStore(str(data))
+        try:
+            store.create(record("a"))
+            store.create(record("b"))
+            store.save_checkpoint("a", state_at(1))
+            store.save_checkpoint("a", state_at(2))
+            store.save_checkpoint("b", state_at(3))
+            assert len(_checkpoint_files(data)) == 2
+            store.delete("a")
+            assert list(_checkpoint_files(data).values()) == [["1.state"]]
+        finally:
+            store.close()
+
+    # Damaged checkpoints: the previous generation, with a warning -----------------------
+    @staticmethod
+    def _two_generations(data: pathlib.Path) -> tuple[SQLiteStore, pathlib.Path]:
+        store = SQLiteStore(str(data))
+        store.create(record("agg-7"))
+        store.save_checkpoint("agg-7", state_at(1))
+        store.save_checkpoint("agg-7", state_at(2))
+        return store, _only_dir(data) / "2.state"
+
+    @staticmethod
+    def _truncate(path: pathlib.Path) -> None:
+        path.write_bytes(path.read_bytes()[:-10])
+
+    @staticmethod
+    def _flip_byte(path: pathlib.Path) -> None:
+        blob = bytearray(path.read_bytes())
+        blob[len(blob) // 2] ^= 0x01
+        path.write_bytes(bytes(blob))
+
+    @pytest.mark.parametrize("damage", ["truncate", "flip_byte", "unlink"])
+    def test_damaged_newest_falls_back_to_previous(self, tmp_path, caplog, damage):
+        store, newest = self._two_generations(tmp_path / "data")
+        try:
+            {"truncate": self._truncate, "flip_byte": self._flip_byte, "unlink": pathlib.Path.unlink}[damage](
+                newest)
+            with caplog.at_level(logging.WARNING, logger="clipd.server.sqlite_store"):
+                loaded = store.load_checkpoint("agg-7")
+            assert loaded == state_at(1)
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warnings) == 1
+            assert "agg-7" in warnings[0] and "generation 2" in warnings[0]
+        finally:
+            store.close()
+
+    def test_blob_checksum_is_checked_even_when_the_row_agrees(self, tmp_path, caplog):
+        """A blob damaged before its row was written (size and CRC match the row) is still caught."""
+        data = tmp_path / "data"
+        store, newest = self._two_generations(data)
+        store.close()
+        self._flip_byte(newest)
+        blob = newest.read_bytes()
+        with sqlite3.connect(data / "clipd.sqlite3") as conn:
+            conn.execute("UPDATE checkpoints SET crc32 = ? WHERE generation = 2", (zlib.crc32(blob),))
+        store = SQLiteStore(str(data))
+        try:
+            with caplog.at_level(logging.WARNING, logger="clipd.server.sqlite_store"):
+                assert store.load_checkpoint("agg-7") == state_at(1)
+            assert any("checksum" in r.getMessage() for r in caplog.records)
+        finally:
+            store.close()
+
+    def test_both_damaged_gives_none(self, tmp_path, caplog):
+        store, newest = self._two_generations(tmp_path / "data")
+        try:
+            self._flip_byte(newest)
+            self._truncate(newest.with_name("1.state"))
+            with caplog.at_level(logging.WARNING, logger="clipd.server.sqlite_store"):
+                assert store.load_checkpoint("agg-7") is None
+            messages = " | ".join(r.getMessage() for r in caplog.records)
+            assert "generation 2" in messages and "generation 1" in messages
+        finally:
+            store.close()
+
+    def test_open_sweeps_crash_leftovers(self, tmp_path):
+        data = tmp_path / "data"
+        store = SQLiteStore(str(data))
+        store.create(record("a"))
+        store.save_checkpoint("a", state_at(1))
+        store.close()
+        directory = _only_dir(data)
+        (directory / "2.state.tmp").write_bytes(b"half a blob")  # crash mid-write
+        (directory / "2.state").write_bytes(state_at(2).to_bytes())  # crash after rename, before commit
+        orphan_dir = data / "states" / "999"  # an aggregation whose rows were deleted
+        orphan_dir.mkdir()
+        (orphan_dir / "1.state").write_bytes(state_at(3).to_bytes())
+        (orphan_dir / "1.state.tmp").write_bytes(b"")
+        (data / "states" / "notes").mkdir()  # not the store's: left alone
+
+        store = SQLiteStore(str(data))
+        try:
+            assert _checkpoint_files(data) == {directory.name: ["1.state"], "notes": []}
+            assert store.load_checkpoint("a") == state_at(1)
+            store.save_checkpoint("a", state_at(4))  # generation 2 again, now committed
+            assert store.load_checkpoint("a") == state_at(4)
+        finally:
+            store.close()
+
+    def test_same_aggregation_from_many_threads(self, tmp_path):
+        data = tmp_path / "data"
+        store = SQLiteStore(str(data))
+        try:
+            store.create(record("a"))
+            saved = [state_at(n) for n in range(1, 13)]
+            workers = [threading.Thread(target=lambda k=k: [store.save_checkpoint("a", s) for s in saved[k::3]])
+                       for k in range(3)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(timeout=30)
+            assert any(store.load_checkpoint("a") == s for s in saved)
+            assert sorted(p.name for p in _only_dir(data).iterdir()) == ["11.state", "12.state"]
+        finally:
+            store.close()
+
+    # A writer killed with SIGKILL ---------------------------------------------------------
+    def test_sigkill_mid_save_loses_nothing_committed(self, tmp_path):
+        data = tmp_path / "data"
+        child = "\n".join([
+            "from __future__ import annotations",
+            "import sys",
+            "import numpy as np",
+            "from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState",
+            "from clipd.server.sqlite_store import SQLiteStore",
+            "from clipd.server.store import AggregationRecord",
+            inspect.getsource(state_at),
+            "store = SQLiteStore(sys.argv[1])",
+            "store.create(AggregationRecord('agg', '{}'))",
+            "loaded = store.load_checkpoint('agg')",
+            "n = 0 if loaded is None else loaded.examples",
+            "print('ready', n, flush=True)",
+            "while True:",
+            "    n += 1",
+            "    store.save_checkpoint('agg', state_at(n))",
+            "    print(n, flush=True)",
+        ])
+        rng = random.Random()
+        seed = rng.randrange(1 << 30)
+        rng.seed(seed)
+        committed = 0  # the newest generation a child reported as saved
+        for round_ in range(5):
+            proc = subprocess.Popen([sys.executable, "-c", child, str(data)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            lines: list[str] = []
+            ready = threading.Event()
+
+            def read(stream=proc.stdout, lines=lines, ready=ready) -> None:
+                try:
+                    for line in stream:
+                        lines.append(line.strip())
+                        ready.set()
+                finally:
+                    ready.set()  # the child died before its first line: fail fast
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            try:
+                assert ready.wait(30) and proc.poll() is None, f"the child died: {proc.stderr.read()}"
+                time.sleep(rng.uniform(0.05, 0.3))
+            finally:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+                reader.join(10)
+            stderr = proc.stderr.read()
+            proc.stderr.close()
+            proc.stdout.close()
+            assert proc.returncode == -signal.SIGKILL, stderr
+            context = f"seed {seed}, round {round_}, child said {lines[:1]} ... {lines[-1:]}"
+            assert lines[0] == f"ready {committed}", context  # the child resumed from the last commit
+            printed = [int(x) for x in lines[1:]]
+            assert printed == list(range(committed + 1, committed + 1 + len(printed))), context
+            last_printed = printed[-1] if printed else committed
+
+            store = SQLiteStore(str(data))
+            try:
+                loaded = store.load_checkpoint("agg")
+            finally:
+                store.close()
+            assert (loaded is None) == (last_printed == 0), context
+            if loaded is not None:
+                # Returned saves are durable; at most one more committed before its print.
+                assert last_printed <= loaded.examples <= last_printed + 1, context
+                assert loaded == state_at(loaded.examples), context
+                committed = loaded.examples
+        assert committed > 0, f"seed {seed}: no save completed in 5 rounds"
+        assert len(list(_only_dir(data).iterdir())) <= 2
