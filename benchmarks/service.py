@@ -91,11 +91,12 @@ kinds, reported as median and p90 in ms:
                    flush, commit, ack), which on the durable server includes
                    the blob write, the fsyncs and the SQLite commit.
 
-Streams alternate between the two servers (``--pings`` back-to-back batches
-and ``--pings // 2`` after idle per server, split over two rounds); every
-aggregation is finalized and its example count checked. Acknowledgements under
-load (during the throughput runs) are not timed here: ``Client.submit`` only
-returns the total.
+Per server: ``--pings`` back-to-back batches (default 100, quick 8; 0 skips
+the measurement) and half as many (rounded up) after idle, each kind split
+over two rounds of one stream per server, the servers' order alternating;
+3 untimed batches go first. Every aggregation is finalized and its example
+count checked. Acknowledgements under load (during the throughput runs) are
+not timed here: ``Client.submit`` only returns the total.
 
 The run needs glibc's malloc kept from returning big buffers to the OS and
 single-threaded OpenBLAS (see shared/DESIGN.md, "Measured on these machines"):
@@ -110,7 +111,7 @@ The last two lines are machine-readable:
 ``mem/bare`` ratios (the issue asks for >= 0.85 in both, and >= 200,000
 examples/s for small/batched).
 
-Run:  python benchmarks/service.py                    (full run, ~4-5 minutes on 2 cores)
+Run:  python benchmarks/service.py                    (full run, ~3 minutes on 2 cores)
       python benchmarks/service.py --server-process   (servers in a child process)
       python benchmarks/service.py --quick            (tiny smoke run, < 30 s)
 """

@@ -60,7 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"started an embedded clipd server on {target} (state in a temporary directory)")
         try:
             updates = _demo_updates(args.examples, args.seed)
-            with Client(target, token=args.token) as client:
+            with Client(target, token=args.token, retry_timeout=args.retry_timeout) as client:
                 aggregation = client.create_aggregation(DEMO_LAYERS, policy=args.policy, l2_norm_clip=args.clip)
                 try:
                     started = time.perf_counter()
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--policy", default="global",
                       choices=["global", "per_layer_uniform", "per_layer_proportional"])
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--retry-timeout", type=float, default=60.0,
+                      help="how long to retry an unreachable or restarting server (seconds)")
     demo.set_defaults(run=_demo)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -177,7 +177,7 @@ def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Se
     """
     for record in store.records():
         layers, policy, reject = codec.spec_from_json(record.spec)
-        totals = store.load_checkpoint(record.aggregation_id)
+        totals = store.load_checkpoint(record.aggregation_id, newest_only=record.state == FINALIZED)
         aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
                                   settings.staging_bytes, recovered=totals, created=record.created)
         if record.state == FINALIZED and totals is not None:

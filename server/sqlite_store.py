@@ -29,6 +29,7 @@ generation is used (and a warning logged), so a checkpoint is never half-read.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -89,6 +90,7 @@ class SQLiteStore(Store):
         self._files_lock = threading.Lock()
         _make_dir(self.data_dir)
         _make_dir(self._states)
+        self._lock_file = _lock_exclusively(os.path.join(self.data_dir, "lock"))
         self._conn = self._connect(os.path.join(self.data_dir, DB_NAME))
         try:
             self._init_schema()
@@ -96,6 +98,7 @@ class SQLiteStore(Store):
             self._sweep()
         except BaseException:
             self._conn.close()
+            self._lock_file.close()
             raise
 
     # Opening ------------------------------------------------------------------------------
@@ -267,7 +270,7 @@ class SQLiteStore(Store):
                              [(key, g) for g, _ in old])
         return [name for _, name in old]
 
-    def load_checkpoint(self, aggregation_id: str) -> PartialState | None:
+    def load_checkpoint(self, aggregation_id: str, *, newest_only: bool = False) -> PartialState | None:
         """The newest checkpoint that reads back intact (an older one if it is damaged), or None."""
         with self._files_lock:
             key = self._key(aggregation_id)
@@ -279,6 +282,10 @@ class SQLiteStore(Store):
                 try:
                     return self._read_checkpoint(key, name, nbytes, crc)
                 except (OSError, CorruptStateError) as e:
+                    if newest_only:
+                        log.error("store: the newest checkpoint (%d) of aggregation %r is unusable (%s)",
+                                  generation, aggregation_id, e)
+                        return None
                     log.warning("store: checkpoint generation %d of aggregation %r is unusable (%s); "
                                 "trying an older one", generation, aggregation_id, e)
             return None
@@ -297,9 +304,25 @@ class SQLiteStore(Store):
         """Closes the SQLite connection (a second call does nothing)."""
         with self._db_lock:
             self._conn.close()
+        self._lock_file.close()  # releases the directory for another process
 
 
 # Helpers ----------------------------------------------------------------------------------
+def _lock_exclusively(path: str):
+    """An open lock file holding an exclusive ``flock``: one process per data directory.
+
+    Two servers on one directory would sweep each other's in-flight files. The
+    kernel drops the lock when the process dies, SIGKILL included.
+    """
+    f = open(path, "a+b")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise RuntimeError(f"{os.path.dirname(path)} is in use by another clipd process") from None
+    return f
+
+
 def _record(row: tuple) -> AggregationRecord:
     aggregation_id, spec, state, created, finished, reason = row
     return AggregationRecord(aggregation_id, spec, state, created, finished, reason)

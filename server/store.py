@@ -70,8 +70,12 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def load_checkpoint(self, aggregation_id: str) -> PartialState | None:
-        """The newest checkpoint that reads back intact (an older one if the newest is corrupt), or None."""
+    def load_checkpoint(self, aggregation_id: str, *, newest_only: bool = False) -> PartialState | None:
+        """The newest checkpoint that reads back intact (an older one if the newest is corrupt), or None.
+
+        ``newest_only``: None rather than an older checkpoint (a finalized result
+        must be the final state, never an earlier one).
+        """
 
     @abc.abstractmethod
     def delete(self, aggregation_id: str) -> None:
@@ -123,7 +127,7 @@ class MemoryStore(Store):
             if finished is not None:
                 self._records[aggregation_id] = dataclasses.replace(record, state=FINALIZED, finished=finished)
 
-    def load_checkpoint(self, aggregation_id: str) -> PartialState | None:
+    def load_checkpoint(self, aggregation_id: str, *, newest_only: bool = False) -> PartialState | None:
         with self._lock:
             return self._checkpoints.get(aggregation_id)
 

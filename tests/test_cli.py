@@ -19,7 +19,8 @@ def test_demo_against_a_running_server(server):
 
 def test_demo_fails_when_the_server_is_unreachable():
     out = subprocess.run(
-        [sys.executable, "-m", "clipd", "demo", "--target", "127.0.0.1:1", "--examples", "10"],
+        [sys.executable, "-m", "clipd", "demo", "--target", "127.0.0.1:1", "--examples", "10",
+         "--retry-timeout", "1"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode != 0

@@ -333,6 +333,28 @@ class TestSQLiteStore(StoreContract):
         finally:
             store.close()
 
+    def test_newest_only_never_returns_an_older_state(self, tmp_path):
+        store, newest = self._two_generations(tmp_path / "data")
+        try:
+            assert store.load_checkpoint("agg-7", newest_only=True) == state_at(2)
+            self._flip_byte(newest)
+            assert store.load_checkpoint("agg-7", newest_only=True) is None  # a final result: none, not older
+            assert store.load_checkpoint("agg-7") == state_at(1)
+        finally:
+            store.close()
+
+    def test_one_process_per_data_directory(self, tmp_path):
+        data = str(tmp_path / "data")
+        first = SQLiteStore(data)
+        with pytest.raises(RuntimeError, match="in use by another clipd process"):
+            SQLiteStore(data)
+        probe = subprocess.run(
+            [sys.executable, "-c", "from clipd.server.sqlite_store import SQLiteStore; SQLiteStore(%r)" % data],
+            capture_output=True, text=True, timeout=60)
+        assert probe.returncode != 0 and "in use by another clipd process" in probe.stderr
+        first.close()
+        SQLiteStore(data).close()  # free again once closed
+
     def test_blob_checksum_is_checked_even_when_the_row_agrees(self, tmp_path, caplog):
         """A blob damaged before its row was written (size and CRC match the row) is still caught."""
         data = tmp_path / "data"
