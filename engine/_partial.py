@@ -46,11 +46,25 @@ _CRC = struct.Struct("<I")
 
 
 class CorruptStateError(ValueError):
-    """A serialized partial state is truncated, corrupted or of another format."""
+    """A serialized partial state is truncated, corrupted or of another format.
+
+    >>> blob = PartialState.empty([LayerSpec("w", (2,))]).to_bytes()
+    >>> PartialState.from_bytes(blob[:-1])
+    Traceback (most recent call last):
+    ...
+    clipd.engine._partial.CorruptStateError: partial state: checksum mismatch (truncated or corrupted)
+    """
 
 
 class OverlapError(ValueError):
-    """Two partial states both cover batches of one client: merging them would count those twice."""
+    """Two partial states both cover batches of one client: merging them would count those twice.
+
+    >>> a = PartialState.empty([LayerSpec("w", (2,))]).absorb_totals(clients={"alice": (3, "")})
+    >>> a.merge(a)
+    Traceback (most recent call last):
+    ...
+    clipd.engine._partial.OverlapError: merge: clients ['alice'] have batches in both partial states
+    """
 
 
 ClientMark = tuple[int, str]  # (highest sequence summed, writer id)
@@ -58,7 +72,13 @@ ClientMark = tuple[int, str]  # (highest sequence summed, writer id)
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PartialState:
-    """Totals of the batches an aggregation (or one shard of it) has summed. K = number of layers."""
+    """Totals of the batches an aggregation (or one shard of it) has summed. K = number of layers.
+
+    >>> state = PartialState.empty([LayerSpec("w", (2,))])
+    >>> state = state.absorb_totals(sums=[[1.0, 2.0]], examples=1, clients={"alice": (1, "")})
+    >>> state.sums[0], state.examples, state.clients["alice"]
+    (array([1., 2.]), 1, (1, ''))
+    """
 
     layers: tuple[LayerSpec, ...]
     sums: tuple[np.ndarray, ...]  # per layer: float64, the layer's shape
