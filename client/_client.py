@@ -106,7 +106,7 @@ class Client:
         root_certificates: bytes | None = None,
         message_bytes: int = 2 * MiB,
         max_message_bytes: int = 16 * MiB,
-        window_bytes: int = 64 * MiB,
+        window_bytes: int = 256 * MiB,
         timeout: float = 120.0,
         retry_timeout: float = 60.0,
         retry_delay: float = 0.05,

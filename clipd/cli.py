@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--retention-seconds", type=float, default=None,
                        help="finalized results are deleted after this (env CLIPD_RETENTION_SECONDS; default 86400)")
     serve.add_argument("--checkpoint-interval", type=float, default=None,
-                       help="seconds between checkpoints, the acknowledgement latency (default 0.05)")
+                       help="seconds between checkpoints, about the acknowledgement latency (default 0.01)")
     serve.set_defaults(run=_serve)
     demo = sub.add_parser("demo", help="stream synthetic updates and check the aggregate")
     demo.add_argument("--target", default=None, help="HOST:PORT of a server (default: start one in-process)")

@@ -36,7 +36,7 @@ class Settings:
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
     # Durability: aggregations, checkpoints and results live here ("memory": nothing survives a restart).
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
-    checkpoint_interval: float = 0.05  # seconds between checkpoint starts (the acknowledgement latency)
+    checkpoint_interval: float = 0.01  # seconds between checkpoint starts (the acknowledgement latency)
     checkpoint_max_duty: float = 0.25  # large states: checkpoints spaced so writing takes <= this share
     finalize_timeout: float = 300.0  # Finalize waits at most this long for accepted batches to be summed
     retention_seconds: float = 86400.0  # finalized and failed aggregations are deleted after this
