@@ -82,7 +82,7 @@ def test_two_submissions_under_one_client_id_at_once_are_refused_not_merged(serv
     def slow():
         for i in range(20):
             started.set()
-            time.sleep(0.02)
+            time.sleep(0.05)  # the first submission stays open for about a second
             yield _rows(updates, i, i + 1)
 
     outcome = {}
