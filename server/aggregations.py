@@ -72,10 +72,10 @@ class Result:
 class Aggregation:
     """One aggregation: its spec, its clients' sequence numbers, its totals and latest statistics.
 
-    Three marks per client, each a batch sequence number, in this order:
-    ``accepted`` (taken in, queued or summed) >= ``summed`` (in the device sum)
-    >= ``durable`` (in a committed checkpoint). Streams acknowledge ``durable``
-    only. After a restart all three start at the recovered checkpoint's marks.
+    Two marks per client, each a batch sequence number: ``accepted`` (taken in:
+    queued or summed) >= ``durable`` (in a committed checkpoint). Streams
+    acknowledge ``durable`` only; ``pending`` counts accepted batches not yet
+    summed. After a restart both start at the recovered checkpoint's marks.
     """
 
     def __init__(self, aggregation_id: str, layers: tuple[LayerSpec, ...], policy: ClipPolicy,
@@ -98,7 +98,6 @@ class Aggregation:
         self.totals = recovered if recovered is not None else PartialState.empty(layers)  # as of the last flush
         marks = {client: sequence for client, (sequence, _) in self.totals.clients.items()}
         self._accepted = dict(marks)
-        self._summed = dict(marks)
         self._durable = dict(marks)
         self._last_writer = {client: writer for client, (_, writer) in self.totals.clients.items()}
         self._open_writers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -172,8 +171,7 @@ class Aggregation:
         """Marks ``(client, writer, sequence, rows, nbytes)`` batches summed, with the delta's statistics."""
         now = time.time()
         with self.cond:
-            for client, _, sequence, rows, nbytes in done:
-                self._summed[client] = max(self._summed.get(client, 0), sequence)
+            for _, _, _, rows, nbytes in done:
                 self._examples += rows
                 self._bytes += nbytes
                 self._batches += 1
