@@ -224,9 +224,9 @@ def create_sink(settings: Settings) -> tuple[grpc.Server, int]:
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="bare-sink"),
+        futures.ThreadPoolExecutor(max_workers=settings.max_streams + settings.unary_workers, thread_name_prefix="bare-sink"),
         options=options,
-        maximum_concurrent_rpcs=settings.workers,
+        maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers,
     )
     handler = grpc.stream_stream_rpc_method_handler(
         _sink_submit,

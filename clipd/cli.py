@@ -24,7 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.from_env(
-        host=args.host, grpc_port=args.grpc_port, admin_port=args.admin_port, auth_token=args.token,
+        host=args.host, grpc_port=args.grpc_port, admin_port=args.admin_port, admin_token=args.token,
         compilation_cache_dir=args.compilation_cache_dir, data_dir=args.data_dir,
         retention_seconds=args.retention_seconds, checkpoint_interval=args.checkpoint_interval,
     )

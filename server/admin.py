@@ -175,11 +175,11 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
         token = token_of(request)
         if token is None:
             raise HTTPException(401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"})
-        if not settings.auth_token or not secrets.compare_digest(token, settings.auth_token):
+        if not settings.admin_token or not secrets.compare_digest(token, settings.admin_token):
             raise HTTPException(403, "this token may not do that")
 
     def read_access(request: Request) -> None:
-        if settings.admin_auth_all:
+        if settings.admin_token:
             check_token(request)
 
     def the_aggregation(aggregation_id: str) -> Aggregation:

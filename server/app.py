@@ -91,7 +91,7 @@ class ClipdServer:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations)
-        self.worker = DeviceWorker(settings.max_queued_bytes, self.store, settings.checkpoint_interval,
+        self.worker = DeviceWorker(settings.max_buffered_bytes, self.store, settings.checkpoint_interval,
                                    settings.checkpoint_max_duty)
         recover(self.store, self.registry, self.worker, settings)
         self.servicer = ClipdServicer(settings, self.registry, self.worker, self.store)
@@ -101,12 +101,12 @@ class ClipdServer:
             ("grpc.max_send_message_length", settings.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = [_TokenAuth(settings.auth_token)] if settings.auth_token else []
+        interceptors = [_TokenAuth(settings.admin_token)] if settings.admin_token else []
         self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="clipd-grpc"),
+            futures.ThreadPoolExecutor(max_workers=settings.max_streams + settings.unary_workers, thread_name_prefix="clipd-grpc"),
             options=options,
             interceptors=interceptors,
-            maximum_concurrent_rpcs=settings.workers,
+            maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers,
         )
         self.grpc.add_generic_rpc_handlers((_clipd_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

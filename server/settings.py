@@ -19,18 +19,27 @@ def default_data_dir() -> str:
 class Settings:
     """Everything the server can be told. Environment: ``CLIPD_<FIELD>`` (upper case)."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # beyond loopback only with admin_token set, or insecure
     grpc_port: int = 50051  # 0 picks a free port
     admin_port: int = 8080  # 0 picks a free port; -1 disables the admin API
     max_message_bytes: int = 16 * MiB  # largest gRPC message either way
-    max_batch_bytes: int = 1024 * MiB  # largest batch (all its chunks) in memory
-    max_queued_bytes: int = 256 * MiB  # batches waiting for the device; beyond it streams wait
+    max_batch_bytes: int = 256 * MiB  # largest batch (all its chunks)
+    max_buffered_bytes: int = 1024 * MiB  # partly received and queued batches of all streams together
+    buffer_wait: float = 5.0  # seconds a new batch waits for room in max_buffered_bytes before RESOURCE_EXHAUSTED
     max_aggregations: int = 64  # open at once (finalized ones are kept until cancelled)
+    max_parameters: int = 1 << 27  # elements of one aggregation (all layers)
+    max_total_parameters: int = 1 << 28  # elements of all open aggregations together
+    max_layers: int = 4096  # layers of one aggregation
+    max_name_length: int = 256  # characters of a layer name
+    max_clients: int = 100_000  # distinct client_ids of one aggregation
+    warmup_timeout: float = 300.0  # an aggregation whose compilation takes longer fails
     max_device_rows: int = 4096  # examples per device step, rounded down to a power of two
     staging_bytes: int = 16 * MiB  # host buffer (x2) per aggregation that examples are packed into
-    workers: int = 64  # gRPC handler threads: at most this many RPCs at once
-    auth_token: str = ""  # when set, every RPC needs "authorization: Bearer <token>"; admin writes need it
-    admin_auth_all: bool = False  # the admin API's read routes need the token too
+    max_streams: int = 256  # Submit streams at once; more get RESOURCE_EXHAUSTED with a retry hint
+    unary_workers: int = 16  # threads kept for unary RPCs and health checks, whatever the streams do
+    stream_idle_timeout: float = 30.0  # a Submit stream that sends nothing for this long is closed
+    admin_token: str = ""  # the admin credential: every RPC and admin route; "" = auth off (loopback only)
+    insecure: bool = False  # allow listening beyond loopback without admin_token
     tls_cert_file: str = ""
     tls_key_file: str = ""
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
@@ -42,15 +51,19 @@ class Settings:
     retention_seconds: float = 86400.0  # finalized and failed aggregations are deleted after this
 
     def __post_init__(self) -> None:
-        for field in ("max_message_bytes", "max_batch_bytes", "max_queued_bytes", "max_aggregations",
-                      "max_device_rows", "staging_bytes", "workers"):
+        for field in ("max_message_bytes", "max_batch_bytes", "max_buffered_bytes", "max_aggregations",
+                      "max_parameters", "max_total_parameters", "max_layers", "max_name_length", "max_clients",
+                      "max_device_rows", "staging_bytes", "max_streams", "unary_workers"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
-        for field in ("checkpoint_interval", "finalize_timeout", "retention_seconds"):
+        for field in ("checkpoint_interval", "finalize_timeout", "retention_seconds", "buffer_wait",
+                      "warmup_timeout", "stream_idle_timeout"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
         if not 0 < self.checkpoint_max_duty <= 1:
             raise ValueError(f"Settings.checkpoint_max_duty must be in (0, 1], got {self.checkpoint_max_duty}")
+        if self.max_batch_bytes > self.max_buffered_bytes:
+            raise ValueError("Settings.max_batch_bytes can't exceed max_buffered_bytes (no batch could ever fit)")
         if not self.data_dir:
             raise ValueError("Settings.data_dir must name a directory (or 'memory')")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

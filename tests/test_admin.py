@@ -21,7 +21,7 @@ from service_helpers import LAYERS, make_updates, reference
 
 @pytest.fixture(scope="module")
 def admin_server():
-    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "auth_token": "tok"}))
+    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "admin_token": "tok"}))
     yield server
     server.stop(grace=1.0)
 
@@ -38,7 +38,7 @@ def http(server, path, method="GET", token=None):
 
 
 def client_for(server):
-    return Client(f"127.0.0.1:{server.port}", token=server.settings.auth_token or None, message_bytes=4096)
+    return Client(f"127.0.0.1:{server.port}", token=server.settings.admin_token or None, message_bytes=4096)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_cancel_needs_the_token(admin_server):
 
 
 def test_all_routes_need_the_token_when_configured():
-    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "auth_token": "t", "admin_auth_all": True}))
+    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "admin_token": "t"}))
     try:
         for path in ("/api/v1/aggregations", "/metrics"):
             assert http(server, path)[0] == 401

@@ -302,7 +302,7 @@ def test_health_and_reflection(server):
 
 
 def test_token_auth():
-    server, port = create_server(Settings(**{**TEST_SETTINGS, "auth_token": "s3cret"}))
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "admin_token": "s3cret"}))
     try:
         with Client(f"127.0.0.1:{port}") as anonymous:
             with pytest.raises(UnauthenticatedError):

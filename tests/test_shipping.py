@@ -34,9 +34,9 @@ def test_dockerfile_runs_the_same_serve_command_with_a_healthcheck():
 
 
 def test_settings_from_environment():
-    s = Settings.from_env({"CLIPD_GRPC_PORT": "1234", "CLIPD_ADMIN_AUTH_ALL": "true", "CLIPD_AUTH_TOKEN": "x"},
+    s = Settings.from_env({"CLIPD_GRPC_PORT": "1234", "CLIPD_INSECURE": "true", "CLIPD_ADMIN_TOKEN": "x"},
                           host="::1", admin_port=None)
-    assert (s.grpc_port, s.admin_auth_all, s.auth_token, s.host, s.admin_port) == (1234, True, "x", "::1", 8080)
+    assert (s.grpc_port, s.insecure, s.admin_token, s.host, s.admin_port) == (1234, True, "x", "::1", 8080)
 
 
 def test_the_image_and_compose_keep_state_on_a_volume():
