@@ -96,6 +96,14 @@ class Client:
     resumes a dropped stream where the server's acknowledgements stopped, so
     nothing is lost or counted twice. Errors are raised as the typed
     exceptions of ``clipd.client.errors``.
+
+    TLS: ``root_certificates`` (PEM bytes of the CA that signed the server's
+    certificate) makes the connection TLS; without it the channel is
+    plaintext. For a server with mutual TLS (``tls_client_ca_file``), also pass
+    ``client_certificate`` and ``client_key`` (PEM bytes, both or neither): the
+    client's certificate chain and its private key. Given without
+    ``root_certificates``, the server is verified against the system's CAs.
+    ``token`` is the admin bearer token, sent on every call when set.
     """
 
     def __init__(
@@ -104,6 +112,8 @@ class Client:
         *,
         token: str | None = None,
         root_certificates: bytes | None = None,
+        client_certificate: bytes | None = None,
+        client_key: bytes | None = None,
         message_bytes: int = 2 * MiB,
         max_message_bytes: int = 16 * MiB,
         window_bytes: int = 256 * MiB,
@@ -121,8 +131,10 @@ class Client:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
-        if root_certificates is not None:
-            credentials = grpc.ssl_channel_credentials(root_certificates)
+        if (client_certificate is None) != (client_key is None):
+            raise ValueError("client_certificate and client_key go together")
+        if root_certificates is not None or client_certificate is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates, client_key, client_certificate)
             self._channel = grpc.secure_channel(target, credentials, options)
         else:
             self._channel = grpc.insecure_channel(target, options)

@@ -234,6 +234,7 @@ class AdminServer:
     server: uvicorn.Server
     thread: threading.Thread
     port: int
+    scheme: str = "http"  # "https" when the server has a TLS certificate
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -241,15 +242,23 @@ class AdminServer:
 
 
 def start_admin(server, settings: Settings) -> AdminServer:
-    """Starts the admin API on ``settings.host:settings.admin_port`` (0 picks a free port)."""
+    """Starts the admin API on ``settings.host:settings.admin_port`` (0 picks a free port).
+
+    With ``tls_cert_file`` set it serves HTTPS with the gRPC certificate and key.
+    It never asks for client certificates, even when gRPC requires them
+    (``tls_client_ca_file``): the admin API authenticates with the bearer token.
+    """
+    from .tls import admin_ssl_kwargs
+
     app = create_admin_app(server, settings)
+    ssl_kwargs = admin_ssl_kwargs(settings)
     sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.host, settings.admin_port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, **ssl_kwargs)
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="clipd-admin", daemon=True)
     thread.start()
     while not uv.started and thread.is_alive():
         threading.Event().wait(0.01)
-    return AdminServer(uv, thread, sock.getsockname()[1])
+    return AdminServer(uv, thread, sock.getsockname()[1], "https" if ssl_kwargs else "http")

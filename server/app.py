@@ -115,9 +115,10 @@ class ClipdServer:
             self.grpc,
         )
         address = f"{settings.host}:{settings.grpc_port}"
-        if settings.tls_cert_file:
-            with open(settings.tls_key_file, "rb") as key, open(settings.tls_cert_file, "rb") as cert:
-                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+        from .tls import grpc_server_credentials
+
+        credentials = grpc_server_credentials(settings)  # TLS, or mutual TLS with tls_client_ca_file
+        if credentials is not None:
             self.port = self.grpc.add_secure_port(address, credentials)
         else:
             self.port = self.grpc.add_insecure_port(address)
@@ -147,7 +148,7 @@ class ClipdServer:
             from .admin import start_admin
 
             self.admin = start_admin(self, self.settings)
-            log.info("clipd admin API on http://%s:%d", self.settings.host, self.admin.port)
+            log.info("clipd admin API on %s://%s:%d", self.admin.scheme, self.settings.host, self.admin.port)
         return self
 
     @property
@@ -206,7 +207,7 @@ def serve(settings: Settings) -> None:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    admin = f", admin API on http://{settings.host}:{server.admin.port}" if server.admin else ""
+    admin = f", admin API on {server.admin.scheme}://{settings.host}:{server.admin.port}" if server.admin else ""
     print(f"clipd serving gRPC on {settings.host}:{port}{admin}", flush=True)
     done.wait()
     server.stop()

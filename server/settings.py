@@ -40,8 +40,9 @@ class Settings:
     stream_idle_timeout: float = 30.0  # a Submit stream that sends nothing for this long is closed
     admin_token: str = ""  # the admin credential: every RPC and admin route; "" = auth off (loopback only)
     insecure: bool = False  # allow listening beyond loopback without admin_token
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
+    tls_cert_file: str = ""  # PEM certificate (chain): gRPC and the admin API (HTTPS) serve TLS with it
+    tls_key_file: str = ""  # PEM private key of tls_cert_file
+    tls_client_ca_file: str = ""  # PEM CA bundle: gRPC requires client certificates it signed (mutual TLS)
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
     # Durability: aggregations, checkpoints and results live here ("memory": nothing survives a restart).
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
@@ -68,6 +69,12 @@ class Settings:
             raise ValueError("Settings.data_dir must name a directory (or 'memory')")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("Settings: tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("Settings.tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        for field in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path = getattr(self, field)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"Settings.{field}: no such file {path!r}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> Settings:
