@@ -26,5 +26,6 @@ USER clipd
 VOLUME /var/lib/clipd
 EXPOSE 50051 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import urllib.request, sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/readyz', timeout=2).status == 200 else 1)"]
+    CMD ["python", "-c", "import urllib.request, sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status == 200 else 1)"]
+# The server refuses to listen on 0.0.0.0 without an admin token: run with -e CLIPD_ADMIN_TOKEN=...
 CMD ["clipd", "serve"]

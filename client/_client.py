@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ from .errors import ClipdError, FailedPreconditionError, UnavailableError, from_
 from .updates import Layer, example_nbytes, iter_updates, rebatch
 
 MiB = 1 << 20
+FINALIZE_MIN_CHUNK = 64 * 1024  # the smallest Finalize chunk a server sends
 DTYPE_CODES = {"float32": pb.FLOAT32, "float16": pb.FLOAT16, "bfloat16": pb.BFLOAT16, "float64": pb.FLOAT64}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 POLICY_KINDS = {
@@ -166,7 +168,8 @@ class Client:
         return self._retrying(lambda: method(request, timeout=self.timeout, metadata=self._metadata))
 
     def _retrying(self, attempt):
-        """Retries UNAVAILABLE (a server restarting, a connection dropped) for up to ``retry_timeout`` s."""
+        """Retries UNAVAILABLE (a server restarting, a connection dropped) and refusals with a retry hint
+        (the server busy) for up to ``retry_timeout`` s."""
         deadline = time.monotonic() + self.retry_timeout
         tries = 0
         while True:
@@ -174,9 +177,10 @@ class Client:
                 return attempt()
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-                if error.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                if (error.code != grpc.StatusCode.UNAVAILABLE and error.retry_after is None) \
+                        or time.monotonic() > deadline:
                     raise error from None
-                time.sleep(min(2.0, self.retry_delay * 2**tries))
+                time.sleep(_backoff(error, self.retry_delay, tries))
                 tries += 1
 
     # Aggregations -------------------------------------------------------------------------
@@ -227,6 +231,8 @@ class Client:
         return aggregation.aggregation_id
 
     def get_aggregation(self, aggregation_id: str) -> pb.Aggregation:
+        """The aggregation: with the admin token all of it (its ``submit_token`` too); with its
+        submit token its spec and state only (what a participant needs to submit)."""
         return self._call(self._stub.GetAggregation, pb.GetAggregationRequest(aggregation_id=aggregation_id))
 
     def list_aggregations(self) -> list[pb.Aggregation]:
@@ -324,7 +330,7 @@ class Client:
                 stream.stop()
                 raise _with_progress(error, stream) from None
             reconnects += 1
-            time.sleep(min(2.0, self.retry_delay * 2**failures))
+            time.sleep(_backoff(error, self.retry_delay, failures))
 
     def finalize(self, aggregation_id: str) -> AggregateResult:
         """Closes the aggregation (after its last accepted batch) and returns the sums.
@@ -335,7 +341,7 @@ class Client:
 
     def _finalize_once(self, aggregation_id: str) -> AggregateResult:
         responses = self._stub.Finalize(
-            pb.FinalizeRequest(aggregation_id=aggregation_id, max_chunk_bytes=self.message_bytes),
+            pb.FinalizeRequest(aggregation_id=aggregation_id, max_chunk_bytes=max(FINALIZE_MIN_CHUNK, self.message_bytes)),
             timeout=self.timeout, metadata=self._metadata,
         )
         stats, buffers, shapes = None, {}, {}
@@ -358,6 +364,14 @@ class Client:
             non_finite=stats.non_finite,
             stats=stats,
         )
+
+
+def _backoff(error: ClipdError, delay: float, tries: int) -> float:
+    """Seconds before the next try: the server's hint if it gave one, else exponential from ``delay``."""
+    wait = min(2.0, delay * 2**tries)
+    if error.retry_after is not None:
+        wait = max(wait, error.retry_after * (1.0 + 0.25 * random.random()))  # spread the herd
+    return wait
 
 
 def _layer_specs(layers: Any, dtype: str) -> list[Layer]:

@@ -10,6 +10,7 @@ class ClipdError(Exception):
 
     code: grpc.StatusCode | None = None
     retryable = False
+    retry_after: float | None = None  # seconds, when the server asked to be retried after that long
 
     def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(details)
@@ -56,6 +57,12 @@ class UnauthenticatedError(ClipdError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDeniedError(ClipdError):
+    """The credential is valid but not for this: e.g. a submit token used to finalize, or for another aggregation."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class UnavailableError(ClipdError):
     """The server could not be reached or the connection dropped: safe to retry a stream."""
 
@@ -66,17 +73,27 @@ class UnavailableError(ClipdError):
 _BY_CODE = {
     cls.code: cls
     for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, FailedPreconditionError,
-                ResourceExhaustedError, UnauthenticatedError, UnavailableError)
+                ResourceExhaustedError, UnauthenticatedError, PermissionDeniedError, UnavailableError)
 }
 # A dropped connection may also surface as these; the stream protocol makes resending safe.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal about the server's load
 
 
 def from_rpc_error(error: grpc.RpcError) -> ClipdError:
+    """The typed error; a refusal with ``retry-after-ms`` (server busy) is retryable after that long."""
     code = error.code() if hasattr(error, "code") else None
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = _BY_CODE.get(code, ClipdError)
     err = cls(details, code)
     err.retryable = code in _TRANSIENT
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                err.retry_after = max(0.0, int(value) / 1000)
+                err.retryable = True
+            except ValueError:
+                pass
     return err

@@ -80,8 +80,10 @@ class Aggregation:
 
     def __init__(self, aggregation_id: str, layers: tuple[LayerSpec, ...], policy: ClipPolicy,
                  reject_non_finite: bool, max_device_rows: int, staging_bytes: int,
-                 recovered: PartialState | None = None, created: float | None = None) -> None:
+                 recovered: PartialState | None = None, created: float | None = None,
+                 max_clients: int | None = None) -> None:
         self.id = aggregation_id
+        self.max_clients = max_clients
         self.layers = layers
         self.policy = policy
         self.reject_non_finite = reject_non_finite
@@ -110,6 +112,11 @@ class Aggregation:
         self._finalize_lock = threading.Lock()
 
     @property
+    def parameters(self) -> int:
+        """Elements of all layers together."""
+        return sum(l.size for l in self.layers)
+
+    @property
     def examples(self) -> int:
         """Examples in the sum so far (durable or about to be)."""
         return self._examples
@@ -121,6 +128,14 @@ class Aggregation:
             raise FailedPrecondition(f"aggregation {self.id} is {self.state.value}: it takes no more batches")
 
     # Clients and sequence numbers -------------------------------------------------
+    def _check_room_for(self, client_id: str) -> None:
+        if self.max_clients is None or client_id in self._accepted or client_id in self._open_writers:
+            return
+        known = len(self._accepted.keys() | self._open_writers.keys())
+        if known >= self.max_clients:
+            raise ResourceExhausted(f"aggregation {self.id} has {known} clients, the limit"
+                                    f" is {self.max_clients} (max_clients)")
+
     def attach(self, client_id: str, writer: str) -> tuple[int, int, str]:
         """A stream of ``writer`` opens for ``client_id``: ``(durable, accepted, last writer)``.
 
@@ -130,6 +145,7 @@ class Aggregation:
         """
         with self.cond:
             self._check_takes_batches()
+            self._check_room_for(client_id)
             others = [w for w, n in self._open_writers[client_id].items() if n and w != writer]
             if writer and others:
                 raise FailedPrecondition(
@@ -142,13 +158,20 @@ class Aggregation:
 
     def detach(self, client_id: str, writer: str) -> None:
         with self.cond:
-            self._open_writers[client_id][writer] -= 1
+            writers = self._open_writers[client_id]
+            writers[writer] -= 1
+            if writers[writer] <= 0:
+                del writers[writer]
+            if not writers:
+                del self._open_writers[client_id]
             self.cond.notify_all()
 
     def accept(self, client_id: str, sequence: int, writer: str = "") -> bool:
         """Reserves a batch: True if new, False if a duplicate of an accepted one."""
         with self.cond:
             self._check_takes_batches()
+            if client_id not in self._accepted:
+                self._check_room_for(client_id)
             last = self._accepted.get(client_id, 0)
             if sequence <= last:
                 return False
@@ -339,8 +362,9 @@ class Aggregation:
 class Registry:
     """The aggregations of one server, by id. Only open ones count toward ``max_aggregations``."""
 
-    def __init__(self, max_aggregations: int) -> None:
+    def __init__(self, max_aggregations: int, max_total_parameters: int | None = None) -> None:
         self.max_aggregations = max_aggregations
+        self.max_total_parameters = max_total_parameters
         self._lock = threading.Lock()
         self._by_id: dict[str, Aggregation] = {}
 
@@ -355,13 +379,19 @@ class Registry:
             existing = self._by_id.get(aggregation_id)
             if existing is not None:
                 return existing, False
-            open_now = sum(a.state in (*TAKES_BATCHES, State.FINALIZING) for a in self._by_id.values())
-            if open_now >= self.max_aggregations:
+            open_now = [a for a in self._by_id.values() if a.state in (*TAKES_BATCHES, State.FINALIZING)]
+            if len(open_now) >= self.max_aggregations:
                 raise ResourceExhausted(
-                    f"{open_now} aggregations are open, the limit is {self.max_aggregations};"
+                    f"{len(open_now)} aggregations are open, the limit is {self.max_aggregations};"
                     " finalize or cancel some"
                 )
             aggregation = make(aggregation_id)
+            held = sum(a.parameters for a in open_now)
+            if self.max_total_parameters is not None and held + aggregation.parameters > self.max_total_parameters:
+                raise ResourceExhausted(
+                    f"open aggregations hold {held} parameters; {aggregation.parameters} more would pass the"
+                    f" limit of {self.max_total_parameters} (max_total_parameters); finalize or cancel some"
+                )
             publish(aggregation)
             self._by_id[aggregation_id] = aggregation
             return aggregation, True

@@ -11,15 +11,26 @@ from clipd.engine import LayerSpec
 
 from .codec import dtype_of
 from .errors import InvalidArgument, ResourceExhausted
+from .limits import ByteBudget, Reservation
 
 
 class Batch(NamedTuple):
-    """A complete, validated batch: one ``(rows, *shape)`` array per layer."""
+    """A complete, validated batch: one ``(rows, *shape)`` array per layer.
+
+    ``reservation`` holds its bytes in the server's buffer budget until the
+    device worker has copied it (or it is dropped): whoever lets go of a batch
+    calls :meth:`release`.
+    """
 
     sequence: int
     rows: int
     layers: list[np.ndarray]
     nbytes: int
+    reservation: Reservation | None = None
+
+    def release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
 
 
 class _Partial:
@@ -29,19 +40,33 @@ class _Partial:
         self.buffers: list[np.ndarray | bytes | None] = [None] * num_layers
         self.received = [0] * num_layers
         self.expected = [0] * num_layers
+        self.reservation: Reservation | None = None
 
 
 class BatchAssembler:
     """Collects the chunks of one client's batches, in order, and returns each batch when complete.
 
     Each chunk is checked on arrival (layer index, dtype, shape, batch size, byte
-    range), so a bad batch is refused before the rest of it is read.
+    range), so a bad batch is refused before the rest of it is read. A batch
+    reserves its whole size in ``budget`` on its first chunk (waiting up to
+    ``wait`` seconds for room); :meth:`discard` gives back an incomplete one.
     """
 
-    def __init__(self, layers: tuple[LayerSpec, ...], max_batch_bytes: int) -> None:
+    def __init__(self, layers: tuple[LayerSpec, ...], max_batch_bytes: int,
+                 budget: ByteBudget | None = None, wait: float = 0.0) -> None:
         self.layers = layers
         self.max_batch_bytes = max_batch_bytes
+        self.budget = budget
+        self.wait = wait
         self._partial: _Partial | None = None
+
+    def discard(self) -> None:
+        """Drops the incomplete batch, if any, and its reservation."""
+        p, self._partial = self._partial, None
+        if p is not None:
+            if p.reservation is not None:
+                p.reservation.release()
+            p.buffers = []
 
     @property
     def incomplete_sequence(self) -> int | None:
@@ -64,7 +89,7 @@ class BatchAssembler:
         if all(b is not None for b in p.buffers) and p.received == p.expected:
             self._partial = None
             layers = [self._as_array(k, p) for k in range(len(self.layers))]
-            return Batch(sequence, p.rows, layers, sum(p.expected))
+            return Batch(sequence, p.rows, layers, sum(p.expected), p.reservation)
         return None
 
     def _add_chunk(self, p: _Partial, chunk) -> None:
@@ -85,6 +110,8 @@ class BatchAssembler:
                 raise ResourceExhausted(
                     f"batch {p.sequence}: {sum(p.expected)} bytes, the limit is {self.max_batch_bytes}; send smaller batches"
                 )
+            if self.budget is not None:
+                p.reservation = self.budget.reserve(sum(p.expected), self.wait)
         elif shape[0] != p.rows:
             raise InvalidArgument(f"{where}: batch size {shape[0]}, other layers have {p.rows}")
         if chunk.offset != p.received[k]:

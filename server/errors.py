@@ -6,9 +6,25 @@ import grpc
 
 
 class ClipdError(Exception):
-    """A request the service refuses; ``code`` is the gRPC status it maps to."""
+    """A request the service refuses; ``code`` is the gRPC status it maps to.
+
+    ``retry_after`` (seconds) marks a refusal about the server's load, not the
+    request: it goes to the client as the trailing metadata ``retry-after-ms``.
+    """
 
     code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.retry_after is None:
+            return ()
+        return ((RETRY_AFTER_KEY, str(int(self.retry_after * 1000))),)
+
+
+RETRY_AFTER_KEY = "retry-after-ms"
 
 
 class InvalidArgument(ClipdError):
@@ -33,6 +49,14 @@ class ResourceExhausted(ClipdError):
 
 class Unavailable(ClipdError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class PermissionDenied(ClipdError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unauthenticated(ClipdError):
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class DeadlineExceeded(ClipdError):

@@ -6,12 +6,23 @@ Request path of a batch: ``Submit`` (a reader thread per stream) ->
 -> ``DeviceWorker.submit`` (bounded queue) -> worker step -> the accumulator's
 device delta -> a flush into the host totals -> a checkpoint committed to the
 store -> ``Aggregation.mark_durable``. The stream acknowledges durable batches only.
+
+Abuse limits on that path: a stream takes one of ``max_streams`` slots (else
+RESOURCE_EXHAUSTED with a retry hint); a batch reserves its bytes in the one
+buffer budget of the server when its first chunk arrives; a stream that sends
+nothing for ``stream_idle_timeout`` seconds is closed (UNAVAILABLE: the client
+reconnects and resends what was not acknowledged); a message that does not
+parse is INVALID_ARGUMENT. Whatever way a stream ends, its partial batch and
+reservation are released.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -22,10 +33,43 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from . import codec
 from .aggregations import Aggregation, Registry, Result, State
 from .batches import BatchAssembler
-from .errors import AlreadyExists, ClipdError, FailedPrecondition, InvalidArgument
+from .credentials import SubmitTokens, bearer_token, same
+from .errors import (AlreadyExists, ClipdError, FailedPrecondition, InvalidArgument, PermissionDenied,
+                     Unauthenticated, Unavailable)
+from .limits import ByteBudget, StreamSlots
 from .settings import Settings
 from .store import AggregationRecord, Store
 from .worker import DeviceWorker
+
+log = logging.getLogger(__name__)
+MIN_CHUNK_BYTES = 64 * 1024  # Finalize: smaller chunks are refused (millions of messages for one sum)
+DEFAULT_CHUNK_BYTES = 1 << 20  # Finalize: fits the usual 4 MiB receive limit of gRPC clients
+CHUNK_OVERHEAD = 1024  # bytes of a FinalizeResponse besides the tensor data
+
+
+class Malformed:
+    """What a request deserializer returns for bytes that do not parse (the handler refuses it)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def lenient(parse):
+    """``parse`` that returns :class:`Malformed` instead of raising: the RPC then gets INVALID_ARGUMENT.
+
+    gRPC's own handling of a raising deserializer is INTERNAL, a traceback per
+    message, and RPCs left half-open.
+    """
+
+    def parse_or_malformed(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # any parse failure: refused by the handler, with one log line
+            return Malformed(f"{type(e).__name__}: {e}")
+
+    return parse_or_malformed
 
 
 def _status_on_error(method):
@@ -34,10 +78,11 @@ def _status_on_error(method):
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
+            if isinstance(request, Malformed):
+                raise InvalidArgument(f"malformed {method.__name__} request: {request.reason}")
             return method(self, request, context)
         except ClipdError as e:
-            self.rejected(e.code)
-            context.abort(e.code, str(e))
+            self.refuse(context, e, method.__name__)
 
     return wrapper
 
@@ -49,29 +94,45 @@ def _check_id(value: str, what: str) -> str:
 
 
 class ClipdServicer(pb_grpc.ClipdServicer):
-    def __init__(self, settings: Settings, registry: Registry, worker: DeviceWorker, store: Store) -> None:
+    def __init__(self, settings: Settings, registry: Registry, worker: DeviceWorker, store: Store,
+                 submit_tokens: SubmitTokens) -> None:
         self.settings = settings
         self.registry = registry
         self.worker = worker
         self.store = store
-        self.rejections: dict[str, int] = {}
-        self.active_streams = 0
+        self.submit_tokens = submit_tokens
+        self.budget = ByteBudget(settings.max_buffered_bytes)
+        self.stream_slots = StreamSlots(settings.max_streams, "Submit stream")
+        self.rejections: dict[str, int] = {}  # gRPC status name -> count
         self._lock = threading.Lock()
 
-    def rejected(self, code: grpc.StatusCode) -> None:
+    @property
+    def active_streams(self) -> int:
+        return self.stream_slots.active
+
+    def refuse(self, context, error: ClipdError, method: str) -> None:
+        """Counts, logs (one line) and sends a refusal; ``context.abort`` raises."""
         with self._lock:
-            self.rejections[code.name] = self.rejections.get(code.name, 0) + 1
+            self.rejections[error.code.name] = self.rejections.get(error.code.name, 0) + 1
+        log.info("refused %s: %s %s", method, error.code.name, error,
+                 extra={"event": "request.refused", "method": method, "code": error.code.name,
+                        "peer": context.peer()})
+        metadata = error.trailing_metadata()
+        if metadata:
+            context.set_trailing_metadata(metadata)
+        context.abort(error.code, str(error))
 
     # Aggregations -----------------------------------------------------------------------
     @_status_on_error
     def CreateAggregation(self, request: pb.CreateAggregationRequest, context) -> pb.Aggregation:
         layers = codec.layers_from_proto(request.layers)
+        check_limits(layers, self.settings)
         policy, reject = codec.policy_from_proto(request.policy, len(layers))
         requested = _check_id(request.aggregation_id, "aggregation_id") if request.aggregation_id else ""
 
         def make(aggregation_id: str) -> Aggregation:
-            return Aggregation(aggregation_id, layers, policy, reject,
-                               self.settings.max_device_rows, self.settings.staging_bytes)
+            return Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
+                               self.settings.staging_bytes, max_clients=self.settings.max_clients)
 
         def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it
             record = AggregationRecord(aggregation.id, codec.spec_to_json(layers, policy, reject),
@@ -84,11 +145,22 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         if not created and (aggregation.layers, aggregation.policy, aggregation.reject_non_finite) != (
                 layers, policy, reject):
             raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
+        if created:
+            log.info("created aggregation %s: %d layers, %d parameters", aggregation.id, len(layers),
+                     aggregation.parameters, extra={"event": "aggregation.created", "aggregation": aggregation.id,
+                                                    "layers": len(layers), "parameters": aggregation.parameters})
         return self._describe(aggregation)
 
     @_status_on_error
     def GetAggregation(self, request: pb.GetAggregationRequest, context) -> pb.Aggregation:
-        return self._describe(self.registry.get(request.aggregation_id))
+        """All of it for the admin; its spec and state only for a holder of its submit token."""
+        token = bearer_token(context.invocation_metadata())
+        aggregation = self.check_submitter(token, request.aggregation_id, "read")
+        if self.is_admin(token):
+            return self._describe(aggregation)
+        return pb.Aggregation(aggregation_id=aggregation.id, layers=codec.layers_to_proto(aggregation.layers),
+                              policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
+                              state=codec.STATES[aggregation.state], layer_bounds=aggregation.accumulator.bounds)
 
     @_status_on_error
     def ListAggregations(self, request, context) -> pb.ListAggregationsResponse:
@@ -101,9 +173,12 @@ class ClipdServicer(pb_grpc.ClipdServicer):
     def cancel(self, aggregation_id: str) -> Aggregation:
         """Drops an aggregation (or a finished one's result): queued batches, device state, store."""
         aggregation = self.registry.remove(aggregation_id)
+        was = aggregation.state
         aggregation.cancel()
         self.worker.forget(aggregation)
         self.store.delete(aggregation.id)
+        log.info("deleted aggregation %s (was %s)", aggregation.id, was.value,
+                 extra={"event": "aggregation.deleted", "aggregation": aggregation.id, "was": was.value})
         return aggregation
 
     @_status_on_error
@@ -112,21 +187,35 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     def Finalize(self, request: pb.FinalizeRequest, context):
         try:
+            if isinstance(request, Malformed):
+                raise InvalidArgument(f"malformed Finalize request: {request.reason}")
+            limit = self.chunk_limit(request.max_chunk_bytes)
             result = self.finalize(request.aggregation_id)
         except ClipdError as e:
-            self.rejected(e.code)
-            context.abort(e.code, str(e))
-        limit = min(request.max_chunk_bytes or self.settings.max_message_bytes, self.settings.max_message_bytes)
+            self.refuse(context, e, "Finalize")
         yield pb.FinalizeResponse(stats=codec.stats_to_proto(result.stats))
         for k, total in enumerate(result.sums):
-            for chunk in codec.tensor_chunks(k, total, max(1, limit - 1024)):
+            for chunk in codec.tensor_chunks(k, total, limit - CHUNK_OVERHEAD):
                 yield pb.FinalizeResponse(sum=chunk)
+
+    def chunk_limit(self, requested: int) -> int:
+        """The largest Finalize message: ``requested`` (0: 1 MiB), at least 64 KiB, at most the server's limit."""
+        if 0 < requested < MIN_CHUNK_BYTES:
+            raise InvalidArgument(f"max_chunk_bytes: at least {MIN_CHUNK_BYTES} (or 0 for the default),"
+                                  f" got {requested}")
+        return min(requested or DEFAULT_CHUNK_BYTES, self.settings.max_message_bytes)
 
     def finalize(self, aggregation_id: str) -> Result:
         """Closes the aggregation, waits for its last batch, commits and keeps the result (idempotent)."""
         aggregation = self.registry.get(aggregation_id)
         timeout = self.settings.finalize_timeout
-        return aggregation.finalize(lambda: self.worker.commit_final(aggregation, timeout), timeout)
+        first = aggregation.result is None
+        result = aggregation.finalize(lambda: self.worker.commit_final(aggregation, timeout), timeout)
+        if first:
+            log.info("finalized aggregation %s: %d examples", aggregation.id, result.stats.examples,
+                     extra={"event": "aggregation.finalized", "aggregation": aggregation.id,
+                            "examples": result.stats.examples})
+        return result
 
     def _describe(self, aggregation: Aggregation) -> pb.Aggregation:
         return pb.Aggregation(
@@ -138,43 +227,80 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             examples=aggregation.examples,
             created_unix_seconds=aggregation.created,
             failure_reason=aggregation.failure_reason,
+            submit_token=self.submit_tokens.token_for(aggregation.id, aggregation.created),
         )
 
     # Streaming ----------------------------------------------------------------------
     def Submit(self, request_iterator, context):
-        session = _SubmitSession(self)
-        reader = threading.Thread(target=session.read, args=(request_iterator,), daemon=True)
-        with self._lock:
-            self.active_streams += 1
         try:
-            reader.start()
+            self.stream_slots.acquire()
+        except ClipdError as e:
+            self.refuse(context, e, "Submit")
+        try:
+            session = _SubmitSession(self, bearer_token(context.invocation_metadata()))
+            threading.Thread(target=session.read, args=(request_iterator,), name="clipd-submit-reader",
+                             daemon=True).start()
             yield from session.acknowledgements(context)
         finally:
-            with self._lock:
-                self.active_streams -= 1
+            self.stream_slots.release()
+
+    def is_admin(self, token: str | None) -> bool:
+        """Auth off, or the admin token."""
+        return not self.settings.admin_token or same(token, self.settings.admin_token)
+
+    def check_submitter(self, token: str | None, aggregation_id: str, action: str) -> Aggregation:
+        """The aggregation, if ``token`` is the admin's or its submit token.
+
+        No token, or one that is no credential of this server: UNAUTHENTICATED.
+        A submit token of another aggregation: PERMISSION_DENIED (as for an
+        unknown id, so ids do not leak to holders of other tokens).
+        """
+        if self.is_admin(token):
+            return self.registry.get(aggregation_id)
+        if token is None or not self.is_credential(token):
+            raise Unauthenticated("a valid 'authorization: Bearer <token>' is required")
+        try:
+            aggregation = self.registry.get(aggregation_id)
+        except ClipdError:
+            aggregation = None
+        if aggregation is None or not self.submit_tokens.check(token, aggregation.id, aggregation.created):
+            raise PermissionDenied(f"this token may not {action} aggregation {aggregation_id!r}")
+        return aggregation
+
+    def is_credential(self, token: str) -> bool:
+        """The admin token or the submit token of some aggregation of this server."""
+        return self.is_admin(token) or any(
+            self.submit_tokens.check(token, a.id, a.created) for a in self.registry.all())
 
 
 class _SubmitSession:
     """One Submit stream: a reader thread takes batches in, the response side acknowledges them."""
 
-    def __init__(self, servicer: ClipdServicer) -> None:
+    def __init__(self, servicer: ClipdServicer, token: str | None) -> None:
         self.servicer = servicer
+        self.token = token
         self.bound = threading.Event()
         self.aggregation: Aggregation | None = None
         self.client = ""
         self.writer = ""
         self.greeting: pb.SubmitResponse | None = None  # the answer to a hello, until sent
         self.last_sequence = 0  # the highest sequence this stream delivered whole
+        self.last_heard = time.monotonic()  # when the last message arrived (idle timeout)
         self.finished = False
         self.error: Exception | None = None
 
     def read(self, requests) -> None:
+        settings = self.servicer.settings
         assembler = None
         try:
             for message in requests:
+                self.last_heard = time.monotonic()
+                if isinstance(message, Malformed):
+                    raise InvalidArgument(f"malformed SubmitRequest: {message.reason}")
                 if self.aggregation is None:
                     self._bind(message)
-                    assembler = BatchAssembler(self.aggregation.layers, self.servicer.settings.max_batch_bytes)
+                    assembler = BatchAssembler(self.aggregation.layers, settings.max_batch_bytes,
+                                               self.servicer.budget, settings.buffer_wait)
                     if message.sequence == 0 and not message.chunks:
                         continue  # a hello: answered by the response side
                 elif (message.aggregation_id, message.client_id) != (self.aggregation.id, self.client):
@@ -182,29 +308,43 @@ class _SubmitSession:
                 if message.sequence < 1:
                     raise InvalidArgument(f"sequence must be >= 1, got {message.sequence}")
                 batch = assembler.add(message.sequence, message.chunks)
+                del message  # a zero-copy batch keeps its message alive: nothing else may
                 if batch is None:
                     continue
-                if self.aggregation.reject_non_finite:
-                    _check_finite(batch, self.aggregation)
-                if self.aggregation.accept(self.client, batch.sequence, self.writer):
-                    try:
-                        self.servicer.worker.submit(self.aggregation, self.client, self.writer, batch)
-                    except ClipdError:
-                        self.aggregation.drop(1)
-                        raise
+                self._take(batch)
                 self.last_sequence = batch.sequence
+                del batch
             if assembler is not None and assembler.incomplete_sequence is not None:
                 raise InvalidArgument(f"the stream ended inside batch {assembler.incomplete_sequence}")
         except Exception as e:  # ClipdError, or the stream broke (client gone)
-            self.error = e
+            self.error = e.with_traceback(None)  # the traceback would hold this frame's buffers
         finally:
+            if assembler is not None:
+                assembler.discard()
             self.finished = True
             self.bound.set()
             if self.aggregation is not None:
                 self.aggregation.detach(self.client, self.writer)  # wakes the response side too
 
+    def _take(self, batch) -> None:
+        """Hands a whole batch on (or lets go of it: a duplicate, or refused)."""
+        try:
+            if self.aggregation.reject_non_finite:
+                _check_finite(batch, self.aggregation)
+            if not self.aggregation.accept(self.client, batch.sequence, self.writer):
+                batch.release()  # a duplicate of an accepted batch
+                return
+            try:
+                self.servicer.worker.submit(self.aggregation, self.client, self.writer, batch)
+            except ClipdError:
+                self.aggregation.drop(1)
+                raise
+        except BaseException:
+            batch.release()
+            raise
+
     def _bind(self, message) -> None:
-        aggregation = self.servicer.registry.get(message.aggregation_id)
+        aggregation = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
         self.client = _check_id(message.client_id, "client_id")
         self.writer = message.writer_id
         durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
@@ -213,12 +353,27 @@ class _SubmitSession:
         self.aggregation = aggregation
         self.bound.set()
 
+    def _idle(self) -> bool:
+        """True (and the error set) if the client has sent nothing for the idle timeout."""
+        timeout = self.servicer.settings.stream_idle_timeout
+        if self.finished or time.monotonic() - self.last_heard < timeout:
+            return False
+        self.error = Unavailable(f"nothing received for {timeout:g} s: the stream is closed;"
+                                 " reconnect to go on (unacknowledged batches must be sent again)")
+        return True
+
+    def _wait_time(self) -> float:
+        left = self.servicer.settings.stream_idle_timeout - (time.monotonic() - self.last_heard)
+        return max(0.01, min(1.0, left))
+
     def acknowledgements(self, context):
         """Yields the hello's answer, then an acknowledgement whenever this client's durable sequence moves."""
-        while not self.bound.wait(timeout=1.0):
+        while not self.bound.wait(timeout=self._wait_time()):
             if not context.is_active():
                 return
-        aggregation = self.aggregation
+            if self._idle():
+                break
+        aggregation = self.aggregation if self.error is None else None
         sent = 0
         if aggregation is not None and self.greeting is not None:
             sent = self.greeting.acknowledged_sequence
@@ -231,7 +386,7 @@ class _SubmitSession:
                     or (self.finished and (self.error is not None
                                            or aggregation.durable(self.client) >= self.last_sequence))
                     or aggregation.state in ended,
-                    timeout=1.0,
+                    timeout=self._wait_time(),
                 )
                 done = aggregation.durable(self.client)
                 examples = aggregation.examples
@@ -249,11 +404,26 @@ class _SubmitSession:
                 break
             if not context.is_active():
                 return
+            if self._idle():
+                break
         if isinstance(self.error, ClipdError):
-            self.servicer.rejected(self.error.code)
-            context.abort(self.error.code, str(self.error))
+            self.servicer.refuse(context, self.error, "Submit")
         elif self.error is not None and context.is_active():
             context.abort(grpc.StatusCode.CANCELLED, f"the request stream broke: {self.error}")
+
+
+def check_limits(layers, settings: Settings) -> None:
+    """Refuses an aggregation spec beyond the server's limits (layers, name lengths, parameters)."""
+    if len(layers) > settings.max_layers:
+        raise InvalidArgument(f"layers: at most {settings.max_layers}, got {len(layers)}")
+    for layer in layers:
+        if len(layer.name) > settings.max_name_length:
+            raise InvalidArgument(f"layer {layer.name[:32]!r}...: names have at most {settings.max_name_length}"
+                                  f" characters, got {len(layer.name)}")
+    parameters = sum(math.prod(layer.shape) for layer in layers)
+    if parameters > settings.max_parameters:
+        raise InvalidArgument(f"the layers hold {parameters} parameters, the limit is {settings.max_parameters}"
+                              " (max_parameters)")
 
 
 def _check_finite(batch, aggregation: Aggregation) -> None:

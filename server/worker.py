@@ -1,7 +1,8 @@
 """The device worker: the one thread that owns the JAX device state of every aggregation.
 
-Validated batches wait in a queue bounded in bytes (a full queue makes the
-streams wait: back-pressure). The worker packs consecutive batches of one
+Validated batches wait in a queue; their bytes are held in the server's buffer
+budget (``limits.ByteBudget``) until the worker has copied them, so a busy
+device makes the streams wait (back-pressure). The worker packs consecutive batches of one
 aggregation into a 64-byte-aligned host staging buffer of ``device_rows`` rows,
 hands it to the jitted accumulator step padded to the next bucket size (so each
 layer spec compiles a handful of programs once, at warm-up), and runs it.
@@ -20,6 +21,11 @@ takes long (large models): writing takes at most ``checkpoint_max_duty`` of
 the time. A delta is also flushed every ``FLUSH_STEPS`` steps, which bounds
 the float32 rounding error of the sums and keeps the int32 counters far from
 overflow.
+
+Warm-up (compiling an aggregation's programs) runs on a thread of its own, so
+compiling one aggregation never stalls the others' steps; batches that arrive
+for it meanwhile are parked and run once it is open. A warm-up that takes
+longer than ``warmup_timeout`` seconds fails its aggregation.
 
 A step that fails (or a warm-up, or a checkpoint write) fails its aggregation:
 state FAILED with the reason; its queued batches are dropped and its streams
@@ -119,10 +125,10 @@ class _Slot:
 class DeviceWorker:
     """Runs every device step of the server, in one thread; a second thread commits checkpoints."""
 
-    def __init__(self, max_queued_bytes: int, store: Store, checkpoint_interval: float = 0.05,
-                 checkpoint_max_duty: float = 0.25) -> None:
-        self.max_queued_bytes = max_queued_bytes
+    def __init__(self, store: Store, checkpoint_interval: float = 0.05, checkpoint_max_duty: float = 0.25,
+                 warmup_timeout: float = 300.0) -> None:
         self.store = store
+        self.warmup_timeout = warmup_timeout
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_max_duty = checkpoint_max_duty
         self._cond = threading.Condition()
@@ -131,6 +137,8 @@ class DeviceWorker:
         self._stopping = False
         self._recheck = False  # set by the committer: a checkpoint may have become due
         self._slots: dict[Aggregation, _Slot] = {}  # keyed by the object: a re-created id is another key
+        self._warming: set[Aggregation] = set()  # compiling; their batches are parked meanwhile
+        self._parked: dict[Aggregation, list[_Work]] = {}
         self._inflight: _InFlight | None = None
         self._commits: queue.Queue = queue.Queue()
         self.device_kind = jax.devices()[0].device_kind
@@ -142,13 +150,8 @@ class DeviceWorker:
 
     # Producer side (gRPC handler threads) -----------------------------------------
     def submit(self, aggregation: Aggregation, client: str, writer: str, batch: Batch) -> None:
-        """Queues an accepted batch; waits while the queue is over its byte budget."""
+        """Queues an accepted batch (its bytes are already reserved in the buffer budget)."""
         with self._cond:
-            self._cond.wait_for(
-                lambda: self._stopping
-                or self._queued_bytes == 0
-                or self._queued_bytes + batch.nbytes <= self.max_queued_bytes
-            )
             if self._stopping:
                 raise Unavailable("the server is shutting down")
             self._queue.append(_Work(aggregation, client, writer, batch))
@@ -175,11 +178,24 @@ class DeviceWorker:
         return len(self._queue)
 
     def warm_up(self, aggregation: Aggregation) -> None:
-        """Queues the compilation of every bucket size of ``aggregation``; it opens when done.
+        """Compiles every bucket size of ``aggregation`` on a thread of its own; it opens when done.
 
-        Queued before the aggregation is published, so every batch of it comes after.
+        Batches that come before are parked by the worker and run after. If the
+        compilation is not done within ``warmup_timeout`` the aggregation fails
+        (the compilation itself can't be interrupted: its result is dropped).
         """
-        self._enqueue_call(lambda: self._warm_up(aggregation))
+        with self._cond:
+            self._warming.add(aggregation)
+        threading.Thread(target=self._compile, args=(aggregation,), name=f"clipd-warmup-{aggregation.id}",
+                         daemon=True).start()
+        timer = threading.Timer(self.warmup_timeout, self._warm_up_overdue, args=(aggregation,))
+        timer.daemon = True
+        timer.start()
+
+    def _warm_up_overdue(self, aggregation: Aggregation) -> None:
+        if aggregation in self._warming:
+            reason = f"warm-up (compilation) took longer than {self.warmup_timeout:g} s"
+            self.call_soon(lambda: self._fail(aggregation, reason))
 
     def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> PartialState:
         """Flushes the aggregation's delta, commits its totals as final, frees its device state.
@@ -199,8 +215,22 @@ class DeviceWorker:
         return finished.result(timeout)
 
     def forget(self, aggregation: Aggregation) -> None:
-        """Frees an aggregation's device state and staging buffers."""
-        self.call(lambda: self._slots.pop(aggregation, None))
+        """Frees an aggregation's device state, staging buffers and parked batches."""
+
+        def drop():
+            self._slots.pop(aggregation, None)
+            self._drop_parked(aggregation)
+
+        self.call(drop)
+
+    def _drop_parked(self, aggregation: Aggregation) -> None:
+        with self._cond:
+            self._warming.discard(aggregation)
+        parked = self._parked.pop(aggregation, [])
+        for work in parked:
+            work.batch.release()
+        if parked:
+            aggregation.drop(len(parked))
 
     def stop(self, timeout: float | None = None) -> None:
         """Finishes everything queued, commits a last checkpoint of every aggregation, stops both threads."""
@@ -293,6 +323,7 @@ class DeviceWorker:
         self._slots.pop(aggregation, None)
         if self._inflight is not None and self._inflight.aggregation is aggregation:
             self._inflight = None
+        self._drop_parked(aggregation)
         if aggregation.fail(reason):
             try:
                 self.store.set_state(aggregation.id, "failed", reason=reason, finished=time.time())
@@ -303,6 +334,7 @@ class DeviceWorker:
             for work in mine:
                 self._queue.remove(work)
                 self._queued_bytes -= work.batch.nbytes
+                work.batch.release()
             self._cond.notify_all()
         with aggregation.cond:
             aggregation.pending = 0
@@ -311,7 +343,11 @@ class DeviceWorker:
     def _accumulate(self, first: _Work) -> None:
         aggregation = first.aggregation
         slot = self._slots.get(aggregation)
+        if slot is None and aggregation in self._warming:
+            self._parked.setdefault(aggregation, []).append(first)  # runs once the warm-up is done
+            return
         if slot is None or aggregation.state in (State.CANCELLED, State.FAILED):
+            first.batch.release()
             aggregation.drop(1)
             return
         capacity = aggregation.device_rows
@@ -329,6 +365,7 @@ class DeviceWorker:
                 if fill == capacity and start < batch.rows:  # a batch larger than one step
                     self._dispatch(aggregation, slot, buffers, fill, done)
                     buffers, fill, done = self._buffers(aggregation, slot), 0, []
+            batch.release()  # copied: its buffers may go
             done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
             work = self._more_for(aggregation, capacity - fill, deadline if fill < capacity // 2 else 0.0)
         self._dispatch(aggregation, slot, buffers, fill, done)
@@ -446,17 +483,33 @@ class DeviceWorker:
         """Runs ``fn`` on the worker thread later, without waiting for it."""
         self._enqueue_call(fn)
 
-    def _warm_up(self, aggregation: Aggregation) -> None:
+    def _compile(self, aggregation: Aggregation) -> None:
+        """The warm-up thread: compiles (and runs once, on zeros) every bucket size's step."""
         acc = aggregation.accumulator
         try:
             for bucket in bucket_sizes(aggregation.device_rows):
+                if aggregation not in self._warming:
+                    return
                 layers = [np.zeros((bucket, *l.shape), l.dtype) for l in aggregation.layers]
                 jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(bucket, bool)))
-            delta = acc.init()
         except Exception as e:
-            self._fail(aggregation, f"warm-up failed: {type(e).__name__}: {e}")
+            reason = f"warm-up failed: {type(e).__name__}: {e}"
+            self.call_soon(lambda: self._fail(aggregation, reason))
             return
-        if aggregation.state in (State.CANCELLED, State.FAILED):
+        self.call_soon(lambda: self._open(aggregation))
+
+    def _open(self, aggregation: Aggregation) -> None:
+        """On the worker thread: the aggregation gets its device state; parked batches queue again."""
+        if aggregation not in self._warming:
+            return  # failed or cancelled meanwhile
+        if aggregation.state in (State.CANCELLED, State.FAILED, State.FINALIZED):
+            self._drop_parked(aggregation)
             return
-        self._slots[aggregation] = _Slot(delta)
+        self._slots[aggregation] = _Slot(aggregation.accumulator.init())
+        parked = self._parked.pop(aggregation, [])
+        with self._cond:
+            self._warming.discard(aggregation)
+            self._queue.extendleft(reversed(parked))
+            self._queued_bytes += sum(w.batch.nbytes for w in parked)
+            self._cond.notify_all()
         aggregation.mark_open()

@@ -21,15 +21,25 @@ from service_helpers import LAYERS, make_updates, reference
 
 @pytest.fixture(scope="module")
 def admin_server():
+    """Auth off (loopback): what the dashboard test needs. ``auth_server`` has an admin token."""
+    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0}))
+    yield server
+    server.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module")
+def auth_server():
     server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "admin_token": "tok"}))
     yield server
     server.stop(grace=1.0)
 
 
-def http(server, path, method="GET", token=None):
-    request = urllib.request.Request(f"http://127.0.0.1:{server.admin.port}{path}", method=method)
+def http(server, path, method="GET", token=None, cookie=None, body=None):
+    request = urllib.request.Request(f"http://127.0.0.1:{server.admin.port}{path}", method=method, data=body)
     if token:
         request.add_header("Authorization", f"Bearer {token}")
+    if cookie:
+        request.add_header("Cookie", cookie)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read()
@@ -105,26 +115,55 @@ def test_rejections_are_counted_by_status(admin_server):
     assert 'clipd_rejected_requests_total{code="NOT_FOUND"}' in text
 
 
-def test_cancel_needs_the_token(admin_server):
-    with client_for(admin_server) as c:
+def test_cancel_needs_the_token(auth_server):
+    with client_for(auth_server) as c:
         agg = c.create_aggregation({"x": (2,)})
-    assert http(admin_server, f"/api/v1/aggregations/{agg}", "DELETE")[0] == 401
-    assert http(admin_server, f"/api/v1/aggregations/{agg}", "DELETE", token="wrong")[0] == 403
-    status, body = http(admin_server, f"/api/v1/aggregations/{agg}", "DELETE", token="tok")
+        submit_token = c.get_aggregation(agg).submit_token
+    path = f"/api/v1/aggregations/{agg}"
+    assert http(auth_server, path, "DELETE")[0] == 401
+    assert http(auth_server, path, "DELETE", token="wrong")[0] == 403
+    assert http(auth_server, path, "DELETE", token=submit_token)[0] == 403  # a submitter is no admin
+    assert http(auth_server, path, "DELETE", cookie="clipd_admin=tok")[0] == 401  # writes: header only
+    status, body = http(auth_server, path, "DELETE", token="tok")
     assert status == 200 and json.loads(body)["state"] == "cancelled"
-    assert http(admin_server, f"/api/v1/aggregations/{agg}")[0] == 404
+    assert http(auth_server, path, token="tok")[0] == 404
 
 
-def test_all_routes_need_the_token_when_configured():
-    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "admin_token": "t"}))
+def test_every_read_route_needs_the_admin_credential_when_auth_is_on(auth_server):
+    with client_for(auth_server) as c:
+        agg = c.create_aggregation({"x": (2,)})
+        submit_token = c.get_aggregation(agg).submit_token
+    for path in ("/api/v1/aggregations", f"/api/v1/aggregations/{agg}", "/metrics"):
+        assert http(auth_server, path)[0] == 401
+        assert http(auth_server, path, token="x")[0] == 403
+        assert http(auth_server, path, token=submit_token)[0] == 403
+        assert http(auth_server, path, token="tok")[0] == 200
+    assert http(auth_server, "/api/v1/aggregations?token=tok")[0] == 401  # never a credential in a URL
+    assert http(auth_server, "/healthz")[0] == 200  # probes stay open
+    assert http(auth_server, "/readyz")[0] == 200
+
+
+def test_the_dashboard_signs_in_with_a_cookie_not_a_url(auth_server):
+    status, page = http(auth_server, "/login")
+    assert status == 200 and b'name="token"' in page
+    assert http(auth_server, "/login", "POST", body=b"token=nope")[0] == 403
+    opener = urllib.request.build_opener(_NoRedirect)
+    request = urllib.request.Request(f"http://127.0.0.1:{auth_server.admin.port}/login", data=b"token=tok",
+                                     method="POST")
     try:
-        for path in ("/api/v1/aggregations", "/metrics"):
-            assert http(server, path)[0] == 401
-            assert http(server, path, token="x")[0] == 403
-            assert http(server, path, token="t")[0] == 200
-        assert http(server, "/healthz")[0] == 200  # probes stay open
-    finally:
-        server.stop(grace=1.0)
+        opener.open(request, timeout=30)
+        raise AssertionError("expected a redirect")
+    except urllib.error.HTTPError as e:
+        assert e.code == 303 and e.headers["Location"] == "/"
+        cookie = e.headers["Set-Cookie"]
+    assert cookie.startswith("clipd_admin=tok;") and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    assert http(auth_server, "/api/v1/aggregations", cookie="clipd_admin=tok")[0] == 200
+    assert http(auth_server, "/api/v1/aggregations", cookie="clipd_admin=nope")[0] == 403
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
 
 
 def test_quantiles_interpolate_within_buckets():
@@ -146,7 +185,7 @@ def test_dashboard_renders_the_numbers_of_the_api(admin_server, streamed, tmp_pa
     chromium = shutil.which("chromium")
     assert chromium, "chromium is missing: apt-get install chromium (.ci/run does)"
     agg, (_, ref_counts) = streamed
-    url = f"http://127.0.0.1:{admin_server.admin.port}/?token=tok"
+    url = f"http://127.0.0.1:{admin_server.admin.port}/"
     flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
              "--virtual-time-budget=4000", "--window-size=1280,1000"]

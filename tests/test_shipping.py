@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
 import yaml
 
 from clipd.server.settings import Settings
@@ -19,15 +20,19 @@ def test_compose_file_parses_and_matches_the_service():
     env = service["environment"]
     assert {"50051:50051", "8080:8080"} == set(service["ports"])
     assert env["CLIPD_GRPC_PORT"] == "50051" and env["CLIPD_ADMIN_PORT"] == "8080"
-    assert "/readyz" in " ".join(service["healthcheck"]["test"])
-    settings = Settings.from_env({k: v for k, v in env.items() if v and not v.startswith("$")})
+    assert "/healthz" in " ".join(service["healthcheck"]["test"])
+    given = {k: v for k, v in env.items() if v and not v.startswith("$")}
+    with pytest.raises(ValueError, match="without credentials"):  # 0.0.0.0 needs the admin token
+        Settings.from_env(given)
+    assert env["CLIPD_ADMIN_TOKEN"].startswith("${CLIPD_ADMIN_TOKEN:?")  # compose refuses to start without it
+    settings = Settings.from_env({**given, "CLIPD_ADMIN_TOKEN": "x"})
     assert (settings.host, settings.grpc_port, settings.admin_port) == ("0.0.0.0", 50051, 8080)
 
 
 def test_dockerfile_runs_the_same_serve_command_with_a_healthcheck():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r'^CMD \["clipd", "serve"\]$', dockerfile, re.M)
-    assert "HEALTHCHECK" in dockerfile and "/readyz" in dockerfile
+    assert "HEALTHCHECK" in dockerfile and "/healthz" in dockerfile
     assert "EXPOSE 50051 8080" in dockerfile
     for folder in ("clipd", "proto", "engine", "server", "client"):
         assert f"COPY {folder} ./{folder}" in dockerfile

@@ -3,8 +3,6 @@
 "use strict";
 const SVG = "http://www.w3.org/2000/svg";
 const history = new Map();  // aggregation id -> [{t, rate}]
-const token = new URLSearchParams(location.search).get("token") || sessionStorage.getItem("clipd-token");
-if (token) sessionStorage.setItem("clipd-token", token);
 
 function el(tag, attrs = {}, text) {
   const node = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
@@ -94,7 +92,12 @@ function card(agg) {
 async function refresh() {
   const status = document.getElementById("status");
   try {
-    const response = await fetch("/api/v1/aggregations", { headers: token ? { Authorization: `Bearer ${token}` } : {} });
+    // Same-origin: the session cookie set by /login goes along (the token never appears in a URL).
+    const response = await fetch("/api/v1/aggregations", { credentials: "same-origin" });
+    if (response.status === 401 || response.status === 403) {
+      location.assign("/login");
+      return;
+    }
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const data = await response.json();
     document.getElementById("device").textContent = `device: ${data.device_kind}`;

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63lipd/v1/clipd.proto\x12\x08\x63lipd.v1\"H\n\tLayerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.clipd.v1.DType\"\x8f\x03\n\nClipPolicy\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.clipd.v1.ClipPolicy.Kind\x12\x14\n\x0cl2_norm_clip\x18\x02 \x01(\x01\x12\x13\n\x0blayer_clips\x18\x03 \x03(\x01\x12\x1c\n\x14rescale_to_unit_norm\x18\x04 \x01(\x08\x12\x32\n\nnon_finite\x18\x05 \x01(\x0e\x32\x1e.clipd.v1.ClipPolicy.NonFinite\"s\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06GLOBAL\x10\x01\x12\x15\n\x11PER_LAYER_UNIFORM\x10\x02\x12\x1a\n\x16PER_LAYER_PROPORTIONAL\x10\x03\x12\x16\n\x12PER_LAYER_EXPLICIT\x10\x04\"f\n\tNonFinite\x12\x1a\n\x16NON_FINITE_UNSPECIFIED\x10\x00\x12\x10\n\x0cZERO_EXAMPLE\x10\x01\x12\x10\n\x0cZERO_ENTRIES\x10\x02\x12\r\n\tPROPAGATE\x10\x03\x12\n\n\x06REJECT\x10\x04\"}\n\x18\x43reateAggregationRequest\x12#\n\x06layers\x18\x01 \x03(\x0b\x32\x13.clipd.v1.LayerSpec\x12$\n\x06policy\x18\x02 \x01(\x0b\x32\x14.clipd.v1.ClipPolicy\x12\x16\n\x0e\x61ggregation_id\x18\x03 \x01(\t\"\xde\x02\n\x0b\x41ggregation\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12#\n\x06layers\x18\x02 \x03(\x0b\x32\x13.clipd.v1.LayerSpec\x12$\n\x06policy\x18\x03 \x01(\x0b\x32\x14.clipd.v1.ClipPolicy\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.clipd.v1.Aggregation.State\x12\x14\n\x0clayer_bounds\x18\x05 \x03(\x01\x12\x10\n\x08\x65xamples\x18\x06 \x01(\x03\x12\x1c\n\x14\x63reated_unix_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x66\x61ilure_reason\x18\x08 \x01(\t\"b\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nWARMING_UP\x10\x01\x12\x08\n\x04OPEN\x10\x02\x12\r\n\tFINALIZED\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\"i\n\x0bTensorChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x1e\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0f.clipd.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x86\x01\n\rSubmitRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12%\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x15.clipd.v1.TensorChunk\x12\x11\n\twriter_id\x18\x05 \x01(\t\"{\n\x0eSubmitResponse\x12\x1d\n\x15\x61\x63knowledged_sequence\x18\x01 \x01(\x04\x12\x1c\n\x14\x61ggregation_examples\x18\x02 \x01(\x03\x12\x19\n\x11\x61\x63\x63\x65pted_sequence\x18\x03 \x01(\x04\x12\x11\n\twriter_id\x18\x04 \x01(\t\"/\n\x15GetAggregationRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\")\n\x0fGetStatsRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\"w\n\nLayerStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ound\x18\x02 \x01(\x01\x12\x0f\n\x07\x63lipped\x18\x03 \x01(\x03\x12\x11\n\tnorm_mean\x18\x04 \x01(\x01\x12\x10\n\x08norm_max\x18\x05 \x01(\x01\x12\x16\n\x0enorm_histogram\x18\x06 \x03(\x03\"\xfa\x02\n\x10\x41ggregationStats\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.clipd.v1.Aggregation.State\x12\x10\n\x08\x65xamples\x18\x03 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x12\n\nnon_finite\x18\x06 \x01(\x03\x12\x0f\n\x07\x63lipped\x18\x07 \x01(\x03\x12$\n\x06layers\x18\x08 \x03(\x0b\x32\x14.clipd.v1.LayerStats\x12\x1b\n\x13\x62ucket_upper_bounds\x18\t \x03(\x01\x12\x1e\n\x16\x65xample_norm_histogram\x18\n \x03(\x03\x12\x15\n\rexample_bound\x18\x0b \x01(\x01\x12\x1c\n\x14updated_unix_seconds\x18\x0c \x01(\x01\x12\x1b\n\x13\x65xamples_per_second\x18\r \x01(\x01\x12\x16\n\x0e\x66\x61ilure_reason\x18\x0e \x01(\t\"B\n\x0f\x46inalizeRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x04\"a\n\x10\x46inalizeResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.clipd.v1.AggregationStats\x12\"\n\x03sum\x18\x02 \x01(\x0b\x32\x15.clipd.v1.TensorChunk\"\x19\n\x17ListAggregationsRequest\"G\n\x18ListAggregationsResponse\x12+\n\x0c\x61ggregations\x18\x01 \x03(\x0b\x32\x15.clipd.v1.Aggregation\"2\n\x18\x43\x61ncelAggregationRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t*S\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x32\x95\x04\n\x05\x43lipd\x12N\n\x11\x43reateAggregation\x12\".clipd.v1.CreateAggregationRequest\x1a\x15.clipd.v1.Aggregation\x12H\n\x0eGetAggregation\x12\x1f.clipd.v1.GetAggregationRequest\x1a\x15.clipd.v1.Aggregation\x12?\n\x06Submit\x12\x17.clipd.v1.SubmitRequest\x1a\x18.clipd.v1.SubmitResponse(\x01\x30\x01\x12\x41\n\x08GetStats\x12\x19.clipd.v1.GetStatsRequest\x1a\x1a.clipd.v1.AggregationStats\x12\x43\n\x08\x46inalize\x12\x19.clipd.v1.FinalizeRequest\x1a\x1a.clipd.v1.FinalizeResponse0\x01\x12Y\n\x10ListAggregations\x12!.clipd.v1.ListAggregationsRequest\x1a\".clipd.v1.ListAggregationsResponse\x12N\n\x11\x43\x61ncelAggregation\x12\".clipd.v1.CancelAggregationRequest\x1a\x15.clipd.v1.Aggregationb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63lipd/v1/clipd.proto\x12\x08\x63lipd.v1\"H\n\tLayerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.clipd.v1.DType\"\x8f\x03\n\nClipPolicy\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.clipd.v1.ClipPolicy.Kind\x12\x14\n\x0cl2_norm_clip\x18\x02 \x01(\x01\x12\x13\n\x0blayer_clips\x18\x03 \x03(\x01\x12\x1c\n\x14rescale_to_unit_norm\x18\x04 \x01(\x08\x12\x32\n\nnon_finite\x18\x05 \x01(\x0e\x32\x1e.clipd.v1.ClipPolicy.NonFinite\"s\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06GLOBAL\x10\x01\x12\x15\n\x11PER_LAYER_UNIFORM\x10\x02\x12\x1a\n\x16PER_LAYER_PROPORTIONAL\x10\x03\x12\x16\n\x12PER_LAYER_EXPLICIT\x10\x04\"f\n\tNonFinite\x12\x1a\n\x16NON_FINITE_UNSPECIFIED\x10\x00\x12\x10\n\x0cZERO_EXAMPLE\x10\x01\x12\x10\n\x0cZERO_ENTRIES\x10\x02\x12\r\n\tPROPAGATE\x10\x03\x12\n\n\x06REJECT\x10\x04\"}\n\x18\x43reateAggregationRequest\x12#\n\x06layers\x18\x01 \x03(\x0b\x32\x13.clipd.v1.LayerSpec\x12$\n\x06policy\x18\x02 \x01(\x0b\x32\x14.clipd.v1.ClipPolicy\x12\x16\n\x0e\x61ggregation_id\x18\x03 \x01(\t\"\xf4\x02\n\x0b\x41ggregation\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12#\n\x06layers\x18\x02 \x03(\x0b\x32\x13.clipd.v1.LayerSpec\x12$\n\x06policy\x18\x03 \x01(\x0b\x32\x14.clipd.v1.ClipPolicy\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.clipd.v1.Aggregation.State\x12\x14\n\x0clayer_bounds\x18\x05 \x03(\x01\x12\x10\n\x08\x65xamples\x18\x06 \x01(\x03\x12\x1c\n\x14\x63reated_unix_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x66\x61ilure_reason\x18\x08 \x01(\t\x12\x14\n\x0csubmit_token\x18\t \x01(\t\"b\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nWARMING_UP\x10\x01\x12\x08\n\x04OPEN\x10\x02\x12\r\n\tFINALIZED\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\"i\n\x0bTensorChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x1e\n\x05\x64type\x18\x02 \x01(\x0e\x32\x0f.clipd.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x86\x01\n\rSubmitRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12%\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x15.clipd.v1.TensorChunk\x12\x11\n\twriter_id\x18\x05 \x01(\t\"{\n\x0eSubmitResponse\x12\x1d\n\x15\x61\x63knowledged_sequence\x18\x01 \x01(\x04\x12\x1c\n\x14\x61ggregation_examples\x18\x02 \x01(\x03\x12\x19\n\x11\x61\x63\x63\x65pted_sequence\x18\x03 \x01(\x04\x12\x11\n\twriter_id\x18\x04 \x01(\t\"/\n\x15GetAggregationRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\")\n\x0fGetStatsRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\"w\n\nLayerStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ound\x18\x02 \x01(\x01\x12\x0f\n\x07\x63lipped\x18\x03 \x01(\x03\x12\x11\n\tnorm_mean\x18\x04 \x01(\x01\x12\x10\n\x08norm_max\x18\x05 \x01(\x01\x12\x16\n\x0enorm_histogram\x18\x06 \x03(\x03\"\xfa\x02\n\x10\x41ggregationStats\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.clipd.v1.Aggregation.State\x12\x10\n\x08\x65xamples\x18\x03 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x12\n\nnon_finite\x18\x06 \x01(\x03\x12\x0f\n\x07\x63lipped\x18\x07 \x01(\x03\x12$\n\x06layers\x18\x08 \x03(\x0b\x32\x14.clipd.v1.LayerStats\x12\x1b\n\x13\x62ucket_upper_bounds\x18\t \x03(\x01\x12\x1e\n\x16\x65xample_norm_histogram\x18\n \x03(\x03\x12\x15\n\rexample_bound\x18\x0b \x01(\x01\x12\x1c\n\x14updated_unix_seconds\x18\x0c \x01(\x01\x12\x1b\n\x13\x65xamples_per_second\x18\r \x01(\x01\x12\x16\n\x0e\x66\x61ilure_reason\x18\x0e \x01(\t\"B\n\x0f\x46inalizeRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x04\"a\n\x10\x46inalizeResponse\x12)\n\x05stats\x18\x01 \x01(\x0b\x32\x1a.clipd.v1.AggregationStats\x12\"\n\x03sum\x18\x02 \x01(\x0b\x32\x15.clipd.v1.TensorChunk\"\x19\n\x17ListAggregationsRequest\"G\n\x18ListAggregationsResponse\x12+\n\x0c\x61ggregations\x18\x01 \x03(\x0b\x32\x15.clipd.v1.Aggregation\"2\n\x18\x43\x61ncelAggregationRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t*S\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x32\x95\x04\n\x05\x43lipd\x12N\n\x11\x43reateAggregation\x12\".clipd.v1.CreateAggregationRequest\x1a\x15.clipd.v1.Aggregation\x12H\n\x0eGetAggregation\x12\x1f.clipd.v1.GetAggregationRequest\x1a\x15.clipd.v1.Aggregation\x12?\n\x06Submit\x12\x17.clipd.v1.SubmitRequest\x1a\x18.clipd.v1.SubmitResponse(\x01\x30\x01\x12\x41\n\x08GetStats\x12\x19.clipd.v1.GetStatsRequest\x1a\x1a.clipd.v1.AggregationStats\x12\x43\n\x08\x46inalize\x12\x19.clipd.v1.FinalizeRequest\x1a\x1a.clipd.v1.FinalizeResponse0\x01\x12Y\n\x10ListAggregations\x12!.clipd.v1.ListAggregationsRequest\x1a\".clipd.v1.ListAggregationsResponse\x12N\n\x11\x43\x61ncelAggregation\x12\".clipd.v1.CancelAggregationRequest\x1a\x15.clipd.v1.Aggregationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'clipd.v1.clipd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2272
-  _globals['_DTYPE']._serialized_end=2355
+  _globals['_DTYPE']._serialized_start=2294
+  _globals['_DTYPE']._serialized_end=2377
   _globals['_LAYERSPEC']._serialized_start=34
   _globals['_LAYERSPEC']._serialized_end=106
   _globals['_CLIPPOLICY']._serialized_start=109
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEAGGREGATIONREQUEST']._serialized_start=510
   _globals['_CREATEAGGREGATIONREQUEST']._serialized_end=635
   _globals['_AGGREGATION']._serialized_start=638
-  _globals['_AGGREGATION']._serialized_end=988
-  _globals['_AGGREGATION_STATE']._serialized_start=890
-  _globals['_AGGREGATION_STATE']._serialized_end=988
-  _globals['_TENSORCHUNK']._serialized_start=990
-  _globals['_TENSORCHUNK']._serialized_end=1095
-  _globals['_SUBMITREQUEST']._serialized_start=1098
-  _globals['_SUBMITREQUEST']._serialized_end=1232
-  _globals['_SUBMITRESPONSE']._serialized_start=1234
-  _globals['_SUBMITRESPONSE']._serialized_end=1357
-  _globals['_GETAGGREGATIONREQUEST']._serialized_start=1359
-  _globals['_GETAGGREGATIONREQUEST']._serialized_end=1406
-  _globals['_GETSTATSREQUEST']._serialized_start=1408
-  _globals['_GETSTATSREQUEST']._serialized_end=1449
-  _globals['_LAYERSTATS']._serialized_start=1451
-  _globals['_LAYERSTATS']._serialized_end=1570
-  _globals['_AGGREGATIONSTATS']._serialized_start=1573
-  _globals['_AGGREGATIONSTATS']._serialized_end=1951
-  _globals['_FINALIZEREQUEST']._serialized_start=1953
-  _globals['_FINALIZEREQUEST']._serialized_end=2019
-  _globals['_FINALIZERESPONSE']._serialized_start=2021
-  _globals['_FINALIZERESPONSE']._serialized_end=2118
-  _globals['_LISTAGGREGATIONSREQUEST']._serialized_start=2120
-  _globals['_LISTAGGREGATIONSREQUEST']._serialized_end=2145
-  _globals['_LISTAGGREGATIONSRESPONSE']._serialized_start=2147
-  _globals['_LISTAGGREGATIONSRESPONSE']._serialized_end=2218
-  _globals['_CANCELAGGREGATIONREQUEST']._serialized_start=2220
-  _globals['_CANCELAGGREGATIONREQUEST']._serialized_end=2270
-  _globals['_CLIPD']._serialized_start=2358
-  _globals['_CLIPD']._serialized_end=2891
+  _globals['_AGGREGATION']._serialized_end=1010
+  _globals['_AGGREGATION_STATE']._serialized_start=912
+  _globals['_AGGREGATION_STATE']._serialized_end=1010
+  _globals['_TENSORCHUNK']._serialized_start=1012
+  _globals['_TENSORCHUNK']._serialized_end=1117
+  _globals['_SUBMITREQUEST']._serialized_start=1120
+  _globals['_SUBMITREQUEST']._serialized_end=1254
+  _globals['_SUBMITRESPONSE']._serialized_start=1256
+  _globals['_SUBMITRESPONSE']._serialized_end=1379
+  _globals['_GETAGGREGATIONREQUEST']._serialized_start=1381
+  _globals['_GETAGGREGATIONREQUEST']._serialized_end=1428
+  _globals['_GETSTATSREQUEST']._serialized_start=1430
+  _globals['_GETSTATSREQUEST']._serialized_end=1471
+  _globals['_LAYERSTATS']._serialized_start=1473
+  _globals['_LAYERSTATS']._serialized_end=1592
+  _globals['_AGGREGATIONSTATS']._serialized_start=1595
+  _globals['_AGGREGATIONSTATS']._serialized_end=1973
+  _globals['_FINALIZEREQUEST']._serialized_start=1975
+  _globals['_FINALIZEREQUEST']._serialized_end=2041
+  _globals['_FINALIZERESPONSE']._serialized_start=2043
+  _globals['_FINALIZERESPONSE']._serialized_end=2140
+  _globals['_LISTAGGREGATIONSREQUEST']._serialized_start=2142
+  _globals['_LISTAGGREGATIONSREQUEST']._serialized_end=2167
+  _globals['_LISTAGGREGATIONSRESPONSE']._serialized_start=2169
+  _globals['_LISTAGGREGATIONSRESPONSE']._serialized_end=2240
+  _globals['_CANCELAGGREGATIONREQUEST']._serialized_start=2242
+  _globals['_CANCELAGGREGATIONREQUEST']._serialized_end=2292
+  _globals['_CLIPD']._serialized_start=2380
+  _globals['_CLIPD']._serialized_end=2913
 # @@protoc_insertion_point(module_scope)

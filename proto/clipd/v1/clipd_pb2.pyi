@@ -79,7 +79,7 @@ class CreateAggregationRequest(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., aggregation_id: _Optional[str] = ...) -> None: ...
 
 class Aggregation(_message.Message):
-    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason")
+    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason", "submit_token")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Aggregation.State]
@@ -102,6 +102,7 @@ class Aggregation(_message.Message):
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     policy: ClipPolicy
@@ -110,7 +111,8 @@ class Aggregation(_message.Message):
     examples: int
     created_unix_seconds: float
     failure_reason: str
-    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ...) -> None: ...
+    submit_token: str
+    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ..., submit_token: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("layer", "dtype", "shape", "offset", "data")
