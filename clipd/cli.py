@@ -7,7 +7,6 @@ it needs nothing else running.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 import tempfile
@@ -18,18 +17,128 @@ import numpy as np
 DEMO_LAYERS = {"dense/kernel": (32, 24), "dense/bias": (24,), "out/kernel": (8, 24), "out/bias": (8,)}
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from clipd.server.app import serve
+EXIT_SETTINGS, EXIT_RUNTIME = 2, 1
+CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json")}
+FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _error(message: object, status: int) -> int:
+    """Prints ``clipd: error: <message>`` as one line on stderr and returns ``status``."""
+    text = " ".join(str(message).split())
+    print(f"clipd: error: {text}", file=sys.stderr, flush=True)
+    return status
+
+
+def _field_comments() -> dict[str, str]:
+    """Each Settings field's comment in server/settings.py: the one after it, else the comment lines above it."""
+    import dataclasses
+    import inspect
+    import io
+    import re
+    import tokenize
+
     from clipd.server.settings import Settings
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings.from_env(
-        host=args.host, grpc_port=args.grpc_port, admin_port=args.admin_port, admin_token=args.token,
-        compilation_cache_dir=args.compilation_cache_dir, data_dir=args.data_dir,
-        retention_seconds=args.retention_seconds, checkpoint_interval=args.checkpoint_interval,
-    )
-    serve(settings)
+    try:
+        source = inspect.getsource(Settings)
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (OSError, TypeError, tokenize.TokenError):
+        return {}
+    comment_of_line = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    names = {f.name for f in dataclasses.fields(Settings)}
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    for number, line in enumerate(source.splitlines(), 1):
+        if line.strip().startswith("#"):
+            above.append(comment_of_line.get(number, ""))
+            continue
+        found = re.match(r" {4}(\w+)\s*:", line)
+        if found and found.group(1) in names:
+            text = comment_of_line.get(number) or " ".join(above)
+            if text:
+                comments[found.group(1)] = text
+        above = []
+    return comments
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """One flag per Settings field (``--grpc-port``...), typed from the field; returns the field names.
+
+    None is every flag's default, so that a flag not given leaves the setting to
+    the environment, the config file or the default.
+    """
+    import dataclasses
+
+    from clipd.server.settings import Settings, field_kind
+
+    comments = _field_comments()
+    aliases = {"admin_token": ["--token"]}
+    names = []
+    for field in dataclasses.fields(Settings):
+        kind = field_kind(field)
+        if kind != "bool" and kind not in FLAG_TYPES:
+            continue  # no flag spelling for this type: environment or config file only
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        shown = "off" if default == "" else str(default).lower() if isinstance(default, bool) else default
+        help_text = f"{comments.get(field.name, '')} (env CLIPD_{field.name.upper()}; default: {shown})".strip()
+        flag = "--" + field.name.replace("_", "-")
+        options: dict = {"dest": field.name, "default": None, "help": help_text.replace("%", "%%")}
+        if kind == "bool":
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["type"] = FLAG_TYPES[kind]
+            options["metavar"] = {"int": "N", "float": "X"}.get(kind) or next(
+                (m for suffix, m in (("_file", "FILE"), ("_dir", "DIR"), ("host", "HOST"), ("token", "TOKEN"))
+                 if field.name.endswith(suffix)), "VALUE")
+            if field.name in CHOICES:
+                options["choices"], options["metavar"] = CHOICES[field.name], None
+        parser.add_argument(flag, *aliases.get(field.name, ()), **options)
+        names.append(field.name)
+    return names
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import errno
+
+    from clipd.server.settings import Settings
+
+    try:
+        settings = Settings.load({name: getattr(args, name) for name in args.setting_names},
+                                 config_file=args.config)
+    except ValueError as e:  # SettingsError: a bad value, a bad file, an invalid combination
+        return _error(e, EXIT_SETTINGS)
+
+    from clipd.server import logs
+
+    logs.configure(settings.log_level, settings.log_format)
+    from clipd.server.app import serve
+
+    try:
+        serve(settings)
+    except RuntimeError as e:  # grpc's add_*_port: "Failed to bind to address ..."
+        if "bind" not in str(e).lower():
+            raise
+        _exit_now(_error(f"can't listen for gRPC on {settings.host}:{settings.grpc_port}: "
+                         f"{str(e).split(';')[0]}", EXIT_RUNTIME))
+    except OSError as e:  # the admin socket's bind, certificate files, the data directory
+        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES) and not e.filename:
+            _exit_now(_error(f"can't listen for the admin API on {settings.host}:{settings.admin_port}: "
+                             f"{e.strerror or e}", EXIT_RUNTIME))
+        _exit_now(_error(e, EXIT_RUNTIME))
     return 0
+
+
+def _exit_now(status: int) -> None:
+    """Exits at once: a server that failed half-way through starting has threads (gRPC, the device worker)
+    that can't be stopped cleanly, and the interpreter's shutdown can abort on them. Nothing is lost: the
+    store is built to survive a kill."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _demo_updates(examples: int, seed: int) -> dict[str, np.ndarray]:
@@ -104,22 +213,15 @@ def _report(result, updates, args, report, seconds) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``clipd`` command line: ``serve`` (one flag per setting) and ``demo``."""
     parser = argparse.ArgumentParser(prog="clipd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gRPC service and its admin API")
-    serve.add_argument("--host", default=None, help="address to bind (env CLIPD_HOST; default 127.0.0.1)")
-    serve.add_argument("--grpc-port", type=int, default=None, help="env CLIPD_GRPC_PORT; default 50051")
-    serve.add_argument("--admin-port", type=int, default=None, help="env CLIPD_ADMIN_PORT; default 8080, -1 off")
-    serve.add_argument("--token", default=None, help="require this bearer token (env CLIPD_AUTH_TOKEN)")
-    serve.add_argument("--compilation-cache-dir", default=None, help="JAX persistent compilation cache")
-    serve.add_argument("--data-dir", default=None,
-                       help="where aggregations, checkpoints and results are kept (env CLIPD_DATA_DIR;"
-                            " default: ~/.local/state/clipd; 'memory': nothing survives a restart)")
-    serve.add_argument("--retention-seconds", type=float, default=None,
-                       help="finalized results are deleted after this (env CLIPD_RETENTION_SECONDS; default 86400)")
-    serve.add_argument("--checkpoint-interval", type=float, default=None,
-                       help="seconds between checkpoints, about the acknowledgement latency (default 0.01)")
+    serve.add_argument("--config", metavar="FILE", default=None,
+                       help="TOML file of settings (keys: the names below with underscores, e.g. grpc_port = 50051);"
+                            " env CLIPD_CONFIG. Precedence: flags > CLIPD_* variables > file > defaults")
+    serve.set_defaults(setting_names=_add_settings_flags(serve))
     serve.set_defaults(run=_serve)
     demo = sub.add_parser("demo", help="stream synthetic updates and check the aggregate")
     demo.add_argument("--target", default=None, help="HOST:PORT of a server (default: start one in-process)")
@@ -132,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--retry-timeout", type=float, default=60.0,
                       help="how long to retry an unreachable or restarting server (seconds)")
     demo.set_defaults(run=_demo)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.run(args)
 
 

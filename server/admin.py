@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .aggregations import Aggregation, Stats
+from .apidocs import mount_docs
 from .errors import NotFound
 from .settings import Settings
 
@@ -163,7 +164,8 @@ def _ratio_sum(layer, stats: Stats) -> float:
 
 def create_admin_app(server, settings: Settings) -> FastAPI:
     """The admin app of a running ``ClipdServer``; ``settings`` decide its authentication."""
-    app = FastAPI(title="clipd admin", version="1", description="Clip statistics of running aggregations.")
+    app = FastAPI(title="clipd admin", version="1", description="Clip statistics of running aggregations.",
+                  docs_url=None, redoc_url=None)  # /docs: apidocs.mount_docs, served without a CDN
     registry = CollectorRegistry()
     registry.register(_SnapshotCollector(server))
 
@@ -224,6 +226,7 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
         return FileResponse(STATIC / "dashboard.html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    mount_docs(app)  # /docs, /docs/openapi.json, /docs/assets: open, they hold no data
     return app
 
 

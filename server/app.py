@@ -10,12 +10,12 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from clipd.v1 import clipd_pb2
 
 from . import codec, wire
 from .aggregations import Aggregation, Registry
+from .reflection import enable_reflection
 from .service import ClipdServicer
 from .settings import Settings
 from .store import FAILED, FINALIZED, Store, open_store
@@ -110,10 +110,7 @@ class ClipdServer:
         )
         self.grpc.add_generic_rpc_handlers((_clipd_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.grpc,
-        )
+        enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
         address = f"{settings.host}:{settings.grpc_port}"
         from .tls import grpc_server_credentials
 

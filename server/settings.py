@@ -1,4 +1,7 @@
-"""Server settings: validated once, from keyword arguments or CLIPD_* environment variables."""
+"""Server settings: validated once, from keyword arguments, flags, CLIPD_* environment variables or a TOML file.
+
+``Settings.load`` merges them: flags > environment > file > defaults.
+"""
 
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ class Settings:
     checkpoint_max_duty: float = 0.25  # large states: checkpoints spaced so writing takes <= this share
     finalize_timeout: float = 300.0  # Finalize waits at most this long for accepted batches to be summed
     retention_seconds: float = 86400.0  # finalized and failed aggregations are deleted after this
+    log_level: str = "info"  # debug, info, warning or error
+    log_format: str = "text"  # text, or json: one JSON object a line
 
     def __post_init__(self) -> None:
         for field in ("max_message_bytes", "max_batch_bytes", "max_buffered_bytes", "max_aggregations",
@@ -75,22 +80,141 @@ class Settings:
             path = getattr(self, field)
             if path and not os.path.isfile(path):
                 raise ValueError(f"Settings.{field}: no such file {path!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"Settings.log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"Settings.log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> Settings:
-        """Settings from ``CLIPD_*`` variables, then ``overrides`` (those that are not None)."""
+        """Settings from ``CLIPD_*`` variables, then ``overrides`` (those that are not None).
+
+        A variable that does not parse raises :class:`SettingsError` naming it.
+        """
         environ = os.environ if environ is None else environ
-        values = {}
-        for field in dataclasses.fields(cls):
-            raw = environ.get(f"CLIPD_{field.name.upper()}")
-            if raw is not None:
-                if field.type == "int":
-                    values[field.name] = int(raw)
-                elif field.type == "float":
-                    values[field.name] = float(raw)
-                elif field.type == "bool":
-                    values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                else:
-                    values[field.name] = raw
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        values = _values_from_environ(cls, environ)
+        values.update({k: (v, f"argument {k}") for k, v in overrides.items() if v is not None})
+        return _build(cls, values)
+
+    @classmethod
+    def load(cls, flags: dict | None = None, environ: dict[str, str] | None = None,
+             config_file: str | os.PathLike | None = None) -> Settings:
+        """Settings from every source, in this precedence: ``flags`` > ``CLIPD_*`` variables > file > defaults.
+
+        ``flags`` maps field names to values (None = not given). ``config_file`` is a TOML
+        file whose keys are field names; without it, ``CLIPD_CONFIG`` names one (if set).
+        Unknown keys, values of the wrong type and variables that do not parse raise
+        :class:`SettingsError` naming the key and its source, as do invalid combinations.
+        """
+        environ = os.environ if environ is None else environ
+        if config_file is None:
+            config_file = environ.get("CLIPD_CONFIG") or None
+        values = {} if config_file is None else _values_from_file(cls, config_file)
+        values.update(_values_from_environ(cls, environ))
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name, value in (flags or {}).items():
+            if value is None:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if name not in fields:
+                raise SettingsError(f"{flag}: unknown setting {name!r}")
+            values[name] = (_checked(fields[name], value, flag), flag)
+        return _build(cls, values)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean (true or false)", "str": "a string"}
+
+
+class SettingsError(ValueError):
+    """A setting that can't be used; the message names the key and where it came from."""
+
+
+def field_kind(field: dataclasses.Field) -> str:
+    """``"int"``, ``"float"``, ``"bool"``, ``"str"``, or the annotation as written for any other type."""
+    return field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+
+
+def _checked(field: dataclasses.Field, value, source: str):
+    """``value`` (from a file or a flag) if it has the field's type; ints are taken for floats."""
+    kind = field_kind(field)
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+    }.get(kind, True)
+    if not ok:
+        raise SettingsError(f"{source}: {field.name} must be {_KINDS[kind]}, got {value!r}")
+    return float(value) if kind == "float" else value
+
+
+def _parsed(field: dataclasses.Field, raw: str, variable: str):
+    """The value of an environment variable for ``field``; SettingsError naming the variable if it doesn't parse."""
+    kind = field_kind(field)
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise SettingsError(f"{variable} must be {_KINDS[kind]}, got {raw!r}") from None
+    if kind == "bool":
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise SettingsError(f"{variable} must be one of {', '.join(_TRUE + _FALSE)}, got {raw!r}")
+        return word in _TRUE
+    return raw
+
+
+def _values_from_environ(cls, environ) -> dict[str, tuple]:
+    """``{field: (value, variable)}`` for each ``CLIPD_<FIELD>`` set; empty numbers and booleans count as unset."""
+    values = {}
+    for field in dataclasses.fields(cls):
+        variable = f"CLIPD_{field.name.upper()}"
+        raw = environ.get(variable)
+        if raw is None or (raw.strip() == "" and field_kind(field) in ("int", "float", "bool")):
+            continue  # compose's ${VAR:-} gives "" for "not set"
+        values[field.name] = (_parsed(field, raw, variable), variable)
+    return values
+
+
+def _values_from_file(cls, path: str | os.PathLike) -> dict[str, tuple]:
+    """``{field: (value, path)}`` from a TOML file whose top-level keys are field names."""
+    import difflib
+    import tomllib
+
+    where = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as e:
+        raise SettingsError(f"config file {where}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"config file {where}: not valid TOML: {e}") from None
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in table.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SettingsError(f"config file {where}: unknown setting {key!r}{hint}")
+        values[key] = (_checked(fields[key], value, f"config file {where}"), where)
+    return values
+
+
+def _build(cls, values: dict[str, tuple]):
+    """``cls(**values)``; a ValueError of ``__post_init__`` becomes a SettingsError naming the sources involved."""
+    import re
+
+    try:
+        return cls(**{name: value for name, (value, _) in values.items()})
+    except SettingsError:
+        raise
+    except ValueError as e:
+        message = str(e)
+        sources = [f"{name} from {source}" for name, (_, source) in values.items()
+                   if re.search(rf"\b{re.escape(name)}\b", message)]
+        raise SettingsError(message + (f" ({'; '.join(sources)})" if sources else "")) from None
