@@ -6,24 +6,30 @@ Every route reads host-side snapshots (``Aggregation.stats()``); none runs JAX.
 import dataclasses
 import math
 import pathlib
-import secrets
 import socket
 import threading
+import urllib.parse
 from typing import Annotated, Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .aggregations import Aggregation, Stats
 from .apidocs import mount_docs
+from .credentials import bearer_token, same
 from .errors import NotFound
 from .settings import Settings
 
 STATIC = pathlib.Path(__file__).resolve().parent / "static"
+SESSION_COOKIE = "clipd_admin"
+LOGIN_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>clipd: sign in</title>
+<link rel="stylesheet" href="/static/dashboard.css"></head><body><header><h1>clipd</h1></header><main>
+<form method="post" action="/login"><label>Admin token <input type="password" name="token" autofocus></label>
+<button type="submit">Sign in</button></form><!--error--></main></body></html>"""
 
 
 def quantile_from_histogram(counts, upper_bounds, q: float) -> float | None:
@@ -137,7 +143,17 @@ class _SnapshotCollector:
         for code, count in sorted(server.servicer.rejections.items()):
             rejected.add_metric([code], count)
         yield rejected
-        yield GaugeMetricFamily("clipd_active_streams", "Submit streams open.", value=server.servicer.active_streams)
+        slots, budget = server.servicer.stream_slots, server.servicer.budget
+        yield GaugeMetricFamily("clipd_active_streams", "Submit streams open.", value=slots.active)
+        yield GaugeMetricFamily("clipd_stream_limit", "Submit streams allowed at once.", value=slots.limit)
+        yield CounterMetricFamily("clipd_refused_streams", "Submit streams refused: every slot taken.",
+                                  value=slots.refused)
+        yield GaugeMetricFamily("clipd_buffered_bytes", "Bytes of partly received and queued batches.",
+                                value=budget.used)
+        yield GaugeMetricFamily("clipd_buffer_limit_bytes", "The limit of clipd_buffered_bytes.",
+                                value=budget.limit)
+        yield CounterMetricFamily("clipd_refused_batches", "Batches refused: the buffer stayed full.",
+                                  value=budget.refused)
         yield GaugeMetricFamily("clipd_queue_depth", "Items waiting for the device worker.",
                                 value=server.worker.queue_depth)
         yield GaugeMetricFamily("clipd_queued_bytes", "Batch bytes waiting for the device.",
@@ -169,20 +185,22 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
     registry = CollectorRegistry()
     registry.register(_SnapshotCollector(server))
 
-    def token_of(request: Request) -> str | None:
-        header = request.headers.get("authorization", "")
-        return header[7:] if header.lower().startswith("bearer ") else None
-
-    def check_token(request: Request) -> None:
-        token = token_of(request)
+    def check(token: str | None) -> None:
+        if not settings.admin_token:
+            return  # auth off (the server then listens on loopback only, unless told insecure)
         if token is None:
-            raise HTTPException(401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"})
-        if not settings.admin_token or not secrets.compare_digest(token, settings.admin_token):
-            raise HTTPException(403, "this token may not do that")
+            raise HTTPException(401, "the admin credential is required ('Authorization: Bearer <token>')",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not same(token, settings.admin_token):
+            raise HTTPException(403, "this credential may not do that")
 
     def read_access(request: Request) -> None:
-        if settings.admin_token:
-            check_token(request)
+        """Reads: the bearer header, or the dashboard's session cookie (set by POST /login)."""
+        check(bearer_token(request.headers.items()) or request.cookies.get(SESSION_COOKIE))
+
+    def write_access(request: Request) -> None:
+        """Writes: the bearer header only (a cookie could be sent by a page of another site)."""
+        check(bearer_token(request.headers.items()))
 
     def the_aggregation(aggregation_id: str) -> Aggregation:
         try:
@@ -191,7 +209,7 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
             raise HTTPException(404, str(e)) from None
 
     Reader = Annotated[None, Depends(read_access)]
-    Writer = Annotated[None, Depends(check_token)]
+    Writer = Annotated[None, Depends(write_access)]
     AggregationParam = Annotated[Aggregation, Depends(the_aggregation)]
 
     @app.get("/healthz")
@@ -199,10 +217,40 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz")
-    def readyz() -> Response:
-        ready = server.serving
-        return Response('{"ready": %s}' % str(ready).lower(), status_code=200 if ready else 503,
-                        media_type="application/json")
+    def readyz() -> JSONResponse:
+        """Ready for new traffic: serving, and a Submit stream slot free (503 with the reason if not)."""
+        slots, budget = server.servicer.stream_slots, server.servicer.budget
+        reasons = []
+        if not server.serving:
+            reasons.append("not serving (starting or stopping)")
+        if slots.saturated:
+            reasons.append(f"all {slots.limit} Submit stream slots are taken")
+        body = {"ready": not reasons, "reasons": reasons,
+                "streams": {"active": slots.active, "limit": slots.limit},
+                "buffered_bytes": {"used": budget.used, "limit": budget.limit}}
+        return JSONResponse(body, status_code=503 if reasons else 200)
+
+    @app.get("/login", include_in_schema=False)
+    def login_page() -> HTMLResponse:
+        return HTMLResponse(LOGIN_PAGE)
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        """The dashboard's sign-in: the admin token from a form becomes an HttpOnly session cookie."""
+        form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
+        token = (form.get("token") or [""])[0]
+        if settings.admin_token and not same(token, settings.admin_token):
+            return HTMLResponse(LOGIN_PAGE.replace("<!--error-->", "<p class=error>Wrong token.</p>"), 403)
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict", path="/",
+                            secure=request.url.scheme == "https")
+        return response
+
+    @app.post("/logout", include_in_schema=False)
+    def logout() -> Response:
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/")
+        return response
 
     @app.get("/api/v1/aggregations")
     def list_aggregations(_: Reader) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from concurrent import futures
@@ -16,7 +18,10 @@ from clipd.v1 import clipd_pb2
 from . import codec, wire
 from .aggregations import Aggregation, Registry
 from .reflection import enable_reflection
-from .service import ClipdServicer
+from .credentials import SubmitTokens, bearer_token, load_key, same
+from .errors import ClipdError, PermissionDenied, Unauthenticated
+from .limits import StreamSlots
+from .service import ClipdServicer, lenient
 from .settings import Settings
 from .store import FAILED, FINALIZED, Store, open_store
 from .worker import DeviceWorker
@@ -26,35 +31,84 @@ SERVICE_NAME = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"].full_name
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
-class _TokenAuth(grpc.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` on every RPC but health checks and reflection."""
+# Methods a submit token may call: the handler checks the token against the aggregation.
+SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", f"/{SERVICE_NAME}/GetAggregation")
+OTHER_STREAMS = 16  # Health/Watch and reflection streams at once (beside max_streams Submit streams)
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+
+class _Guard(grpc.ServerInterceptor):
+    """Roles and long-lived streams, before any handler runs.
+
+    Roles (with an admin token set): health and reflection are open; Submit and
+    GetAggregation need some bearer token (the handler checks it against the
+    aggregation: a submit token may submit to its aggregation and read its spec);
+    every other RPC needs the admin token: no credential is UNAUTHENTICATED, a
+    submit token is PERMISSION_DENIED. Health ``Watch`` and reflection streams take one of
+    ``OTHER_STREAMS`` slots, so they can't use up the threads of anything else.
+    """
+
+    def __init__(self, admin_token: str, servicer: ClipdServicer) -> None:
+        self._admin_token = admin_token
+        self._servicer = servicer
+        self._other_streams = StreamSlots(OTHER_STREAMS, "health-watch and reflection stream")
 
     def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(OPEN_METHODS):
-            return continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
-            return continuation(handler_call_details)
+        method = handler_call_details.method
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        return _denying_handler(handler)
+        if method.startswith(OPEN_METHODS):
+            return self._limited(handler, method) if handler.response_streaming else handler
+        if not self._admin_token:
+            return handler
+        token = bearer_token(handler_call_details.invocation_metadata)
+        if method in SUBMIT_TOKEN_METHODS or same(token, self._admin_token):
+            return handler
+        if token is None or not self._servicer.is_credential(token):
+            return _refusing(handler, self._servicer, Unauthenticated(
+                "a valid 'authorization: Bearer <token>' is required"), method)
+        return _refusing(handler, self._servicer, PermissionDenied(
+            f"{method.rsplit('/', 1)[-1]} needs the admin credential; a submit token may only Submit"), method)
+
+    def _limited(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        inner = handler.unary_stream or handler.stream_stream
+        slots, servicer = self._other_streams, self._servicer
+
+        def limited(request, context):
+            try:
+                slots.acquire()
+            except ClipdError as e:
+                servicer.refuse(context, e, method)
+            try:
+                yield from inner(request, context)
+            finally:
+                slots.release()
+
+        return _with_behavior(handler, limited)
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    def deny(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid 'authorization: Bearer <token>' is required")
+def _with_behavior(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[handler.request_streaming, handler.response_streaming]
+    return make(behavior, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
+
+def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: ClipdError, method: str):
+    def refuse(request, context):
+        servicer.refuse(context, error, method)
+
+    def refuse_streaming(request, context):
+        servicer.refuse(context, error, method)
+        yield  # never reached: a generator, as a streaming response needs
+
+    # The request is not parsed: a refused caller costs no deserialization.
+    handler = handler._replace(request_deserializer=None)
+    return _with_behavior(handler, refuse_streaming if handler.response_streaming else refuse)
 
 
 def _clipd_handlers(servicer) -> grpc.GenericRpcHandler:
@@ -71,6 +125,7 @@ def _clipd_handlers(servicer) -> grpc.GenericRpcHandler:
         parse = getattr(clipd_pb2, method.input_type.name).FromString
         if method.name == "Submit":
             parse = wire.parse_submit_request
+        parse = lenient(parse)  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
         handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
             request_deserializer=parse,
@@ -90,23 +145,21 @@ class ClipdServer:
             jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
-        self.registry = Registry(settings.max_aggregations)
-        self.worker = DeviceWorker(settings.max_buffered_bytes, self.store, settings.checkpoint_interval,
-                                   settings.checkpoint_max_duty)
+        self.registry = Registry(settings.max_aggregations, settings.max_total_parameters)
+        self.worker = DeviceWorker(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
+                                   settings.warmup_timeout)
         recover(self.store, self.registry, self.worker, settings)
-        self.servicer = ClipdServicer(settings, self.registry, self.worker, self.store)
+        tokens = SubmitTokens(load_key(settings.data_dir))
+        self.servicer = ClipdServicer(settings, self.registry, self.worker, self.store, tokens)
         self.health = health.HealthServicer()
-        options = [
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
-        interceptors = [_TokenAuth(settings.admin_token)] if settings.admin_token else []
+        # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more
+        # that only unary RPCs and health checks can use, whatever the streams do. No global RPC cap
+        # (gRPC's refuses health checks too): Submit streams beyond max_streams are refused, others wait.
         self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=settings.max_streams + settings.unary_workers, thread_name_prefix="clipd-grpc"),
-            options=options,
-            interceptors=interceptors,
-            maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers,
+            futures.ThreadPoolExecutor(max_workers=settings.max_streams + OTHER_STREAMS + settings.unary_workers,
+                                       thread_name_prefix="clipd-grpc"),
+            options=server_options(settings),
+            interceptors=[_Guard(settings.admin_token, self.servicer)],
         )
         self.grpc.add_generic_rpc_handlers((_clipd_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -159,11 +212,27 @@ class ClipdServer:
             return
         self.stopped.set()
         self.health.enter_graceful_shutdown()
-        self.grpc.stop(grace).wait()
-        self.worker.stop()
+        self.grpc.stop(grace).wait(grace + 1.0)
+        self.worker.stop(timeout=grace)
         self.store.close()
         if self.admin is not None:
             self.admin.stop()
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """gRPC channel arguments: message limits and keepalive enforcement."""
+    return [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        # Probe connections quiet for 60 s and drop those whose peer does not answer in 20 s
+        # (a vanished client frees its streams); refuse clients that ping more than every 10 s.
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_connection_idle_ms", 15 * 60_000),  # connections with no RPC for 15 min are closed
+    ]
 
 
 def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Settings) -> None:
@@ -177,7 +246,8 @@ def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Se
         layers, policy, reject = codec.spec_from_json(record.spec)
         totals = store.load_checkpoint(record.aggregation_id, newest_only=record.state == FINALIZED)
         aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
-                                  settings.staging_bytes, recovered=totals, created=record.created)
+                                  settings.staging_bytes, recovered=totals, created=record.created,
+                                  max_clients=settings.max_clients)
         if record.state == FINALIZED and totals is not None:
             aggregation.restore_result(record.finished)
         elif record.state == FINALIZED:
@@ -198,8 +268,18 @@ def create_server(settings: Settings) -> tuple[ClipdServer, int]:
     return server, server.port
 
 
-def serve(settings: Settings) -> None:
-    """Runs until SIGINT or SIGTERM, then stops gracefully."""
+SHUTDOWN_MARGIN = 5.0  # seconds past the grace period after which the process exits regardless
+
+
+def serve(settings: Settings, grace: float | None = None) -> None:
+    """Runs until SIGINT or SIGTERM, stops gracefully, and exits the process.
+
+    Open streams get ``grace`` seconds to finish; accepted batches are summed
+    and checkpointed. The process then ends with ``os._exit``, and ends anyway
+    ``SHUTDOWN_MARGIN`` seconds after the grace period if stopping is stuck:
+    no half-dead RPC thread can keep it alive (what is acknowledged is on disk).
+    """
+    grace = settings.shutdown_grace if grace is None else grace
     server, port = create_server(settings)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -207,4 +287,15 @@ def serve(settings: Settings) -> None:
     admin = f", admin API on {server.admin.scheme}://{settings.host}:{server.admin.port}" if server.admin else ""
     print(f"clipd serving gRPC on {settings.host}:{port}{admin}", flush=True)
     done.wait()
-    server.stop()
+    log.info("stopping (grace %g s)", grace, extra={"event": "server.stopping"})
+    stopper = threading.Thread(target=server.stop, args=(grace,), name="clipd-stop", daemon=True)
+    stopper.start()
+    stopper.join(grace + SHUTDOWN_MARGIN)
+    if stopper.is_alive():
+        log.error("shutdown did not finish within %g s; exiting anyway", grace + SHUTDOWN_MARGIN)
+    else:
+        log.info("stopped", extra={"event": "server.stopped"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(1 if stopper.is_alive() else 0)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import pathlib
 
@@ -16,6 +17,16 @@ def default_data_dir() -> str:
     """The per-user state directory: ``$XDG_STATE_HOME/clipd``, else ``~/.local/state/clipd``."""
     base = os.environ.get("XDG_STATE_HOME") or str(pathlib.Path.home() / ".local" / "state")
     return str(pathlib.Path(base) / "clipd")
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach: 127.0.0.0/8, ::1, localhost."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +64,7 @@ class Settings:
     checkpoint_max_duty: float = 0.25  # large states: checkpoints spaced so writing takes <= this share
     finalize_timeout: float = 300.0  # Finalize waits at most this long for accepted batches to be summed
     retention_seconds: float = 86400.0  # finalized and failed aggregations are deleted after this
+    shutdown_grace: float = 10.0  # on SIGTERM, open streams get this long; the process exits 5 s after at most
     log_level: str = "info"  # debug, info, warning or error
     log_format: str = "text"  # text, or json: one JSON object a line
 
@@ -63,7 +75,7 @@ class Settings:
             if getattr(self, field) <= 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
         for field in ("checkpoint_interval", "finalize_timeout", "retention_seconds", "buffer_wait",
-                      "warmup_timeout", "stream_idle_timeout"):
+                      "warmup_timeout", "stream_idle_timeout", "shutdown_grace"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
         if not 0 < self.checkpoint_max_duty <= 1:
@@ -72,6 +84,9 @@ class Settings:
             raise ValueError("Settings.max_batch_bytes can't exceed max_buffered_bytes (no batch could ever fit)")
         if not self.data_dir:
             raise ValueError("Settings.data_dir must name a directory (or 'memory')")
+        if not (self.admin_token or self.insecure or is_loopback(self.host)):
+            raise ValueError(f"refusing to listen on {self.host} without credentials: set admin_token"
+                             " (CLIPD_ADMIN_TOKEN, --admin-token), or listen on loopback, or pass --insecure")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("Settings: tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:

@@ -1,0 +1,261 @@
+"""Abuse from outside, with real sockets: stalled streams, floods of partial batches, limits.
+
+Every abuser here is a raw gRPC stream on loopback that the test holds open on
+purpose; each test releases what it holds and is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+import json
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clipd.client import Client, ResourceExhaustedError
+from clipd.server.app import create_server
+from clipd.server.settings import Settings
+from clipd.v1 import clipd_pb2 as pb
+from clipd.v1 import clipd_pb2_grpc as pb_grpc
+from conftest import TEST_SETTINGS
+
+SUBMIT = "/clipd.v1.Clipd/Submit"
+WIDTH = 1024  # the test layer: 1024 float32 per example
+
+
+def submit_call(channel):
+    return channel.stream_stream(SUBMIT, request_serializer=None,
+                                 response_deserializer=pb.SubmitResponse.FromString)
+
+
+def hello(aggregation: str, client: str) -> bytes:
+    return pb.SubmitRequest(aggregation_id=aggregation, client_id=client, writer_id=client).SerializeToString()
+
+
+def half_batch(aggregation: str, client: str, rows: int) -> bytes:
+    """The first half of batch 1 of ``rows`` examples: the server must hold it and wait for the rest."""
+    data = np.ones((rows, WIDTH), np.float32).tobytes()
+    chunk = pb.TensorChunk(layer=0, dtype=pb.FLOAT32, shape=[rows, WIDTH], offset=0, data=data[: len(data) // 2])
+    return pb.SubmitRequest(aggregation_id=aggregation, client_id=client, sequence=1,
+                            chunks=[chunk]).SerializeToString()
+
+
+class HeldStreams:
+    """Raw Submit streams that send their messages and then stall until released."""
+
+    def __init__(self, target: str, channels: int = 4) -> None:
+        self.channels = [grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)])
+                         for _ in range(channels)]
+        self.release = threading.Event()
+        self.codes: list[grpc.StatusCode] = []
+        self.trailers: list[dict] = []
+        self._lock = threading.Lock()
+        self.calls = []
+
+    def open(self, messages: list[bytes]) -> None:
+        def requests():
+            yield from messages
+            self.release.wait()
+
+        call = submit_call(self.channels[len(self.calls) % len(self.channels)])(requests())
+        threading.Thread(target=self._drain, args=(call,), daemon=True).start()
+        self.calls.append(call)
+
+    def _drain(self, call) -> None:
+        """Reads the answers: gRPC surfaces a stream's status only after its messages are read."""
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+        with self._lock:
+            self.codes.append(call.code())
+            self.trailers.append(dict(call.trailing_metadata() or ()))
+
+    def ended(self) -> int:
+        with self._lock:
+            return len(self.codes)
+
+    def close(self) -> None:
+        self.release.set()
+        for call in self.calls:
+            call.cancel()
+        for channel in self.channels:
+            channel.close()
+
+
+def wait_for(condition, timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(step)
+    return condition()
+
+
+def admin_json(server, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.admin.port}{path}", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_stalled_streams_lock_nobody_out_and_are_closed_when_idle():
+    """300 streams (150 silent, 150 inside half a batch) against 256 slots and a 3 s idle timeout."""
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "stream_idle_timeout": 3.0}))
+    target = f"127.0.0.1:{port}"
+    held = HeldStreams(target)
+    try:
+        with Client(target, retry_timeout=30) as client:
+            agg = client.create_aggregation({"w": (WIDTH,)}, l2_norm_clip=float("inf"))
+            for k in range(150):
+                held.open([])  # sends nothing at all
+                held.open([hello(agg, f"stall-{k}"), half_batch(agg, f"stall-{k}", rows=16)])
+            limit = server.settings.max_streams
+            assert wait_for(lambda: server.servicer.active_streams == limit and held.ended() == 300 - limit, 20)
+            # The 44 beyond the slots were refused at once, with a retry hint; none was let in.
+            assert set(held.codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert all("retry-after-ms" in t for t in held.trailers)
+            assert server.servicer.budget.used > 0  # the half batches are held...
+
+            # ...and everything else still answers: health within 1 s, unary RPCs, readiness says why.
+            health = health_pb2_grpc.HealthStub(held.channels[0])
+            started = time.monotonic()
+            answer = health.Check(health_pb2.HealthCheckRequest(service="clipd.v1.Clipd"), timeout=1.0)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            assert time.monotonic() - started < 1.0
+            assert client.get_aggregation(agg).aggregation_id == agg
+            status, ready = admin_json(server, "/readyz")
+            assert status == 503 and "Submit stream slots" in " ".join(ready["reasons"])
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.admin.port}/metrics", timeout=10) as r:
+                metrics = r.read().decode()
+            assert "clipd_refused_streams_total 44.0" in metrics
+            assert f"clipd_active_streams {float(limit)}" in metrics
+
+            # A well-behaved client gets in as soon as the idle streams are closed, and is exact.
+            updates = np.random.default_rng(0).standard_normal((40, WIDTH)).astype(np.float32)
+            report = client.submit(agg, {"w": updates})
+            assert report.examples == 40
+            result = client.finalize(agg)
+            np.testing.assert_allclose(result.sums["w"], updates.astype(np.float64).sum(0), rtol=1e-5, atol=1e-5)
+            assert result.examples == 40
+
+        # The stalled streams were closed for idleness (UNAVAILABLE: reconnect), their memory released.
+        assert wait_for(lambda: held.ended() == 300, 10), (held.ended(), server.servicer.active_streams, {c: held.codes.count(c) for c in set(held.codes)})
+        assert held.codes.count(grpc.StatusCode.UNAVAILABLE) == limit
+        assert wait_for(lambda: server.servicer.active_streams == 0 and server.servicer.budget.used == 0, 5)
+        assert admin_json(server, "/readyz")[0] == 200
+    finally:
+        held.close()
+        server.stop(grace=1.0)
+
+
+def test_a_full_buffer_refuses_new_batches_with_a_retry_hint_and_keeps_the_accepted_ones():
+    layer_bytes = 64 * WIDTH * 4  # one 64-row batch: 256 KiB
+    settings = Settings(**{**TEST_SETTINGS, "max_buffered_bytes": 3 * layer_bytes, "max_batch_bytes": layer_bytes,
+                           "buffer_wait": 0.3})
+    server, port = create_server(settings)
+    target = f"127.0.0.1:{port}"
+    held = HeldStreams(target, channels=1)
+    try:
+        with Client(target, retry_timeout=30) as client:
+            agg = client.create_aggregation({"w": (WIDTH,)}, l2_norm_clip=float("inf"))
+            first = np.full((10, WIDTH), 0.5, np.float32)
+            client.submit(agg, {"w": first}, client_id="early")
+            for k in range(4):  # three half batches fill the budget, the fourth is refused
+                held.open([hello(agg, f"fill-{k}"), half_batch(agg, f"fill-{k}", rows=64)])
+            assert wait_for(lambda: held.ended() == 1, 10)
+            assert held.codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] and "retry-after-ms" in held.trailers[0]
+            assert server.servicer.budget.used == 3 * layer_bytes
+            held.close()  # the holders go away: their reservations with them
+            assert wait_for(lambda: server.servicer.budget.used == 0, 5)
+            second = np.full((10, WIDTH), 0.25, np.float32)
+            client.submit(agg, {"w": second}, client_id="late")
+            result = client.finalize(agg)
+        assert result.examples == 20
+        np.testing.assert_allclose(result.sums["w"], np.full(WIDTH, 7.5))
+    finally:
+        held.close()
+        server.stop(grace=1.0)
+
+
+def test_creation_limits_are_clear_refusals():
+    settings = Settings(**{**TEST_SETTINGS, "max_parameters": 1000, "max_total_parameters": 1500, "max_layers": 3,
+                           "max_name_length": 8, "max_clients": 2})
+    server, port = create_server(settings)
+    try:
+        with Client(f"127.0.0.1:{port}", retry_timeout=1) as client:
+            stub = pb_grpc.ClipdStub(client._channel)
+
+            def create(layers):
+                request = pb.CreateAggregationRequest(
+                    layers=[pb.LayerSpec(name=name, shape=shape, dtype=pb.FLOAT32) for name, shape in layers.items()],
+                    policy=pb.ClipPolicy(kind=pb.ClipPolicy.GLOBAL, l2_norm_clip=1.0))
+                return stub.CreateAggregation(request, timeout=10)
+
+            for layers, words in [({"huge": (10**7, 10**6)}, "10000000000000 parameters"),
+                                  ({"a": (1,), "b": (1,), "c": (1,), "d": (1,)}, "at most 3"),
+                                  ({"much_too_long_name": (1,)}, "at most 8 characters"),
+                                  ({"w": (1001,)}, "limit is 1000")]:
+                with pytest.raises(grpc.RpcError) as e:
+                    create(layers)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+            kept = create({"w": (1000,)})
+            with pytest.raises(grpc.RpcError) as e:  # 1000 + 600 > 1500 across open aggregations
+                create({"w": (600,)})
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_total_parameters" in e.value.details()
+
+            ones = {"w": np.ones((1, 1000), np.float32)}
+            client.submit(kept.aggregation_id, ones, client_id="one")
+            client.submit(kept.aggregation_id, ones, client_id="two")
+            client.submit(kept.aggregation_id, ones, client_id="one")  # a known client appends
+            with pytest.raises(ResourceExhaustedError, match="max_clients") as e:
+                client.submit(kept.aggregation_id, ones, client_id="three")
+            assert e.value.retry_after is None  # a limit, not a load: retrying would not help
+            assert client.finalize(kept.aggregation_id).examples == 3
+    finally:
+        server.stop(grace=1.0)
+
+
+def test_a_warm_up_that_takes_too_long_fails_its_aggregation_with_the_reason():
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "warmup_timeout": 0.001}))
+    try:
+        with Client(f"127.0.0.1:{port}", retry_timeout=1) as client:
+            agg = client.create_aggregation({"w": (3, 5)})
+            assert wait_for(lambda: client.get_aggregation(agg).state == pb.Aggregation.FAILED, 10)
+            assert "warm-up (compilation) took longer than 0.001 s" in client.get_aggregation(agg).failure_reason
+    finally:
+        server.stop(grace=1.0)
+
+
+def test_compiling_one_aggregation_does_not_stall_the_steps_of_another(client, server):
+    warm = client.create_aggregation({"w": (8,)}, l2_norm_clip=float("inf"))
+    client.submit(warm, {"w": np.ones((1, 8), np.float32)})  # warm now
+    many_layers = {f"l{k}": (k % 7 + 1, 3) for k in range(300)}  # seconds of compilation
+    slow = client.create_aggregation(many_layers)
+    for k in range(5):
+        client.submit(warm, {"w": np.ones((2, 8), np.float32)}, client_id=f"c{k}")
+    assert client.get_aggregation(slow).state == pb.Aggregation.WARMING_UP  # still compiling...
+    assert client.finalize(warm).examples == 11  # ...while the other's batches were summed and acknowledged
+    client.cancel(slow)
+
+
+def test_finalize_chunks_have_a_sane_minimum_and_a_default_that_fits_4_mib(client, server):
+    agg = client.create_aggregation({"big": (1_500_000,)}, l2_norm_clip=float("inf"))  # a 6 MB sum
+    rows = np.random.default_rng(1).standard_normal((2, 1_500_000)).astype(np.float32)
+    client.submit(agg, {"big": rows})
+    stub = pb_grpc.ClipdStub(grpc.insecure_channel(
+        f"127.0.0.1:{server.port}", options=[("grpc.max_receive_message_length", 4 << 20)]))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Finalize(pb.FinalizeRequest(aggregation_id=agg, max_chunk_bytes=1024), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65536" in e.value.details()
+    messages = list(stub.Finalize(pb.FinalizeRequest(aggregation_id=agg), timeout=60))  # 0: the default
+    chunks = [m.sum for m in messages if m.HasField("sum")]
+    assert max(m.ByteSize() for m in messages) <= (1 << 20)
+    total = np.frombuffer(b"".join(c.data for c in chunks), np.float32)
+    np.testing.assert_allclose(total, rows.astype(np.float64).sum(0), rtol=1e-6, atol=1e-6)
