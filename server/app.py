@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ from .aggregations import Aggregation, Registry
 from .reflection import enable_reflection
 from .credentials import SubmitTokens, bearer_token, load_key, same
 from .errors import ClipdError, PermissionDenied, Unauthenticated
-from .limits import StreamSlots
+from .limits import StreamSlots, trim_heap
 from .service import ClipdServicer, lenient
 from .settings import Settings
 from .store import FAILED, FINALIZED, Store, open_store
@@ -175,6 +176,7 @@ class ClipdServer:
         self.admin = None
         self.stopped = threading.Event()
         self._janitor = threading.Thread(target=self._expire_results, name="clipd-janitor", daemon=True)
+        self._trimmer = threading.Thread(target=self._trim_after_release, name="clipd-trim", daemon=True)
 
     def _expire_results(self) -> None:
         """Deletes finalized and failed aggregations once they are older than the retention period."""
@@ -188,9 +190,20 @@ class ClipdServer:
                 except Exception:  # already gone, or the store failed: try again next round
                     log.exception("could not expire aggregation %s", aggregation.id)
 
+    def _trim_after_release(self, period: float = 1.0, threshold: int = 64 << 20) -> None:
+        """Once a second, if 64 MiB+ of batch buffers were released since the last time, trims the heap."""
+        trimmed = 0
+        while not self.stopped.wait(period):
+            released = self.servicer.budget.released
+            if released - trimmed >= threshold:
+                gc.collect(0)
+                trim_heap()
+                trimmed = released
+
     def start(self) -> ClipdServer:
         self.grpc.start()
         self._janitor.start()
+        self._trimmer.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("clipd gRPC on %s:%d (device: %s)", self.settings.host, self.port, self.worker.device_kind)

@@ -6,6 +6,8 @@ about the server's load now, not about the request, so a client may try again.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 import time
 
@@ -49,6 +51,7 @@ class ByteBudget:
         self.limit = limit
         self.used = 0
         self.refused = 0
+        self.released = 0  # bytes given back in all (the server trims the heap after large releases)
         self._cond = threading.Condition()
 
     def reserve(self, nbytes: int, wait: float) -> Reservation:
@@ -71,6 +74,7 @@ class ByteBudget:
     def _give_back(self, nbytes: int) -> None:
         with self._cond:
             self.used -= nbytes
+            self.released += nbytes
             self._cond.notify_all()
 
 
@@ -99,3 +103,25 @@ class StreamSlots:
     @property
     def saturated(self) -> bool:
         return self.active >= self.limit
+
+
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return libc.malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def trim_heap() -> None:
+    """Gives the C heap's free pages back to the system (glibc ``malloc_trim``; elsewhere nothing).
+
+    Batch buffers are large and short-lived: once freed, glibc keeps their pages
+    in the heap, so the process would stay at its peak resident size after a
+    flood. The server calls this after large amounts were released.
+    """
+    if _TRIM is not None:
+        _TRIM(0)
