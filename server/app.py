@@ -22,6 +22,7 @@ from .reflection import enable_reflection
 from .credentials import SubmitTokens, bearer_token, load_key, same
 from .errors import ClipdError, PermissionDenied, Unauthenticated
 from .limits import StreamSlots, trim_heap
+from .logs import event
 from .service import ClipdServicer, lenient
 from .settings import Settings
 from .store import FAILED, FINALIZED, Store, open_store
@@ -185,8 +186,8 @@ class ClipdServer:
             for aggregation in self.registry.expired(time.time() - self.settings.retention_seconds):
                 try:
                     self.servicer.cancel(aggregation.id)
-                    log.info("aggregation %s expired (retention %g s)", aggregation.id,
-                             self.settings.retention_seconds)
+                    event(log, "aggregation.expired", aggregation=aggregation.id,
+                          retention_seconds=self.settings.retention_seconds)
                 except Exception:  # already gone, or the store failed: try again next round
                     log.exception("could not expire aggregation %s", aggregation.id)
 
@@ -271,8 +272,8 @@ def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Se
         else:
             worker.warm_up(aggregation)
         registry.add(aggregation)
-        log.info("recovered aggregation %s: %s, %d examples", record.aggregation_id,
-                 aggregation.state.value, aggregation.examples)
+        event(log, "aggregation.recovered", aggregation=record.aggregation_id, state=aggregation.state.value,
+              examples=aggregation.examples)
 
 
 def create_server(settings: Settings) -> tuple[ClipdServer, int]:

@@ -37,6 +37,7 @@ from .credentials import SubmitTokens, bearer_token, same
 from .errors import (AlreadyExists, ClipdError, FailedPrecondition, InvalidArgument, PermissionDenied,
                      Unauthenticated, Unavailable)
 from .limits import ByteBudget, StreamSlots
+from .logs import event
 from .settings import Settings
 from .store import AggregationRecord, Store
 from .worker import DeviceWorker
@@ -114,9 +115,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         """Counts, logs (one line) and sends a refusal; ``context.abort`` raises."""
         with self._lock:
             self.rejections[error.code.name] = self.rejections.get(error.code.name, 0) + 1
-        log.info("refused %s: %s %s", method, error.code.name, error,
-                 extra={"event": "request.refused", "method": method, "code": error.code.name,
-                        "peer": context.peer()})
+        event(log, "request.refused", method=method, code=error.code.name, peer=context.peer(),
+              reason=str(error))
         metadata = error.trailing_metadata()
         if metadata:
             context.set_trailing_metadata(metadata)
@@ -146,9 +146,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
                 layers, policy, reject):
             raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
         if created:
-            log.info("created aggregation %s: %d layers, %d parameters", aggregation.id, len(layers),
-                     aggregation.parameters, extra={"event": "aggregation.created", "aggregation": aggregation.id,
-                                                    "layers": len(layers), "parameters": aggregation.parameters})
+            event(log, "aggregation.created", aggregation=aggregation.id, layers=len(layers),
+                  parameters=aggregation.parameters, policy=policy.kind.value)
         return self._describe(aggregation)
 
     @_status_on_error
@@ -177,8 +176,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         aggregation.cancel()
         self.worker.forget(aggregation)
         self.store.delete(aggregation.id)
-        log.info("deleted aggregation %s (was %s)", aggregation.id, was.value,
-                 extra={"event": "aggregation.deleted", "aggregation": aggregation.id, "was": was.value})
+        event(log, "aggregation.deleted", aggregation=aggregation.id, was=was.value)
         return aggregation
 
     @_status_on_error
@@ -212,9 +210,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         first = aggregation.result is None
         result = aggregation.finalize(lambda: self.worker.commit_final(aggregation, timeout), timeout)
         if first:
-            log.info("finalized aggregation %s: %d examples", aggregation.id, result.stats.examples,
-                     extra={"event": "aggregation.finalized", "aggregation": aggregation.id,
-                            "examples": result.stats.examples})
+            event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
         return result
 
     def _describe(self, aggregation: Aggregation) -> pb.Aggregation:

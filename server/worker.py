@@ -51,6 +51,7 @@ from clipd.engine import PartialState
 from .aggregations import Aggregation, State
 from .batches import Batch
 from .errors import Unavailable
+from .logs import event
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -319,7 +320,7 @@ class DeviceWorker:
 
     def _fail(self, aggregation: Aggregation, reason: str) -> None:
         """Fails an aggregation: its device state and queued batches are dropped, the store says FAILED."""
-        log.error("aggregation %s failed: %s", aggregation.id, reason)
+        event(log, "aggregation.failed", logging.ERROR, aggregation=aggregation.id, reason=reason)
         self._slots.pop(aggregation, None)
         if self._inflight is not None and self._inflight.aggregation is aggregation:
             self._inflight = None

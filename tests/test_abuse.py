@@ -259,3 +259,54 @@ def test_finalize_chunks_have_a_sane_minimum_and_a_default_that_fits_4_mib(clien
     assert max(m.ByteSize() for m in messages) <= (1 << 20)
     total = np.frombuffer(b"".join(c.data for c in chunks), np.float32)
     np.testing.assert_allclose(total, rows.astype(np.float64).sum(0), rtol=1e-6, atol=1e-6)
+
+
+def test_a_client_that_pings_too_often_is_sent_away(client, server):
+    """Keepalive enforcement: pings more often than every 10 s without data earn a GOAWAY (too_many_pings)."""
+    aggregation = client.create_aggregation({"w": (4,)})
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=[
+        ("grpc.keepalive_time_ms", 100), ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0)])
+    release = threading.Event()
+
+    def requests():
+        yield hello(aggregation, "pinger")
+        release.wait()
+
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in submit_call(channel)(requests(), timeout=20):
+                pass
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "ping" in e.value.details().lower()
+    finally:
+        release.set()
+        channel.close()
+
+
+def test_lifecycle_events_and_refusals_are_structured_log_lines(client, server):
+    import io
+    import logging
+
+    from clipd.server import logs
+
+    buffer = io.StringIO()
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    logs.configure("info", "json", stream=buffer)
+    try:
+        aggregation = client.create_aggregation({"w": (4,)})
+        with pytest.raises(Exception):
+            client.stats("no-such-aggregation")
+        client.submit(aggregation, {"w": np.ones((2, 4), np.float32)})
+        client.finalize(aggregation)
+        client.cancel(aggregation)
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    lines = [json.loads(line) for line in buffer.getvalue().splitlines()]
+    mine = [l for l in lines if l.get("aggregation") == aggregation]
+    assert [l["event"] for l in mine] == ["aggregation.created", "aggregation.finalized", "aggregation.deleted"]
+    assert mine[0]["layers"] == 1 and mine[0]["parameters"] == 4 and mine[1]["examples"] == 2
+    refused = [l for l in lines if l.get("event") == "request.refused"]
+    assert len(refused) == 1 and refused[0]["code"] == "NOT_FOUND" and refused[0]["method"] == "GetStats"
+    assert refused[0]["peer"].startswith("ipv4:127.0.0.1:")
