@@ -306,7 +306,8 @@ def start_admin(server, settings: Settings) -> AdminServer:
     sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.host, settings.admin_port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, **ssl_kwargs)
+    # log_config=None: uvicorn's records go through our handler (text or JSON lines), not its own.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, log_config=None, **ssl_kwargs)
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="clipd-admin", daemon=True)
     thread.start()
