@@ -80,6 +80,9 @@ class Settings:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
         if not 0 < self.checkpoint_max_duty <= 1:
             raise ValueError(f"Settings.checkpoint_max_duty must be in (0, 1], got {self.checkpoint_max_duty}")
+        if self.buffer_wait >= self.stream_idle_timeout:
+            raise ValueError("Settings.buffer_wait must be shorter than stream_idle_timeout (a stream waiting"
+                             " for buffer room would be closed as idle)")
         if self.max_batch_bytes > self.max_buffered_bytes:
             raise ValueError("Settings.max_batch_bytes can't exceed max_buffered_bytes (no batch could ever fit)")
         if not self.data_dir:

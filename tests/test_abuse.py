@@ -107,7 +107,8 @@ def admin_json(server, path: str) -> tuple[int, dict]:
 
 def test_stalled_streams_lock_nobody_out_and_are_closed_when_idle():
     """300 streams (150 silent, 150 inside half a batch) against 256 slots and a 3 s idle timeout."""
-    server, port = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "stream_idle_timeout": 3.0}))
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "stream_idle_timeout": 3.0,
+                                             "buffer_wait": 1.0}))
     target = f"127.0.0.1:{port}"
     held = HeldStreams(target)
     try:
