@@ -194,9 +194,13 @@ class DeviceWorker:
         timer.start()
 
     def _warm_up_overdue(self, aggregation: Aggregation) -> None:
-        if aggregation in self._warming:
-            reason = f"warm-up (compilation) took longer than {self.warmup_timeout:g} s"
-            self.call_soon(lambda: self._fail(aggregation, reason))
+        reason = f"warm-up (compilation) took longer than {self.warmup_timeout:g} s"
+
+        def fail_if_still_warming():  # on the worker thread: it may have opened meanwhile
+            if aggregation in self._warming:
+                self._fail(aggregation, reason)
+
+        self.call_soon(fail_if_still_warming)
 
     def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> PartialState:
         """Flushes the aggregation's delta, commits its totals as final, frees its device state.
