@@ -45,7 +45,6 @@ STATES = {  # FINALIZING has no proto state: it still reports OPEN
 }
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
-MAX_LAYERS = 4096
 
 
 def dtype_of(code: int, where: str) -> np.dtype:
@@ -57,8 +56,6 @@ def dtype_of(code: int, where: str) -> np.dtype:
 def layers_from_proto(layers) -> tuple[LayerSpec, ...]:
     if not layers:
         raise InvalidArgument("layers: at least one layer is needed")
-    if len(layers) > MAX_LAYERS:
-        raise InvalidArgument(f"layers: at most {MAX_LAYERS} layers, got {len(layers)}")
     specs, names = [], set()
     for k, layer in enumerate(layers):
         if not layer.name or layer.name in names:
