@@ -14,9 +14,12 @@ from .errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from .privacy import Adaptive, Privacy
 from .updates import Layer, layers_like
 
 __all__ = [
+    "Adaptive",
+    "Privacy",
     "AggregateResult",
     "AlreadyExistsError",
     "Client",

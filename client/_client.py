@@ -19,6 +19,7 @@ from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 from . import wire
+from .privacy import Privacy
 from .errors import ClipdError, FailedPreconditionError, UnavailableError, from_rpc_error
 from .updates import Layer, example_nbytes, iter_updates, rebatch
 
@@ -82,6 +83,12 @@ class AggregateResult:
     clip_counts: dict[str, int]
     non_finite: int
     stats: pb.AggregationStats
+    release: pb.Release | None = None  # under a privacy policy: the noise, the bound, epsilon
+
+    @property
+    def private(self) -> bool:
+        """The sums are a differentially private release (noised; counts withheld or noised)."""
+        return self.release is not None
 
 
 class Client:
@@ -195,6 +202,7 @@ class Client:
         non_finite: str = "zero_example",
         aggregation_id: str | None = None,
         dtype: str = "float32",
+        privacy: Privacy | pb.PrivacyPolicy | None = None,
     ) -> str:
         """Opens an aggregation and returns its id.
 
@@ -209,6 +217,9 @@ class Client:
           non_finite: ``zero_example`` (default: dropped and counted),
             ``zero_entries``, ``propagate`` or ``reject``.
           aggregation_id: your own id (creating it again is a no-op); a random one otherwise.
+          privacy: release the sum with differential privacy (:class:`~clipd.client.privacy.Privacy`):
+            Finalize then returns noised sums and ``result.release``; refused with
+            ``FailedPreconditionError`` if the ledger's budget can't afford it.
         """
         specs = _layer_specs(layers, dtype)
         if policy not in POLICY_KINDS:
@@ -226,6 +237,8 @@ class Client:
             ),
             aggregation_id=aggregation_id or uuid.uuid4().hex,
         )
+        if privacy is not None:
+            request.privacy.CopyFrom(privacy.to_proto() if isinstance(privacy, Privacy) else privacy)
         aggregation = self._call(self._stub.CreateAggregation, request)
         self._layers[aggregation.aggregation_id] = specs
         return aggregation.aggregation_id
@@ -363,7 +376,12 @@ class Client:
             clip_counts={layer.name: layer.clipped for layer in stats.layers},
             non_finite=stats.non_finite,
             stats=stats,
+            release=stats.release if stats.HasField("release") else None,
         )
+
+    def ledger(self, ledger_id: str) -> pb.Ledger:
+        """A privacy ledger: its releases (DpEvents as JSON), epsilon so far and budget left."""
+        return self._call(self._stub.GetLedger, pb.GetLedgerRequest(ledger_id=ledger_id))
 
 
 def _backoff(error: ClipdError, delay: float, tries: int) -> float:

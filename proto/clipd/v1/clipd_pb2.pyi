@@ -68,18 +68,104 @@ class ClipPolicy(_message.Message):
     non_finite: ClipPolicy.NonFinite
     def __init__(self, kind: _Optional[_Union[ClipPolicy.Kind, str]] = ..., l2_norm_clip: _Optional[float] = ..., layer_clips: _Optional[_Iterable[float]] = ..., rescale_to_unit_norm: _Optional[bool] = ..., non_finite: _Optional[_Union[ClipPolicy.NonFinite, str]] = ...) -> None: ...
 
+class Sampling(_message.Message):
+    __slots__ = ("kind", "rate", "population", "sample_size")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NONE: _ClassVar[Sampling.Kind]
+        POISSON: _ClassVar[Sampling.Kind]
+        FIXED_SIZE: _ClassVar[Sampling.Kind]
+    NONE: Sampling.Kind
+    POISSON: Sampling.Kind
+    FIXED_SIZE: Sampling.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    kind: Sampling.Kind
+    rate: float
+    population: int
+    sample_size: int
+    def __init__(self, kind: _Optional[_Union[Sampling.Kind, str]] = ..., rate: _Optional[float] = ..., population: _Optional[int] = ..., sample_size: _Optional[int] = ...) -> None: ...
+
+class AdaptiveClipping(_message.Message):
+    __slots__ = ("target_unclipped_quantile", "learning_rate", "count_stddev", "initial_bound", "min_bound", "max_bound", "arithmetic_update")
+    TARGET_UNCLIPPED_QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_STDDEV_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_BOUND_FIELD_NUMBER: _ClassVar[int]
+    MIN_BOUND_FIELD_NUMBER: _ClassVar[int]
+    MAX_BOUND_FIELD_NUMBER: _ClassVar[int]
+    ARITHMETIC_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    target_unclipped_quantile: float
+    learning_rate: float
+    count_stddev: float
+    initial_bound: float
+    min_bound: float
+    max_bound: float
+    arithmetic_update: bool
+    def __init__(self, target_unclipped_quantile: _Optional[float] = ..., learning_rate: _Optional[float] = ..., count_stddev: _Optional[float] = ..., initial_bound: _Optional[float] = ..., min_bound: _Optional[float] = ..., max_bound: _Optional[float] = ..., arithmetic_update: _Optional[bool] = ...) -> None: ...
+
+class PrivacyPolicy(_message.Message):
+    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics")
+    class Neighbouring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ADD_REMOVE_ONE: _ClassVar[PrivacyPolicy.Neighbouring]
+        REPLACE_ONE: _ClassVar[PrivacyPolicy.Neighbouring]
+    ADD_REMOVE_ONE: PrivacyPolicy.Neighbouring
+    REPLACE_ONE: PrivacyPolicy.Neighbouring
+    class Accountant(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RDP: _ClassVar[PrivacyPolicy.Accountant]
+        PLD: _ClassVar[PrivacyPolicy.Accountant]
+    RDP: PrivacyPolicy.Accountant
+    PLD: PrivacyPolicy.Accountant
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_RELEASES_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    MAX_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_DENOMINATOR_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_MEAN_FIELD_NUMBER: _ClassVar[int]
+    METRICS_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DEBUG_RAW_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    ledger_id: str
+    delta: float
+    noise_multiplier: float
+    target_epsilon: float
+    planned_releases: int
+    neighbouring: PrivacyPolicy.Neighbouring
+    sampling: Sampling
+    accountant: PrivacyPolicy.Accountant
+    max_epsilon: float
+    adaptive: AdaptiveClipping
+    public_denominator: float
+    release_mean: bool
+    metrics_noise_multiplier: float
+    seed: int
+    debug_raw_statistics: bool
+    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: _Optional[bool] = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: _Optional[bool] = ...) -> None: ...
+
 class CreateAggregationRequest(_message.Message):
-    __slots__ = ("layers", "policy", "aggregation_id")
+    __slots__ = ("layers", "policy", "aggregation_id", "privacy")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     policy: ClipPolicy
     aggregation_id: str
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., aggregation_id: _Optional[str] = ...) -> None: ...
+    privacy: PrivacyPolicy
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., aggregation_id: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ...) -> None: ...
 
 class Aggregation(_message.Message):
-    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason", "submit_token")
+    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason", "submit_token", "privacy", "planned_ledger_epsilon")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Aggregation.State]
@@ -103,6 +189,8 @@ class Aggregation(_message.Message):
     CREATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_LEDGER_EPSILON_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     policy: ClipPolicy
@@ -112,7 +200,9 @@ class Aggregation(_message.Message):
     created_unix_seconds: float
     failure_reason: str
     submit_token: str
-    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ..., submit_token: _Optional[str] = ...) -> None: ...
+    privacy: PrivacyPolicy
+    planned_ledger_epsilon: float
+    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ..., submit_token: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., planned_ledger_epsilon: _Optional[float] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("layer", "dtype", "shape", "offset", "data")
@@ -183,7 +273,7 @@ class LayerStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bound: _Optional[float] = ..., clipped: _Optional[int] = ..., norm_mean: _Optional[float] = ..., norm_max: _Optional[float] = ..., norm_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AggregationStats(_message.Message):
-    __slots__ = ("aggregation_id", "state", "examples", "batches", "bytes", "non_finite", "clipped", "layers", "bucket_upper_bounds", "example_norm_histogram", "example_bound", "updated_unix_seconds", "examples_per_second", "failure_reason")
+    __slots__ = ("aggregation_id", "state", "examples", "batches", "bytes", "non_finite", "clipped", "layers", "bucket_upper_bounds", "example_norm_histogram", "example_bound", "updated_unix_seconds", "examples_per_second", "failure_reason", "privacy_notice", "release")
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +288,8 @@ class AggregationStats(_message.Message):
     UPDATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_NOTICE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     state: Aggregation.State
     examples: int
@@ -212,7 +304,101 @@ class AggregationStats(_message.Message):
     updated_unix_seconds: float
     examples_per_second: float
     failure_reason: str
-    def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., failure_reason: _Optional[str] = ...) -> None: ...
+    privacy_notice: str
+    release: Release
+    def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., failure_reason: _Optional[str] = ..., privacy_notice: _Optional[str] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples")
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    VALUE_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    SENSITIVITY_FIELD_NUMBER: _ClassVar[int]
+    NOISE_STDDEV_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BOUND_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
+    DP_EVENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    DENOMINATOR_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_RELEASES_FIELD_NUMBER: _ClassVar[int]
+    UNCLIPPED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    DEBUG_RAW_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_NOISE_STDDEV_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLE_NORM_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ledger_id: str
+    noise_multiplier: float
+    value_noise_multiplier: float
+    sensitivity: float
+    noise_stddev: float
+    bound: float
+    next_bound: float
+    epsilon: float
+    ledger_epsilon: float
+    delta: float
+    budget_left: float
+    dp_event_json: str
+    seeded: bool
+    mean: bool
+    denominator: float
+    ledger_releases: int
+    unclipped_fraction: float
+    debug_raw_statistics: bool
+    statistics_noise_stddev: float
+    example_norm_histogram: _containers.RepeatedScalarFieldContainer[float]
+    layer_clipped: _containers.RepeatedScalarFieldContainer[float]
+    examples: float
+    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: _Optional[bool] = ..., mean: _Optional[bool] = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: _Optional[bool] = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ...) -> None: ...
+
+class GetLedgerRequest(_message.Message):
+    __slots__ = ("ledger_id",)
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
+    ledger_id: str
+    def __init__(self, ledger_id: _Optional[str] = ...) -> None: ...
+
+class LedgerEntry(_message.Message):
+    __slots__ = ("aggregation_id", "dp_event_json", "epsilon_after", "unix_seconds", "next_bound")
+    AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_EVENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_AFTER_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BOUND_FIELD_NUMBER: _ClassVar[int]
+    aggregation_id: str
+    dp_event_json: str
+    epsilon_after: float
+    unix_seconds: float
+    next_bound: float
+    def __init__(self, aggregation_id: _Optional[str] = ..., dp_event_json: _Optional[str] = ..., epsilon_after: _Optional[float] = ..., unix_seconds: _Optional[float] = ..., next_bound: _Optional[float] = ...) -> None: ...
+
+class Ledger(_message.Message):
+    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics")
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    MAX_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BOUND_FIELD_NUMBER: _ClassVar[int]
+    DEBUG_RAW_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    ledger_id: str
+    accountant: str
+    neighbouring: str
+    delta: float
+    max_epsilon: float
+    epsilon: float
+    budget_left: float
+    entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
+    next_bound: float
+    debug_raw_statistics: bool
+    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: _Optional[bool] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")

@@ -69,6 +69,11 @@ class ClipdStub:
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.CancelAggregationRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.Aggregation.FromString,
                 _registered_method=True)
+        self.GetLedger = channel.unary_unary(
+                '/clipd.v1.Clipd/GetLedger',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.Ledger.FromString,
+                _registered_method=True)
 
 
 class ClipdServicer:
@@ -125,6 +130,13 @@ class ClipdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLedger(self, request, context):
+        """A privacy ledger: its releases, their DpEvents and its epsilon so far.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClipdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +174,11 @@ def add_ClipdServicer_to_server(servicer, server):
                     servicer.CancelAggregation,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.CancelAggregationRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.Aggregation.SerializeToString,
+            ),
+            'GetLedger': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLedger,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.Ledger.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +370,33 @@ class Clipd:
             '/clipd.v1.Clipd/CancelAggregation',
             clipd_dot_v1_dot_clipd__pb2.CancelAggregationRequest.SerializeToString,
             clipd_dot_v1_dot_clipd__pb2.Aggregation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLedger(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/GetLedger',
+            clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.Ledger.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,94 @@
+"""What a client asks of a differentially private release (the ``privacy=`` of ``create_aggregation``).
+
+Plain data for the proto's ``PrivacyPolicy``; the server validates it, calibrates
+the noise and accounts the release (with ``dp_accounting``). No dependency
+beyond the generated code.
+
+Example::
+
+    privacy = Privacy(ledger_id="training-7", delta=1e-5, noise_multiplier=1.1,
+                      sampling="poisson", sampling_rate=0.01, max_epsilon=8.0)
+    agg = client.create_aggregation({"w": (10,)}, l2_norm_clip=1.0, privacy=privacy)
+    ...
+    result = client.finalize(agg)
+    result.release.ledger_epsilon, result.release.noise_stddev
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from clipd.v1 import clipd_pb2 as pb
+
+SAMPLING = {"none": pb.Sampling.NONE, "poisson": pb.Sampling.POISSON, "fixed_size": pb.Sampling.FIXED_SIZE}
+NEIGHBOURING = {"add_remove_one": pb.PrivacyPolicy.ADD_REMOVE_ONE, "replace_one": pb.PrivacyPolicy.REPLACE_ONE}
+ACCOUNTANTS = {"rdp": pb.PrivacyPolicy.RDP, "pld": pb.PrivacyPolicy.PLD}
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """Adaptive clipping (Andrew et al. 2021; TF Privacy's defaults where it has them)."""
+
+    target_unclipped_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_stddev: float = 0.0  # sigma_b; TFF uses 0.05 * clients per round
+    initial_bound: float = 0.1
+    min_bound: float = 0.0
+    max_bound: float = 0.0  # 0: none
+    arithmetic_update: bool = False
+
+    def to_proto(self) -> pb.AdaptiveClipping:
+        return pb.AdaptiveClipping(**dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Privacy:
+    """A privacy policy; see ``PrivacyPolicy`` in ``proto/clipd/v1/clipd.proto``.
+
+    Give ``noise_multiplier``, or ``target_epsilon`` with ``planned_releases``.
+    ``sampling``: ``none``, ``poisson`` (with ``sampling_rate``) or ``fixed_size``
+    (``sample_size`` of ``population``). ``max_epsilon`` 0 means no budget.
+    ``seed`` is for tests only: the noise is then reproducible and not private.
+    """
+
+    ledger_id: str
+    delta: float
+    noise_multiplier: float | None = None
+    target_epsilon: float = 0.0
+    planned_releases: int = 0
+    neighbouring: str = "add_remove_one"
+    sampling: str = "none"
+    sampling_rate: float = 0.0
+    population: int = 0
+    sample_size: int = 0
+    accountant: str = "rdp"
+    max_epsilon: float = 0.0
+    adaptive: Adaptive | None = None
+    public_denominator: float = 0.0
+    release_mean: bool = False
+    metrics_noise_multiplier: float = 0.0
+    seed: int | None = None
+    debug_raw_statistics: bool = False
+
+    def to_proto(self) -> pb.PrivacyPolicy:
+        for value, names, what in ((self.sampling, SAMPLING, "sampling"), (self.neighbouring, NEIGHBOURING, "neighbouring"),
+                                   (self.accountant, ACCOUNTANTS, "accountant")):
+            if value not in names:
+                raise ValueError(f"{what} must be one of {sorted(names)}, got {value!r}")
+        message = pb.PrivacyPolicy(
+            ledger_id=self.ledger_id, delta=self.delta, target_epsilon=self.target_epsilon,
+            planned_releases=self.planned_releases, neighbouring=NEIGHBOURING[self.neighbouring],
+            sampling=pb.Sampling(kind=SAMPLING[self.sampling], rate=self.sampling_rate,
+                                 population=self.population, sample_size=self.sample_size),
+            accountant=ACCOUNTANTS[self.accountant], max_epsilon=self.max_epsilon,
+            public_denominator=self.public_denominator, release_mean=self.release_mean,
+            metrics_noise_multiplier=self.metrics_noise_multiplier,
+            debug_raw_statistics=self.debug_raw_statistics,
+        )
+        if self.noise_multiplier is not None:
+            message.noise_multiplier = self.noise_multiplier
+        if self.seed is not None:
+            message.seed = self.seed
+        if self.adaptive is not None:
+            message.adaptive.CopyFrom(self.adaptive.to_proto())
+        return message

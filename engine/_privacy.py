@@ -1,0 +1,417 @@
+"""Differential privacy of a release: sensitivity, noise, adaptive clipping and accounting.
+
+The math of ``../shared/DP.md`` as small functions; the accounting itself is
+``dp_accounting``'s (RDP or PLD), never ours.
+
+A release of an aggregation is the Gaussian mechanism on the clipped sum: each
+contribution is clipped to the example bound ``C`` (``sqrt(sum C_k^2)`` with
+per-layer bounds), so the sum moves by at most the *sensitivity* ``C`` when
+one contribution is added or removed, ``2C`` when one is replaced. Noise of
+stddev ``z * sensitivity`` per coordinate makes it a Gaussian mechanism with
+noise multiplier ``z``. Optional companions share the same release, each a
+Gaussian with its own multiplier ``z_j``; the value's multiplier ``z_v`` is
+chosen so that the release as a whole keeps the total ``z``:
+``z_v^-2 = z^-2 - sum z_j^-2``. The companions:
+
+- the count of unclipped contributions of adaptive clipping (Andrew et al.
+  2021), centred (each contributes ``1{norm <= C} - 1/2``), noised with stddev
+  ``sigma_b``; its sensitivity is 1/2 (add/remove) or 1 (replace), so its
+  multiplier is ``2 sigma_b`` (add/remove) or ``sigma_b`` (replace);
+- the released statistics: the example-norm histogram, the per-layer clip
+  counts and the number of contributions as one vector, noised with
+  ``z_m * sensitivity`` (see :func:`statistics_sensitivity`).
+
+Example (TF Privacy's split, ``z = 1``, ``sigma_b = 1``):
+
+  >>> round(value_noise_multiplier(1.0, [2.0]), 6)
+  1.154701
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import secrets
+from collections.abc import Sequence
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+from dp_accounting import dp_event as dpe
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+PLD_DISCRETIZATION = 1e-4  # value_discretization_interval of the PLD accountant
+
+
+class Neighbouring(str, enum.Enum):
+    """Which datasets are neighbours: the unit whose influence is bounded."""
+
+    ADD_REMOVE_ONE = "add_remove_one"
+    REPLACE_ONE = "replace_one"
+
+
+class Accountant(str, enum.Enum):
+    RDP = "rdp"  # dp_accounting.rdp.RdpAccountant with its default orders
+    PLD = "pld"  # dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+
+
+class SamplingKind(str, enum.Enum):
+    NONE = "none"  # every release sees the whole dataset
+    POISSON = "poisson"  # each unit joins a release independently with probability `rate`
+    FIXED_SIZE = "fixed_size"  # `sample_size` units drawn without replacement from `population`
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the units of one release were drawn (the caller's promise; it amplifies privacy)."""
+
+    kind: SamplingKind = SamplingKind.NONE
+    rate: float = 0.0
+    population: int = 0
+    sample_size: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", SamplingKind(self.kind))
+        if self.kind is SamplingKind.POISSON and not 0.0 < self.rate <= 1.0:
+            raise ValueError(f"Poisson sampling needs a rate in (0, 1], got {self.rate}")
+        if self.kind is SamplingKind.FIXED_SIZE and not 0 < self.sample_size <= self.population:
+            raise ValueError(f"fixed-size sampling needs 0 < sample_size <= population, got"
+                             f" {self.sample_size} of {self.population}")
+
+    def wrap(self, event: dpe.DpEvent) -> dpe.DpEvent:
+        """The event of ``event`` run on a sample drawn this way."""
+        if self.kind is SamplingKind.POISSON:
+            return dpe.PoissonSampledDpEvent(self.rate, event)
+        if self.kind is SamplingKind.FIXED_SIZE:
+            return dpe.SampledWithoutReplacementDpEvent(self.population, self.sample_size, event)
+        return event
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveClipping:
+    """Andrew et al.'s quantile-tracking bound, as TF Privacy's ``QuantileAdaptiveClipSumQuery``.
+
+    After each release ``C <- clamp(C * exp(-lr * (b_hat - target)), min, max)``,
+    where ``b_hat`` is the noised fraction of contributions whose norm was at
+    most ``C`` (not clipped), normalized by the public denominator.
+    """
+
+    target_unclipped_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_stddev: float = 0.0  # sigma_b: stddev of the noise on the centred count
+    initial_bound: float = 0.1
+    min_bound: float = 0.0
+    max_bound: float = math.inf
+    geometric_update: bool = True  # False: TF Privacy's arithmetic rule C - lr * (b_hat - target)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.target_unclipped_quantile <= 1.0:
+            raise ValueError(f"target_unclipped_quantile must be in [0, 1], got {self.target_unclipped_quantile}")
+        if not (self.learning_rate >= 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"learning_rate must be finite and >= 0, got {self.learning_rate}")
+        if not self.count_stddev >= 0:
+            raise ValueError(f"count_stddev must be >= 0, got {self.count_stddev}")
+        if not 0.0 <= self.min_bound <= self.initial_bound <= self.max_bound or not math.isfinite(self.initial_bound):
+            raise ValueError("adaptive clipping needs 0 <= min_bound <= initial_bound <= max_bound, initial finite;"
+                             f" got {self.min_bound}, {self.initial_bound}, {self.max_bound}")
+
+
+def sensitivity(example_bound: float, neighbouring: Neighbouring) -> float:
+    """L2 sensitivity of a sum of contributions clipped to ``example_bound``.
+
+    >>> sensitivity(1.5, Neighbouring.ADD_REMOVE_ONE), sensitivity(1.5, Neighbouring.REPLACE_ONE)
+    (1.5, 3.0)
+    """
+    return example_bound * (2.0 if Neighbouring(neighbouring) is Neighbouring.REPLACE_ONE else 1.0)
+
+
+def count_sensitivity(neighbouring: Neighbouring) -> float:
+    """Of the centred count of unclipped contributions: 1/2 (add/remove one), 1 (replace one)."""
+    return 1.0 if Neighbouring(neighbouring) is Neighbouring.REPLACE_ONE else 0.5
+
+
+def statistics_sensitivity(layers: int, neighbouring: Neighbouring) -> float:
+    """L2 sensitivity of the statistics vector (histogram, per-layer clip counts, count).
+
+    One contribution adds 1 to one histogram bucket, at most 1 to each of the
+    ``layers`` clip counts and 1 to the count: ``sqrt(1 + K + 1)``. Replacing
+    one moves two buckets by 1, each clip count by at most 1 and the count not
+    at all: ``sqrt(2 + K)``. Both are ``sqrt(K + 2)``.
+
+    >>> statistics_sensitivity(2, Neighbouring.ADD_REMOVE_ONE)
+    2.0
+    """
+    return math.sqrt(layers + 2.0)
+
+
+def value_noise_multiplier(total: float, companions: Sequence[float]) -> float:
+    """``z_v`` with ``z_v^-2 = z^-2 - sum z_j^-2``: the release keeps the total ``z``.
+
+    ``total = 0`` means no noise at all (0). ``ValueError`` if the companions
+    alone already spend the whole budget of ``total``.
+    """
+    if total == 0:
+        return 0.0
+    rest = total ** -2 - sum(z ** -2 for z in companions if z > 0)
+    if rest <= 0:
+        raise ValueError(f"the companion noise multipliers {list(companions)} leave nothing of the total"
+                         f" z = {total}: raise count_stddev / metrics_noise_multiplier, or raise z")
+    return rest ** -0.5
+
+
+def release_event(value_z: float, companions: Sequence[float], sampling: Sampling) -> dpe.DpEvent:
+    """The DpEvent of one release: the value's Gaussian and its companions', under the sampling."""
+    gaussians = [dpe.GaussianDpEvent(value_z), *(dpe.GaussianDpEvent(z) for z in companions)]
+    inner = gaussians[0] if len(gaussians) == 1 else dpe.ComposedDpEvent(gaussians)
+    return sampling.wrap(inner)
+
+
+def _collapse_gaussians(event: dpe.DpEvent) -> dpe.DpEvent:
+    """Composed Gaussians as one with ``z = (sum z_i^-2)^(-1/2)`` (the same privacy loss); PLD needs it."""
+    if isinstance(event, dpe.PoissonSampledDpEvent):
+        return dpe.PoissonSampledDpEvent(event.sampling_probability, _collapse_gaussians(event.event))
+    if isinstance(event, dpe.ComposedDpEvent):
+        parts = [_collapse_gaussians(e) for e in event.events]
+        if parts and all(isinstance(p, dpe.GaussianDpEvent) for p in parts):
+            if any(p.noise_multiplier == 0 for p in parts):
+                return dpe.GaussianDpEvent(0.0)
+            return dpe.GaussianDpEvent(sum(p.noise_multiplier ** -2 for p in parts) ** -0.5)
+        return dpe.ComposedDpEvent(parts)
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        return dpe.SelfComposedDpEvent(_collapse_gaussians(event.event), event.count)
+    return event
+
+
+def make_accountant(accountant: Accountant, neighbouring: Neighbouring) -> dp_accounting.PrivacyAccountant:
+    relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if Neighbouring(neighbouring) is Neighbouring.REPLACE_ONE
+                else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    if Accountant(accountant) is Accountant.PLD:
+        return pld_privacy_accountant.PLDAccountant(relation, value_discretization_interval=PLD_DISCRETIZATION)
+    return rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation)
+
+
+def check_supported(accountant: Accountant, neighbouring: Neighbouring, sampling: Sampling) -> None:
+    """``ValueError`` for the combinations dp_accounting cannot account (or accounts differently)."""
+    accountant, neighbouring = Accountant(accountant), Neighbouring(neighbouring)
+    if sampling.kind is SamplingKind.POISSON and neighbouring is not Neighbouring.ADD_REMOVE_ONE:
+        raise ValueError("Poisson sampling is accounted under add/remove-one neighbours only")
+    if sampling.kind is SamplingKind.FIXED_SIZE and neighbouring is not Neighbouring.REPLACE_ONE:
+        raise ValueError("fixed-size sampling (without replacement) is accounted under replace-one neighbours only")
+    if accountant is Accountant.PLD and neighbouring is Neighbouring.REPLACE_ONE:
+        # PLDAccountant reads a GaussianDpEvent under REPLACE_ONE as add/remove sensitivity 1
+        # (a replacement moves the sum by 2), RdpAccountant as replace sensitivity 1: clipd noises
+        # for the replace sensitivity 2C, which only the RDP accountant reads right.
+        raise ValueError("replace-one neighbours are accounted with RDP only (PLD reads the event's"
+                         " noise multiplier against another sensitivity)")
+    if accountant is Accountant.PLD and sampling.kind is SamplingKind.FIXED_SIZE:
+        raise ValueError("the PLD accountant does not account fixed-size sampling; use RDP")
+
+
+def epsilon(events: Sequence[dpe.DpEvent], delta: float, accountant: Accountant,
+            neighbouring: Neighbouring) -> float:
+    """Epsilon at ``delta`` of the composition of ``events`` (``inf`` with a non-private one)."""
+    if not events:
+        return 0.0
+    acc = make_accountant(accountant, neighbouring)
+    for event in events:
+        acc.compose(_collapse_gaussians(event) if Accountant(accountant) is Accountant.PLD else event)
+    return float(acc.get_epsilon(delta))
+
+
+def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: int, sampling: Sampling,
+                               accountant: Accountant, neighbouring: Neighbouring) -> float:
+    """The smallest total ``z`` whose ``releases`` releases, sampled so, spend ``target_epsilon`` at ``delta``."""
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ValueError(f"target_epsilon must be finite and > 0, got {target_epsilon}")
+    if releases < 1:
+        raise ValueError("calibrating z needs planned_releases >= 1")
+    return float(dp_accounting.calibrate_dp_mechanism(
+        lambda: make_accountant(accountant, neighbouring),
+        lambda z: dpe.SelfComposedDpEvent(sampling.wrap(dpe.GaussianDpEvent(z)), releases),
+        target_epsilon, delta))
+
+
+def event_to_json(event: dpe.DpEvent) -> str:
+    """The event as JSON (``to_named_tuple``'s fields, nested events as objects)."""
+    return json.dumps(_plain(event.to_named_tuple()), sort_keys=True)
+
+
+def event_from_json(text: str) -> dpe.DpEvent:
+    return dpe.DpEvent.from_named_tuple(_named(json.loads(text)))
+
+
+def _plain(value):
+    if hasattr(value, "_asdict"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _named(value):
+    """JSON objects back into named tuples that ``DpEvent.from_named_tuple`` accepts."""
+    import collections
+
+    if isinstance(value, dict):
+        fields = {k: _named(v) for k, v in value.items()}
+        if "events" in fields:
+            fields["events"] = list(fields["events"])
+        return collections.namedtuple("_Event", list(fields))(**fields)
+    if isinstance(value, list):
+        return [_named(v) for v in value]
+    return value
+
+
+# Noise ------------------------------------------------------------------------------------
+def fresh_key(seed: int | None = None) -> jax.Array:
+    """A threefry key from 64 bits of the OS's CSPRNG (``secrets``), or from ``seed`` (tests only)."""
+    bits = secrets.randbits(64) if seed is None else int(seed) % (1 << 64)
+    return jax.random.wrap_key_data(np.array([bits >> 32, bits & 0xFFFFFFFF], dtype=np.uint32))
+
+
+def add_gaussian_noise(sums: Sequence[np.ndarray], stddev: float, key: jax.Array,
+                       dtypes: Sequence[np.dtype]) -> tuple[np.ndarray, ...]:
+    """``sum_k + N(0, stddev^2)`` per coordinate, on the default device, in each layer's sum dtype.
+
+    The noise is drawn in the sum dtype (float32 at least) from one subkey per
+    layer, so no two layers (and, with a fresh key, no two releases) share noise.
+    """
+    keys = jax.random.split(key, max(1, len(sums)))
+    out = []
+    for k, (total, dtype) in enumerate(zip(sums, dtypes)):
+        dtype = np.promote_types(dtype, np.float32)
+        value = jnp.asarray(np.asarray(total, dtype=dtype))
+        if stddev > 0:
+            value = value + jax.random.normal(keys[k], value.shape, dtype=value.dtype) * jnp.asarray(stddev, value.dtype)
+        out.append(np.asarray(jax.device_get(value)))
+    return tuple(out)
+
+
+def gaussian_noise(n: int, stddev: float, key: jax.Array) -> np.ndarray:
+    """``n`` float64 Gaussian draws of ``stddev`` (the statistics and the count), on the host."""
+    if stddev == 0 or n == 0:
+        return np.zeros(n)
+    return np.asarray(jax.random.normal(key, (n,), dtype=jnp.float32), dtype=np.float64) * stddev
+
+
+# Adaptive clipping ------------------------------------------------------------------------
+def unclipped_fraction(noised_centred_count: float, denominator: float) -> float:
+    """``b_hat = clamp(noised sum of (1{norm <= C} - 1/2) / denominator + 1/2, 0, 1)``."""
+    return min(1.0, max(0.0, noised_centred_count / denominator + 0.5))
+
+
+def next_bound(bound: float, fraction: float, rule: AdaptiveClipping) -> float:
+    """The geometric update ``C * exp(-lr * (b_hat - target))``, clamped to ``[min, max]``.
+
+    With ``geometric_update=False``, TF Privacy's arithmetic ``C - lr * (b_hat - target)``
+    (never below 0).
+
+    >>> round(next_bound(1.0, 1.0, AdaptiveClipping(0.5, 0.2, initial_bound=1.0)), 6)
+    0.904837
+    """
+    step = fraction - rule.target_unclipped_quantile
+    if rule.geometric_update:
+        updated = bound * math.exp(-rule.learning_rate * step)
+    else:
+        updated = max(0.0, bound - rule.learning_rate * step)
+    return min(rule.max_bound, max(rule.min_bound, updated))
+
+
+# The policy of an aggregation ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PrivacyPolicy:
+    """How an aggregation's clipped sum is released, and under which ledger it is accounted.
+
+    Attributes:
+      ledger_id: the ledger whose epsilon this release adds to (rounds, steps of one training).
+      delta: epsilon is reported (and budgeted) at this delta.
+      noise_multiplier: the total ``z`` (0: no noise, epsilon infinite); or None with
+        ``target_epsilon`` and ``planned_releases``, from which ``z`` is calibrated.
+      max_epsilon: the ledger's budget (``inf``: none).
+      adaptive: adaptive clipping (GLOBAL bound only), or None for a fixed bound.
+      public_denominator: the expected number of contributions (public): the mean
+        divides by it and so does the adaptive rule's unclipped fraction.
+      release_mean: release ``sum / public_denominator`` instead of the sum.
+      metrics_noise_multiplier: ``z_m`` of the released statistics (0: none released).
+      seed: draw the noise from this seed (tests only: not private, marked in the result).
+      debug_raw_statistics: raw statistics visible while it runs; the ledger's epsilon becomes infinite.
+    """
+
+    ledger_id: str
+    delta: float
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    planned_releases: int = 0
+    neighbouring: Neighbouring = Neighbouring.ADD_REMOVE_ONE
+    sampling: Sampling = Sampling()
+    accountant: Accountant = Accountant.RDP
+    max_epsilon: float = math.inf
+    adaptive: AdaptiveClipping | None = None
+    public_denominator: float = 0.0
+    release_mean: bool = False
+    metrics_noise_multiplier: float = 0.0
+    seed: int | None = None
+    debug_raw_statistics: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "neighbouring", Neighbouring(self.neighbouring))
+        object.__setattr__(self, "accountant", Accountant(self.accountant))
+        if not self.ledger_id:
+            raise ValueError("a privacy policy needs a ledger_id")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}")
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("set exactly one of noise_multiplier and target_epsilon")
+        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}")
+        if self.target_epsilon is not None and self.planned_releases < 1:
+            raise ValueError("target_epsilon needs planned_releases >= 1")
+        if not self.max_epsilon > 0:
+            raise ValueError(f"max_epsilon must be > 0 (inf: no budget), got {self.max_epsilon}")
+        if not (self.public_denominator >= 0 and math.isfinite(self.public_denominator)):
+            raise ValueError(f"public_denominator must be finite and >= 0, got {self.public_denominator}")
+        if (self.release_mean or self.adaptive is not None) and self.public_denominator <= 0:
+            raise ValueError("a mean and adaptive clipping divide by a public_denominator > 0"
+                             " (the expected number of contributions)")
+        if not (self.metrics_noise_multiplier >= 0 and math.isfinite(self.metrics_noise_multiplier)):
+            raise ValueError(f"metrics_noise_multiplier must be finite and >= 0, got {self.metrics_noise_multiplier}")
+        check_supported(self.accountant, self.neighbouring, self.sampling)
+
+    @property
+    def total_noise_multiplier(self) -> float:
+        """``z``: the given one, or the one calibrated to ``target_epsilon`` over the planned releases."""
+        if self.noise_multiplier is not None:
+            return self.noise_multiplier
+        return calibrate_noise_multiplier(self.target_epsilon, self.delta, self.planned_releases, self.sampling,
+                                          self.accountant, self.neighbouring)
+
+    def plan(self, example_bound: float, layers: int) -> "ReleasePlan":
+        """The noise of one release whose contributions are clipped to ``example_bound``."""
+        z = self.total_noise_multiplier
+        count_z = 0.0
+        if self.adaptive is not None and self.adaptive.count_stddev > 0:
+            count_z = self.adaptive.count_stddev / count_sensitivity(self.neighbouring)
+        companions = [c for c in (count_z, self.metrics_noise_multiplier) if c > 0]
+        value_z = value_noise_multiplier(z, companions)
+        s = sensitivity(example_bound, self.neighbouring)
+        stats_s = statistics_sensitivity(layers, self.neighbouring)
+        event = release_event(value_z, companions, self.sampling)
+        return ReleasePlan(
+            noise_multiplier=z, value_noise_multiplier=value_z, sensitivity=s, noise_stddev=value_z * s,
+            count_noise_stddev=self.adaptive.count_stddev if self.adaptive is not None else 0.0,
+            metrics_noise_stddev=self.metrics_noise_multiplier * stats_s, event=event)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleasePlan:
+    noise_multiplier: float  # z, total
+    value_noise_multiplier: float  # z_v, of the sum alone
+    sensitivity: float  # of the sum
+    noise_stddev: float  # per coordinate of the sum: z_v * sensitivity
+    count_noise_stddev: float  # sigma_b, on the centred unclipped count (adaptive)
+    metrics_noise_stddev: float  # per coordinate of the statistics vector
+    event: dpe.DpEvent
