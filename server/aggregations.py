@@ -61,6 +61,8 @@ class Stats:
     updated_unix_seconds: float
     examples_per_second: float
     failure_reason: str = ""
+    privacy_notice: str = ""  # under a privacy policy: why the numbers are withheld, or that they are raw
+    release: dict | None = None  # under a privacy policy, once released: the proto Release's fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +83,12 @@ class Aggregation:
     def __init__(self, aggregation_id: str, layers: tuple[LayerSpec, ...], policy: ClipPolicy,
                  reject_non_finite: bool, max_device_rows: int, staging_bytes: int,
                  recovered: PartialState | None = None, created: float | None = None,
-                 max_clients: int | None = None) -> None:
+                 max_clients: int | None = None, privacy=None, plan=None) -> None:
         self.id = aggregation_id
+        self.privacy = privacy  # engine PrivacyPolicy, or None: the sum is released as is
+        self.plan = plan  # engine ReleasePlan of the privacy policy
+        self.release: dict | None = None  # the committed release's fields
+        self.planned_epsilon = 0.0  # the ledger's epsilon once this is released (at creation)
         self.max_clients = max_clients
         self.layers = layers
         self.policy = policy
@@ -109,6 +115,7 @@ class Aggregation:
         self._updated = self.created
         self._rates: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.result: Result | None = None
+        self.released_sums: tuple[np.ndarray, ...] = ()
         self._finalize_lock = threading.Lock()
 
     @property
@@ -117,9 +124,14 @@ class Aggregation:
         return sum(l.size for l in self.layers)
 
     @property
+    def withheld(self) -> bool:
+        """Raw statistics are not shown: a privacy policy without debug mode."""
+        return self.privacy is not None and not self.privacy.debug_raw_statistics
+
+    @property
     def examples(self) -> int:
-        """Examples in the sum so far (durable or about to be)."""
-        return self._examples
+        """Examples in the sum so far (durable or about to be); 0 when withheld (a privacy policy)."""
+        return 0 if self.withheld else self._examples
 
     def _check_takes_batches(self) -> None:
         if self.state is State.FAILED:
@@ -261,12 +273,16 @@ class Aggregation:
             return self.cond.wait_for(
                 lambda: self.pending == 0 or self.state in (State.CANCELLED, State.FAILED), timeout)
 
-    def finalize(self, commit_final, timeout: float) -> Result:
+    def finalize(self, commit_final, timeout: float, release=None) -> Result:
         """Closes, waits for every accepted batch, commits the final state, keeps ``Result``.
 
         ``commit_final()`` flushes the device delta, commits the totals as the
         final checkpoint and returns them. A second call returns the same result.
         ``DeadlineExceeded`` if the accepted batches are not summed within ``timeout``.
+        Under a privacy policy, ``commit_final`` commits the raw totals without
+        finishing and ``release(totals)`` commits the private release (and the
+        FINALIZED state); the result is that release. If it refuses (the budget),
+        the aggregation FAILS with its reason.
         """
         with self._finalize_lock:
             if self.result is not None:
@@ -278,8 +294,17 @@ class Aggregation:
             with self.cond:
                 self._check_not_ended()
             totals = commit_final()
+            released = None
+            if release is not None:
+                try:
+                    released = release(totals)
+                except FailedPrecondition as e:
+                    self.fail(str(e))
+                    raise
             with self.cond:
                 self._check_not_ended()
+                if released is not None:
+                    self.release, self.released_sums = released.fields, released.sums
                 self.state = State.FINALIZED
                 self.finished = time.time()
                 self.totals = totals
@@ -288,14 +313,18 @@ class Aggregation:
                 self.result = self._result_locked()
                 return self.result
 
-    def restore_result(self, finished: float | None) -> None:
-        """Marks a recovered aggregation FINALIZED with its recovered totals as the result."""
+    def restore_result(self, finished: float | None, release=None) -> None:
+        """Marks a recovered aggregation FINALIZED with its recovered totals (or its release) as the result."""
         with self.cond:
             self.state = State.FINALIZED
             self.finished = finished
+            if release is not None:
+                self.release, self.released_sums = release.fields, release.sums
             self.result = self._result_locked()
 
     def _result_locked(self) -> Result:
+        if self.privacy is not None:
+            return Result(self._stats_locked(), self.released_sums)
         sums = tuple(s.astype(dtype) for s, dtype in zip(self.totals.sums, self.accumulator.sum_dtypes))
         return Result(self._stats_locked(), sums)
 
@@ -317,6 +346,28 @@ class Aggregation:
             return self._stats_locked()
 
     def _stats_locked(self) -> Stats:
+        if self.withheld:
+            return self._withheld_stats_locked()
+        stats = self._raw_stats_locked()
+        if self.privacy is not None:
+            return dataclasses.replace(stats, release=self.release, privacy_notice=(
+                f"DEBUG: raw statistics of a differentially private aggregation; the epsilon of ledger"
+                f" {self.privacy.ledger_id!r} is infinite"))
+        return stats
+
+    def _withheld_stats_locked(self) -> Stats:
+        """A private aggregation's statistics: its spec and state; numbers only as released (noised)."""
+        k = len(self.layers)
+        bounds = self.accumulator.bounds if self.policy.is_per_layer else self.accumulator.bounds * k
+        layers = tuple(LayerStats(spec.name, float(bounds[i]), 0, 0.0, 0.0, ()) for i, spec in enumerate(self.layers))
+        notice = ("withheld: a differentially private aggregation shows no raw statistic;"
+                  + (" see the release for its noised ones" if self.release else
+                     " its noised statistics come with the release at finalize"))
+        return Stats(self.id, self.state, 0, 0, 0, 0, 0, layers, RATIO_BUCKETS, (),
+                     self.policy.example_bound(self.layers), 0.0, 0.0, self.failure_reason,
+                     privacy_notice=notice, release=self.release)
+
+    def _raw_stats_locked(self) -> Stats:
         t = self.totals if self._device_stats is None else self.totals.absorb(self._device_stats)
         k = len(self.layers)
         counted = t.layer_histograms.sum(axis=1)

@@ -23,6 +23,7 @@ from .credentials import SubmitTokens, bearer_token, load_key, same
 from .errors import ClipdError, PermissionDenied, Unauthenticated
 from .limits import StreamSlots, trim_heap
 from .logs import event
+from .privacy import Ledgers, Release
 from .service import ClipdServicer, lenient
 from .settings import Settings
 from .store import FAILED, FINALIZED, Store, open_store
@@ -150,9 +151,10 @@ class ClipdServer:
         self.registry = Registry(settings.max_aggregations, settings.max_total_parameters)
         self.worker = DeviceWorker(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
                                    settings.warmup_timeout)
-        recover(self.store, self.registry, self.worker, settings)
+        self.ledgers = Ledgers(self.store)
+        recover(self.store, self.registry, self.worker, settings, self.ledgers)
         tokens = SubmitTokens(load_key(settings.data_dir))
-        self.servicer = ClipdServicer(settings, self.registry, self.worker, self.store, tokens)
+        self.servicer = ClipdServicer(settings, self.registry, self.worker, self.store, tokens, self.ledgers)
         self.health = health.HealthServicer()
         # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more
         # that only unary RPCs and health checks can use, whatever the streams do. No global RPC cap
@@ -249,27 +251,38 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Settings) -> None:
+def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Settings, ledgers: Ledgers) -> None:
     """Brings back every aggregation of the store as of its last checkpoint.
 
     Open ones warm up again and keep taking batches: their clients resume after
-    the checkpoint's sequence numbers (anything older is a duplicate). Finalized
-    ones serve their result again; failed ones keep their reason.
+    the checkpoint's sequence numbers (anything older is a duplicate); a private
+    one reserves its release on its ledger again. Finalized ones serve their
+    result (or their private release) again; failed ones keep their reason.
     """
     for record in store.records():
-        layers, policy, reject = codec.spec_from_json(record.spec)
-        totals = store.load_checkpoint(record.aggregation_id, newest_only=record.state == FINALIZED)
+        layers, policy, reject, privacy = codec.spec_from_json(record.spec)
+        finalized = record.state == FINALIZED
+        release = None
+        if privacy is not None and finalized:
+            blob = store.load_release(record.aggregation_id)
+            release = Release.from_bytes(blob) if blob is not None else None
+            totals = None
+        else:
+            totals = store.load_checkpoint(record.aggregation_id, newest_only=finalized)
+        plan = privacy.plan(policy.example_bound(layers), len(layers)) if privacy is not None else None
         aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
                                   settings.staging_bytes, recovered=totals, created=record.created,
-                                  max_clients=settings.max_clients)
-        if record.state == FINALIZED and totals is not None:
-            aggregation.restore_result(record.finished)
-        elif record.state == FINALIZED:
+                                  max_clients=settings.max_clients, privacy=privacy, plan=plan)
+        if finalized and (totals is not None or release is not None):
+            aggregation.restore_result(record.finished, release)
+        elif finalized:
             aggregation.fail("the final checkpoint can't be read back")
         elif record.state == FAILED:
             aggregation.fail(record.reason)
             aggregation.finished = record.finished
         else:
+            if privacy is not None:
+                ledgers.reserve(aggregation, privacy, plan)
             worker.warm_up(aggregation)
         registry.add(aggregation)
         event(log, "aggregation.recovered", aggregation=record.aggregation_id, state=aggregation.state.value,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 
 import ml_dtypes
 import numpy as np
 
 from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite
+from clipd.engine import _privacy as dp
 from clipd.v1 import clipd_pb2 as pb
 
 from .aggregations import State, Stats
@@ -79,22 +82,117 @@ def _x64_enabled() -> bool:
     return bool(jax.config.jax_enable_x64)
 
 
-def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool) -> str:
-    """An aggregation's layers and policy as JSON, for the store."""
-    return json.dumps({
+def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool,
+                 privacy: dp.PrivacyPolicy | None = None) -> str:
+    """An aggregation's layers, policy (with the bound in use) and privacy policy as JSON, for the store."""
+    spec = {
         "layers": [[l.name, list(l.shape), l.dtype] for l in layers],
         "policy": {"kind": policy.kind.value, "l2_norm_clip": policy.l2_norm_clip,
                    "layer_clips": list(policy.layer_clips), "rescale_to_unit_norm": policy.rescale_to_unit_norm,
                    "non_finite": policy.non_finite.value},
         "reject_non_finite": reject_non_finite,
-    })
+    }
+    if privacy is not None:
+        spec["privacy"] = dataclasses.asdict(privacy)
+    return json.dumps(spec)
 
 
-def spec_from_json(text: str) -> tuple[tuple[LayerSpec, ...], ClipPolicy, bool]:
+def spec_from_json(text: str) -> tuple[tuple[LayerSpec, ...], ClipPolicy, bool, dp.PrivacyPolicy | None]:
     """The inverse of :func:`spec_to_json`."""
     spec = json.loads(text)
     layers = tuple(LayerSpec(name, tuple(shape), dtype) for name, shape, dtype in spec["layers"])
-    return layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"])
+    privacy = None
+    if "privacy" in spec:
+        fields = dict(spec["privacy"])
+        fields["sampling"] = dp.Sampling(**fields["sampling"])
+        if fields["adaptive"] is not None:
+            fields["adaptive"] = dp.AdaptiveClipping(**fields["adaptive"])
+        privacy = dp.PrivacyPolicy(**fields)
+    return layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy
+
+
+SAMPLING = {pb.Sampling.NONE: dp.SamplingKind.NONE, pb.Sampling.POISSON: dp.SamplingKind.POISSON,
+            pb.Sampling.FIXED_SIZE: dp.SamplingKind.FIXED_SIZE}
+NEIGHBOURING = {pb.PrivacyPolicy.ADD_REMOVE_ONE: dp.Neighbouring.ADD_REMOVE_ONE,
+                pb.PrivacyPolicy.REPLACE_ONE: dp.Neighbouring.REPLACE_ONE}
+ACCOUNTANTS = {pb.PrivacyPolicy.RDP: dp.Accountant.RDP, pb.PrivacyPolicy.PLD: dp.Accountant.PLD}
+
+
+def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
+    """The engine's privacy policy; ``InvalidArgument`` naming what is wrong."""
+    for value, names, what in ((message.sampling.kind, SAMPLING, "sampling.kind"),
+                               (message.neighbouring, NEIGHBOURING, "neighbouring"),
+                               (message.accountant, ACCOUNTANTS, "accountant")):
+        if value not in names:
+            raise InvalidArgument(f"privacy.{what}: unknown value {value}")
+    if message.ledger_id:
+        _check_ledger_id(message.ledger_id)
+    adaptive = None
+    if message.HasField("adaptive"):
+        a = message.adaptive
+        adaptive = dp.AdaptiveClipping(a.target_unclipped_quantile, a.learning_rate, a.count_stddev,
+                                       a.initial_bound, a.min_bound, a.max_bound or math.inf,
+                                       geometric_update=not a.arithmetic_update)
+    s = message.sampling
+    try:
+        return dp.PrivacyPolicy(
+            ledger_id=message.ledger_id, delta=message.delta,
+            noise_multiplier=message.noise_multiplier if message.HasField("noise_multiplier") else None,
+            target_epsilon=message.target_epsilon if not message.HasField("noise_multiplier") else None,
+            planned_releases=message.planned_releases, neighbouring=NEIGHBOURING[message.neighbouring],
+            sampling=dp.Sampling(SAMPLING[s.kind], s.rate, s.population, s.sample_size),
+            accountant=ACCOUNTANTS[message.accountant], max_epsilon=message.max_epsilon or math.inf,
+            adaptive=adaptive, public_denominator=message.public_denominator, release_mean=message.release_mean,
+            metrics_noise_multiplier=message.metrics_noise_multiplier,
+            seed=message.seed if message.HasField("seed") else None,
+            debug_raw_statistics=message.debug_raw_statistics,
+        )
+    except ValueError as e:
+        raise InvalidArgument(f"privacy: {e}") from None
+
+
+def privacy_to_proto(policy: dp.PrivacyPolicy) -> pb.PrivacyPolicy:
+    a = policy.adaptive
+    message = pb.PrivacyPolicy(
+        ledger_id=policy.ledger_id, delta=policy.delta, target_epsilon=policy.target_epsilon or 0.0,
+        planned_releases=policy.planned_releases,
+        neighbouring={v: k for k, v in NEIGHBOURING.items()}[policy.neighbouring],
+        sampling=pb.Sampling(kind={v: k for k, v in SAMPLING.items()}[policy.sampling.kind],
+                             rate=policy.sampling.rate, population=policy.sampling.population,
+                             sample_size=policy.sampling.sample_size),
+        accountant={v: k for k, v in ACCOUNTANTS.items()}[policy.accountant],
+        max_epsilon=0.0 if math.isinf(policy.max_epsilon) else policy.max_epsilon,
+        public_denominator=policy.public_denominator, release_mean=policy.release_mean,
+        metrics_noise_multiplier=policy.metrics_noise_multiplier,
+        debug_raw_statistics=policy.debug_raw_statistics,
+    )
+    if policy.noise_multiplier is not None:
+        message.noise_multiplier = policy.noise_multiplier
+    if policy.seed is not None:
+        message.seed = policy.seed
+    if a is not None:
+        message.adaptive.CopyFrom(pb.AdaptiveClipping(
+            target_unclipped_quantile=a.target_unclipped_quantile, learning_rate=a.learning_rate,
+            count_stddev=a.count_stddev, initial_bound=a.initial_bound, min_bound=a.min_bound,
+            max_bound=0.0 if math.isinf(a.max_bound) else a.max_bound, arithmetic_update=not a.geometric_update))
+    return message
+
+
+def _check_ledger_id(value: str) -> None:
+    if not ID_PATTERN.fullmatch(value):
+        raise InvalidArgument("privacy.ledger_id: 1 to 128 letters, digits, '-', '_' or '.'")
+
+
+def ledger_to_proto(ledger: dict) -> pb.Ledger:
+    return pb.Ledger(
+        ledger_id=ledger["ledger_id"], accountant=ledger["accountant"], neighbouring=ledger["neighbouring"],
+        delta=ledger["delta"], max_epsilon=0.0 if math.isinf(ledger["max_epsilon"]) else ledger["max_epsilon"],
+        epsilon=ledger["epsilon"], budget_left=ledger["budget_left"], next_bound=ledger["next_bound"],
+        debug_raw_statistics=ledger["debug_raw_statistics"],
+        entries=[pb.LedgerEntry(aggregation_id=e["aggregation_id"], dp_event_json=e["event"],
+                                epsilon_after=e["epsilon_after"], unix_seconds=e["time"],
+                                next_bound=e["next_bound"] or 0.0) for e in ledger["entries"]],
+    )
 
 
 def layers_to_proto(layers) -> list[pb.LayerSpec]:
@@ -167,5 +265,7 @@ def stats_to_proto(stats: Stats) -> pb.AggregationStats:
         updated_unix_seconds=stats.updated_unix_seconds,
         examples_per_second=stats.examples_per_second,
         failure_reason=stats.failure_reason,
+        privacy_notice=stats.privacy_notice,
+        release=pb.Release(**stats.release) if stats.release is not None else None,
     )
 

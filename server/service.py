@@ -18,6 +18,7 @@ reservation are released.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -27,6 +28,7 @@ import time
 import grpc
 import numpy as np
 
+from clipd.engine import BoundKind
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
@@ -34,10 +36,11 @@ from . import codec
 from .aggregations import Aggregation, Registry, Result, State
 from .batches import BatchAssembler
 from .credentials import SubmitTokens, bearer_token, same
-from .errors import (AlreadyExists, ClipdError, FailedPrecondition, InvalidArgument, PermissionDenied,
+from .errors import (AlreadyExists, ClipdError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                      Unauthenticated, Unavailable)
 from .limits import ByteBudget, StreamSlots
 from .logs import event
+from .privacy import Ledgers
 from .settings import Settings
 from .store import AggregationRecord, Store
 from .worker import DeviceWorker
@@ -96,8 +99,9 @@ def _check_id(value: str, what: str) -> str:
 
 class ClipdServicer(pb_grpc.ClipdServicer):
     def __init__(self, settings: Settings, registry: Registry, worker: DeviceWorker, store: Store,
-                 submit_tokens: SubmitTokens) -> None:
+                 submit_tokens: SubmitTokens, ledgers: Ledgers | None = None) -> None:
         self.settings = settings
+        self.ledgers = ledgers if ledgers is not None else Ledgers(store)
         self.registry = registry
         self.worker = worker
         self.store = store
@@ -129,26 +133,56 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         check_limits(layers, self.settings)
         policy, reject = codec.policy_from_proto(request.policy, len(layers))
         requested = _check_id(request.aggregation_id, "aggregation_id") if request.aggregation_id else ""
+        privacy = codec.privacy_from_proto(request.privacy) if request.HasField("privacy") else None
+        plan = None
+        if privacy is not None:
+            policy, plan = self._private_policy(policy, privacy, layers)
 
         def make(aggregation_id: str) -> Aggregation:
             return Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
-                               self.settings.staging_bytes, max_clients=self.settings.max_clients)
+                               self.settings.staging_bytes, max_clients=self.settings.max_clients,
+                               privacy=privacy, plan=plan)
 
         def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it
-            record = AggregationRecord(aggregation.id, codec.spec_to_json(layers, policy, reject),
+            record = AggregationRecord(aggregation.id, codec.spec_to_json(layers, policy, reject, privacy),
                                        created=aggregation.created)
-            if not self.store.create(record):
-                raise AlreadyExists(f"aggregation {aggregation.id!r} exists in the store")
+
+            def create(ledger_entry=None) -> None:
+                if not self.store.create(record, ledger_entry=ledger_entry):
+                    raise AlreadyExists(f"aggregation {aggregation.id!r} exists in the store")
+
+            if privacy is None:
+                create()
+            else:
+                aggregation.planned_epsilon = self.ledgers.admit(aggregation, privacy, plan, create)
             self.worker.warm_up(aggregation)
 
         aggregation, created = self.registry.create(requested, make, publish)
-        if not created and (aggregation.layers, aggregation.policy, aggregation.reject_non_finite) != (
-                layers, policy, reject):
+        if not created and not _same_request(aggregation, layers, policy, reject, privacy):
             raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
         if created:
             event(log, "aggregation.created", aggregation=aggregation.id, layers=len(layers),
-                  parameters=aggregation.parameters, policy=policy.kind.value)
+                  parameters=aggregation.parameters, policy=policy.kind.value,
+                  ledger=privacy.ledger_id if privacy else None)
         return self._describe(aggregation)
+
+    def _private_policy(self, policy, privacy, layers):
+        """The clip policy with the ledger's adaptive bound, and the release plan; ``InvalidArgument`` if unfit."""
+        if privacy.adaptive is not None:
+            if policy.kind is not BoundKind.GLOBAL or policy.rescale_to_unit_norm:
+                raise InvalidArgument("privacy.adaptive: adaptive clipping needs a GLOBAL clip policy without"
+                                      " rescale_to_unit_norm")
+            policy = dataclasses.replace(policy, l2_norm_clip=self.ledgers.current_bound(privacy))
+        if policy.rescale_to_unit_norm:
+            raise InvalidArgument("privacy: rescale_to_unit_norm changes the sensitivity; release the plain clipped sum")
+        bound = policy.example_bound(layers)
+        if not math.isfinite(bound):
+            raise InvalidArgument("privacy: an infinite bound (no clipping) has no finite sensitivity")
+        try:
+            plan = privacy.plan(bound, len(layers))
+        except ValueError as e:
+            raise InvalidArgument(f"privacy: {e}") from None
+        return policy, plan
 
     @_status_on_error
     def GetAggregation(self, request: pb.GetAggregationRequest, context) -> pb.Aggregation:
@@ -159,7 +193,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             return self._describe(aggregation)
         return pb.Aggregation(aggregation_id=aggregation.id, layers=codec.layers_to_proto(aggregation.layers),
                               policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
-                              state=codec.STATES[aggregation.state], layer_bounds=aggregation.accumulator.bounds)
+                              state=codec.STATES[aggregation.state], layer_bounds=aggregation.accumulator.bounds,
+                              privacy=codec.privacy_to_proto(aggregation.privacy) if aggregation.privacy else None)
 
     @_status_on_error
     def ListAggregations(self, request, context) -> pb.ListAggregationsResponse:
@@ -174,6 +209,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         aggregation = self.registry.remove(aggregation_id)
         was = aggregation.state
         aggregation.cancel()
+        self.ledgers.forget(aggregation)
         self.worker.forget(aggregation)
         self.store.delete(aggregation.id)
         event(log, "aggregation.deleted", aggregation=aggregation.id, was=was.value)
@@ -208,7 +244,11 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         aggregation = self.registry.get(aggregation_id)
         timeout = self.settings.finalize_timeout
         first = aggregation.result is None
-        result = aggregation.finalize(lambda: self.worker.commit_final(aggregation, timeout), timeout)
+        private = aggregation.privacy is not None
+        result = aggregation.finalize(
+            lambda: self.worker.commit_final(aggregation, timeout, mark_finished=not private), timeout,
+            release=(lambda totals: self.ledgers.release(aggregation, totals, aggregation.accumulator.sum_dtypes))
+            if private else None)
         if first:
             event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
         return result
@@ -224,7 +264,16 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             created_unix_seconds=aggregation.created,
             failure_reason=aggregation.failure_reason,
             submit_token=self.submit_tokens.token_for(aggregation.id, aggregation.created),
+            privacy=codec.privacy_to_proto(aggregation.privacy) if aggregation.privacy else None,
+            planned_ledger_epsilon=aggregation.planned_epsilon,
         )
+
+    @_status_on_error
+    def GetLedger(self, request: pb.GetLedgerRequest, context) -> pb.Ledger:
+        ledger = self.ledgers.describe(request.ledger_id)
+        if ledger is None:
+            raise NotFound(f"no ledger {request.ledger_id!r}")
+        return codec.ledger_to_proto(ledger)
 
     # Streaming ----------------------------------------------------------------------
     def Submit(self, request_iterator, context):
@@ -406,6 +455,14 @@ class _SubmitSession:
             self.servicer.refuse(context, self.error, "Submit")
         elif self.error is not None and context.is_active():
             context.abort(grpc.StatusCode.CANCELLED, f"the request stream broke: {self.error}")
+
+
+def _same_request(aggregation: Aggregation, layers, policy, reject, privacy) -> bool:
+    """Whether a create request repeats the existing aggregation's (an adaptive bound may have moved since)."""
+    if privacy is not None and privacy.adaptive is not None:
+        policy = dataclasses.replace(policy, l2_norm_clip=aggregation.policy.l2_norm_clip)
+    return (aggregation.layers, aggregation.policy, aggregation.reject_non_finite, aggregation.privacy) == (
+        layers, policy, reject, privacy)
 
 
 def check_limits(layers, settings: Settings) -> None:

@@ -4,6 +4,7 @@ Layout of ``data_dir``::
 
     clipd.sqlite3               aggregations and checkpoint rows (WAL, synchronous=FULL)
     states/<key>/<gen>.state    one PartialState blob per checkpoint generation
+    states/<key>/release        a private release (noised sums), once committed
 
 ``<key>`` is the aggregation's surrogate integer key, never its id (ids may be
 ``"."`` or ``".."``). The two newest generations of an aggregation are kept.
@@ -19,6 +20,11 @@ two states (Pillai et al., OSDI'14: a rename alone is not durable):
    ``save_checkpoint`` returns after that commit: the checkpoint is durable.
 3. Rows older than the previous generation go in the same transaction; their
    files are unlinked after it. A crash in between leaves files with no row.
+
+A private release follows the same two steps: the ``release`` file is made
+durable, then one transaction adds its row, appends the ledger entry and
+marks the aggregation FINALIZED; its raw checkpoints' rows go in that same
+transaction and their files after it (only noised sums are kept).
 
 Opening the store removes what steps 1 and 3 can leave behind (``.tmp`` files,
 files with no row). Reading a checkpoint checks its size and CRC against its
@@ -40,13 +46,14 @@ from collections.abc import Iterator
 
 from clipd.engine import CorruptStateError, PartialState
 
-from .store import FINALIZED, STATES, AggregationRecord, Store
+from .store import FINALIZED, STATES, AggregationRecord, LedgerConflict, LedgerEntry, LedgerRecord, Store
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1  # PRAGMA user_version; 0 is an empty database
+SCHEMA_VERSION = 2  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers
 KEEP_GENERATIONS = 2  # checkpoint files kept per aggregation: the newest and the one before
 DB_NAME = "clipd.sqlite3"
+RELEASE_FILE = "release"
 STATES_DIR = "states"
 
 _SCHEMA = (
@@ -66,6 +73,28 @@ _SCHEMA = (
         nbytes INTEGER NOT NULL,
         crc32 INTEGER NOT NULL,  -- of the whole blob
         PRIMARY KEY (aggregation, generation)
+    )""",
+)
+_SCHEMA_V2 = (
+    """CREATE TABLE ledgers (
+        id TEXT PRIMARY KEY,
+        config TEXT NOT NULL,
+        created REAL NOT NULL
+    )""",
+    """CREATE TABLE ledger_entries (  -- never deleted: privacy spent stays spent
+        ledger TEXT NOT NULL REFERENCES ledgers (id),
+        position INTEGER NOT NULL,
+        aggregation_id TEXT NOT NULL,  -- not a reference: the aggregation may be deleted
+        event TEXT NOT NULL,
+        time REAL NOT NULL,
+        epsilon_after REAL NOT NULL,
+        next_bound REAL,
+        PRIMARY KEY (ledger, position)
+    )""",
+    """CREATE TABLE releases (
+        aggregation INTEGER PRIMARY KEY REFERENCES aggregations (key),
+        nbytes INTEGER NOT NULL,
+        crc32 INTEGER NOT NULL
     )""",
 )
 
@@ -124,11 +153,16 @@ class SQLiteStore(Store):
             if version == 0:
                 for statement in _SCHEMA:
                     conn.execute(statement)
+            if version < 2:
+                for statement in _SCHEMA_V2:
+                    conn.execute(statement)
+            if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _sweep(self) -> None:
         """Removes what a crash leaves under ``states/``: ``*.tmp`` files and files with no checkpoint row."""
         rows = {(key, name) for key, name in self._query("SELECT aggregation, file FROM checkpoints")}
+        rows |= {(key, RELEASE_FILE) for (key,) in self._query("SELECT aggregation FROM releases")}
         keys = {key for (key,) in self._query("SELECT key FROM aggregations")}
         removed_dirs = False
         for entry in os.scandir(self._states):
@@ -136,7 +170,8 @@ class SQLiteStore(Store):
                 continue  # not ours: leave it alone
             key = int(entry.name)
             stray = [f.name for f in os.scandir(entry.path) if f.is_file(follow_symlinks=False) and (
-                f.name.endswith(".tmp") or (f.name.endswith(".state") and (key, f.name) not in rows))]
+                f.name.endswith(".tmp") or ((f.name.endswith(".state") or f.name == RELEASE_FILE)
+                                            and (key, f.name) not in rows))]
             for name in stray:
                 log.info("store: removing %s/%s left by an interrupted checkpoint", entry.path, name)
             _remove_files(entry.path, stray)
@@ -173,8 +208,8 @@ class SQLiteStore(Store):
         return os.path.join(self._states, str(key))
 
     # Aggregations -------------------------------------------------------------------------
-    def create(self, record: AggregationRecord) -> bool:
-        """Adds an aggregation; False (and nothing changes) if its id exists."""
+    def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:
+        """Adds an aggregation (and a ledger entry, same commit); False (nothing changes) if its id exists."""
         _check_state(record.state)
         with self._transaction() as conn:
             cursor = conn.execute(
@@ -182,7 +217,16 @@ class SQLiteStore(Store):
                 " ON CONFLICT (id) DO NOTHING",
                 (record.aggregation_id, record.spec, record.state, record.created, record.finished,
                  record.reason))
-            return cursor.rowcount == 1
+            if cursor.rowcount != 1:
+                return False
+            if ledger_entry is not None:
+                ledger_id, entry = ledger_entry
+                if not conn.execute("SELECT 1 FROM ledgers WHERE id = ?", (ledger_id,)).fetchall():
+                    raise KeyError(ledger_id)
+                (position,) = conn.execute("SELECT COUNT(*) FROM ledger_entries WHERE ledger = ?",
+                                           (ledger_id,)).fetchone()
+                _insert_entry(conn, ledger_id, position, entry)
+            return True
 
     def records(self) -> list[AggregationRecord]:
         """Every aggregation, oldest first (by ``created``, then by order of creation)."""
@@ -212,6 +256,7 @@ class SQLiteStore(Store):
                 return
             with self._transaction() as conn:
                 conn.execute("DELETE FROM checkpoints WHERE aggregation = ?", (key,))
+                conn.execute("DELETE FROM releases WHERE aggregation = ?", (key,))
                 conn.execute("DELETE FROM aggregations WHERE key = ?", (key,))
             self._remove_state_dir(key)
 
@@ -300,6 +345,62 @@ class SQLiteStore(Store):
             raise CorruptStateError(f"{name}: CRC-32 differs from the row's")
         return PartialState.from_bytes(blob)
 
+    # Privacy ledgers ----------------------------------------------------------------------
+    def ensure_ledger(self, record: LedgerRecord) -> LedgerRecord:
+        with self._transaction() as conn:
+            conn.execute("INSERT INTO ledgers (id, config, created) VALUES (?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                         (record.ledger_id, record.config, record.created))
+            row = conn.execute("SELECT id, config, created FROM ledgers WHERE id = ?", (record.ledger_id,)).fetchone()
+        return LedgerRecord(*row)
+
+    def ledgers(self) -> list[LedgerRecord]:
+        return [LedgerRecord(*row) for row in self._query("SELECT id, config, created FROM ledgers ORDER BY created")]
+
+    def ledger_entries(self, ledger_id: str) -> list[LedgerEntry]:
+        return [LedgerEntry(*row) for row in self._query(
+            "SELECT aggregation_id, event, time, epsilon_after, next_bound FROM ledger_entries"
+            " WHERE ledger = ? ORDER BY position", (ledger_id,))]
+
+    def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
+                       position: int, finished: float) -> None:
+        """The release file durable first, then one commit: its row, the entry, FINALIZED, raw rows gone."""
+        with self._files_lock:
+            key = self._key(aggregation_id)
+            if key is None:
+                raise KeyError(aggregation_id)
+            directory = self._state_dir(key)
+            if not os.path.isdir(directory):
+                _make_dir(directory)
+            _write_durably(directory, RELEASE_FILE, release)
+            with self._transaction() as conn:
+                if not conn.execute("SELECT 1 FROM ledgers WHERE id = ?", (ledger_id,)).fetchall():
+                    raise KeyError(ledger_id)
+                (count,) = conn.execute("SELECT COUNT(*) FROM ledger_entries WHERE ledger = ?",
+                                        (ledger_id,)).fetchone()
+                if count != position:
+                    raise LedgerConflict(f"ledger {ledger_id!r} has {count} entries, not {position}")
+                _insert_entry(conn, ledger_id, position, entry)
+                conn.execute("INSERT OR REPLACE INTO releases (aggregation, nbytes, crc32) VALUES (?, ?, ?)",
+                             (key, len(release), zlib.crc32(release)))
+                conn.execute("UPDATE aggregations SET state = ?, finished = ? WHERE key = ?", (FINALIZED, finished, key))
+                raw = [name for (name,) in conn.execute("SELECT file FROM checkpoints WHERE aggregation = ?", (key,))]
+                conn.execute("DELETE FROM checkpoints WHERE aggregation = ?", (key,))
+            _remove_files(directory, raw)
+            _fsync_dir(directory)
+
+    def load_release(self, aggregation_id: str) -> bytes | None:
+        with self._files_lock:
+            key = self._key(aggregation_id)
+            rows = self._query("SELECT nbytes, crc32 FROM releases WHERE aggregation = ?", (key,)) if key else []
+            if not rows:
+                return None
+            nbytes, crc = rows[0]
+            with open(os.path.join(self._state_dir(key), RELEASE_FILE), "rb") as f:
+                blob = f.read()
+            if len(blob) != nbytes or zlib.crc32(blob) != crc:
+                raise CorruptStateError(f"the release of aggregation {aggregation_id!r} does not match its row")
+            return blob
+
     def close(self) -> None:
         """Closes the SQLite connection (a second call does nothing)."""
         with self._db_lock:
@@ -321,6 +422,12 @@ def _lock_exclusively(path: str):
         f.close()
         raise RuntimeError(f"{os.path.dirname(path)} is in use by another clipd process") from None
     return f
+
+
+def _insert_entry(conn: sqlite3.Connection, ledger_id: str, position: int, entry: LedgerEntry) -> None:
+    conn.execute("INSERT INTO ledger_entries (ledger, position, aggregation_id, event, time, epsilon_after, next_bound)"
+                 " VALUES (?, ?, ?, ?, ?, ?, ?)", (ledger_id, position, entry.aggregation_id, entry.event, entry.time,
+                                                   entry.epsilon_after, entry.next_bound))
 
 
 def _record(row: tuple) -> AggregationRecord:

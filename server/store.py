@@ -38,14 +38,42 @@ class AggregationRecord:
     reason: str = ""  # why it failed
 
 
+@dataclasses.dataclass(frozen=True)
+class LedgerRecord:
+    """A privacy ledger: releases accounted together. ``config`` is JSON, opaque to the store."""
+
+    ledger_id: str
+    config: str  # accountant, neighbouring relation, delta, max_epsilon (see server/privacy.py)
+    created: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEntry:
+    """One accounted event of a ledger: a release, or a debug aggregation's non-private event."""
+
+    aggregation_id: str
+    event: str  # the DpEvent as JSON (engine.event_to_json)
+    time: float  # unix seconds
+    epsilon_after: float  # the ledger's epsilon once this entry is in (at its delta)
+    next_bound: float | None = None  # adaptive clipping: the bound after this release
+
+
+class LedgerConflict(Exception):
+    """The ledger gained an entry since the caller read it (another process released on it)."""
+
+
 class Store(abc.ABC):
     """The durable half of the server. Every method is thread-safe; every write is durable on return."""
 
     durable: bool = True  # False for MemoryStore: nothing survives the process
 
     @abc.abstractmethod
-    def create(self, record: AggregationRecord) -> bool:
-        """Adds an aggregation; False (and nothing changes) if its id exists."""
+    def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:
+        """Adds an aggregation; False (and nothing changes) if its id exists.
+
+        ``ledger_entry``: ``(ledger_id, entry)`` appended to that (existing)
+        ledger in the same commit (a debug aggregation's non-private event).
+        """
 
     @abc.abstractmethod
     def records(self) -> list[AggregationRecord]:
@@ -81,6 +109,33 @@ class Store(abc.ABC):
     def delete(self, aggregation_id: str) -> None:
         """Forgets an aggregation and its checkpoints (no error if it does not exist)."""
 
+    # Privacy ledgers ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def ensure_ledger(self, record: LedgerRecord) -> LedgerRecord:
+        """The stored ledger of this id: ``record`` if it was absent (then added, durably)."""
+
+    @abc.abstractmethod
+    def ledgers(self) -> list[LedgerRecord]: ...
+
+    @abc.abstractmethod
+    def ledger_entries(self, ledger_id: str) -> list[LedgerEntry]:
+        """The ledger's entries in the order they were committed ([] if it does not exist)."""
+
+    @abc.abstractmethod
+    def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
+                       position: int, finished: float) -> None:
+        """One transaction: the release kept, ``entry`` appended, the aggregation FINALIZED.
+
+        ``position``: the number of entries the caller saw; ``LedgerConflict``
+        (and nothing written) if the ledger has another number. The raw
+        checkpoints go: only the release is kept. ``KeyError`` if the
+        aggregation or the ledger does not exist.
+        """
+
+    @abc.abstractmethod
+    def load_release(self, aggregation_id: str) -> bytes | None:
+        """The committed release of an aggregation, or None."""
+
     def close(self) -> None:
         """Releases files and connections."""
 
@@ -94,12 +149,19 @@ class MemoryStore(Store):
         self._lock = threading.Lock()
         self._records: dict[str, AggregationRecord] = {}
         self._checkpoints: dict[str, PartialState] = {}
+        self._ledgers: dict[str, LedgerRecord] = {}
+        self._entries: dict[str, list[LedgerEntry]] = {}
+        self._releases: dict[str, bytes] = {}
 
-    def create(self, record: AggregationRecord) -> bool:
+    def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:
         with self._lock:
             if record.aggregation_id in self._records:
                 return False
+            if ledger_entry is not None and ledger_entry[0] not in self._ledgers:
+                raise KeyError(ledger_entry[0])
             self._records[record.aggregation_id] = record
+            if ledger_entry is not None:
+                self._entries[ledger_entry[0]].append(ledger_entry[1])
             return True
 
     def records(self) -> list[AggregationRecord]:
@@ -135,6 +197,36 @@ class MemoryStore(Store):
         with self._lock:
             self._records.pop(aggregation_id, None)
             self._checkpoints.pop(aggregation_id, None)
+            self._releases.pop(aggregation_id, None)
+
+    def ensure_ledger(self, record: LedgerRecord) -> LedgerRecord:
+        with self._lock:
+            self._entries.setdefault(record.ledger_id, [])
+            return self._ledgers.setdefault(record.ledger_id, record)
+
+    def ledgers(self) -> list[LedgerRecord]:
+        with self._lock:
+            return sorted(self._ledgers.values(), key=lambda r: r.created)
+
+    def ledger_entries(self, ledger_id: str) -> list[LedgerEntry]:
+        with self._lock:
+            return list(self._entries.get(ledger_id, []))
+
+    def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
+                       position: int, finished: float) -> None:
+        with self._lock:
+            record = self._records[aggregation_id]
+            entries = self._entries[ledger_id]
+            if len(entries) != position:
+                raise LedgerConflict(f"ledger {ledger_id!r} has {len(entries)} entries, not {position}")
+            entries.append(entry)
+            self._releases[aggregation_id] = release
+            self._checkpoints.pop(aggregation_id, None)
+            self._records[aggregation_id] = dataclasses.replace(record, state=FINALIZED, finished=finished)
+
+    def load_release(self, aggregation_id: str) -> bytes | None:
+        with self._lock:
+            return self._releases.get(aggregation_id)
 
 
 def open_store(data_dir: str) -> Store:

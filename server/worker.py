@@ -202,19 +202,22 @@ class DeviceWorker:
 
         self.call_soon(fail_if_still_warming)
 
-    def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> PartialState:
+    def commit_final(self, aggregation: Aggregation, timeout: float | None = None,
+                     mark_finished: bool = True) -> PartialState:
         """Flushes the aggregation's delta, commits its totals as final, frees its device state.
 
         Runs after everything queued before it; the final commit goes through
         the committer after any checkpoint of the same aggregation still being
-        written, so an older checkpoint can never land after it.
+        written, so an older checkpoint can never land after it. Without
+        ``mark_finished`` the commit leaves the aggregation open in the store
+        (a private release marks it FINALIZED with the release).
         """
         finished = concurrent.futures.Future()
 
         def flush_and_commit():
             totals = self._flush(aggregation)
             self._slots.pop(aggregation, None)
-            self._commits.put((aggregation, totals, finished))
+            self._commits.put((aggregation, totals, finished, mark_finished))
 
         self.call(flush_and_commit, timeout)
         return finished.result(timeout)
@@ -445,7 +448,7 @@ class DeviceWorker:
         totals = self._flush(aggregation)
         with self._cond:
             slot.committing, slot.dirty = True, False
-        self._commits.put((aggregation, totals, None))
+        self._commits.put((aggregation, totals, None, False))
 
     def _checkpoint_due(self) -> None:
         now = time.monotonic()
@@ -460,11 +463,10 @@ class DeviceWorker:
             item = self._commits.get()
             if item is None:
                 return
-            aggregation, totals, final = item
+            aggregation, totals, final, mark_finished = item
             started = time.monotonic()
             try:
-                self.store.save_checkpoint(aggregation.id, totals,
-                                           finished=time.time() if final is not None else None)
+                self.store.save_checkpoint(aggregation.id, totals, finished=time.time() if mark_finished else None)
             except Exception as e:
                 log.exception("checkpoint of aggregation %s failed", aggregation.id)
                 if final is not None:

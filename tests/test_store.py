@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState
-from clipd.server.sqlite_store import SQLiteStore
+from clipd.server.sqlite_store import SCHEMA_VERSION, SQLiteStore
 from clipd.server.store import FAILED, FINALIZED, OPEN, AggregationRecord, MemoryStore, Store
 
 def state_at(n: int) -> PartialState:
@@ -222,7 +222,7 @@ class TestSQLiteStore(StoreContract):
             assert store.durable
             with sqlite3.connect(data / "clipd.sqlite3") as conn:
                 assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-                assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+                assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         finally:
             store.close()
 
