@@ -170,6 +170,10 @@ def _demo(args: argparse.Namespace) -> int:
         try:
             updates = _demo_updates(args.examples, args.seed)
             with Client(target, token=args.token, retry_timeout=args.retry_timeout) as client:
+                if args.noise_multiplier is not None:
+                    from clipd import private_demo
+
+                    return private_demo.run(client, DEMO_LAYERS, updates, args)
                 aggregation = client.create_aggregation(DEMO_LAYERS, policy=args.policy, l2_norm_clip=args.clip)
                 try:
                     started = time.perf_counter()
@@ -233,6 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--retry-timeout", type=float, default=60.0,
                       help="how long to retry an unreachable or restarting server (seconds)")
+    private = demo.add_argument_group("differential privacy (R releases on one ledger; see clipd/private_demo.py)")
+    private.add_argument("--noise-multiplier", type=float, default=None, metavar="Z",
+                         help="release each round's sum with Gaussian noise of stddev Z * C")
+    private.add_argument("--sampling-rate", type=float, default=1.0, metavar="Q",
+                         help="Poisson sampling: each example joins a round with probability Q")
+    private.add_argument("--delta", type=float, default=1e-5, metavar="D")
+    private.add_argument("--rounds", type=int, default=1, metavar="R")
+    private.add_argument("--max-epsilon", type=float, default=None, metavar="E",
+                         help="the ledger's budget: a round it can't afford is refused")
+    private.add_argument("--seed-noise", action="store_true",
+                         help="sample the rounds from --seed (the server's noise stays secure)")
     demo.set_defaults(run=_demo)
     return parser
 

@@ -52,7 +52,35 @@ def quantile_from_histogram(counts, upper_bounds, q: float) -> float | None:
 
 
 def aggregation_view(aggregation: Aggregation) -> dict[str, Any]:
-    """The JSON view of one aggregation: spec, policy, counters, per-layer statistics."""
+    """The JSON view of one aggregation: spec, policy, counters, per-layer statistics.
+
+    Under a privacy policy (not in debug mode) the raw counters and statistics
+    are absent (null): only the release's noised ones, under "privacy".
+    """
+    view = _full_view(aggregation)
+    if aggregation.privacy is None:
+        return view
+    stats = aggregation.stats()
+    view["privacy"] = {
+        "ledger_id": aggregation.privacy.ledger_id,
+        "debug_raw_statistics": aggregation.privacy.debug_raw_statistics,
+        "notice": stats.privacy_notice,
+        "planned_ledger_epsilon": _json_float(aggregation.planned_epsilon),
+        "release": {k: _json_float(v) if isinstance(v, float) else v for k, v in stats.release.items()}
+        if stats.release else None,
+    }
+    if aggregation.withheld:
+        for key in RAW_FIELDS:
+            view[key] = None
+        view["layers"] = [{k: layer[k] for k in ("name", "shape", "dtype", "bound")} for layer in view["layers"]]
+    return view
+
+
+RAW_FIELDS = ("updated_unix_seconds", "examples", "batches", "bytes", "non_finite", "clipped", "examples_per_second",
+              "example_norm_histogram")
+
+
+def _full_view(aggregation: Aggregation) -> dict[str, Any]:
     stats = aggregation.stats()
     policy = aggregation.policy
     return {
@@ -97,6 +125,11 @@ def aggregation_view(aggregation: Aggregation) -> dict[str, Any]:
     }
 
 
+def _ledger_view(ledger: dict) -> dict[str, Any]:
+    entries = [{**e, "epsilon_after": _json_float(e["epsilon_after"])} for e in ledger["entries"]]
+    return {**{k: _json_float(v) if isinstance(v, float) else v for k, v in ledger.items()}, "entries": entries}
+
+
 def _json_float(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)  # JSON has no inf or NaN
 
@@ -121,8 +154,13 @@ class _SnapshotCollector:
         norms = HistogramMetricFamily("clipd_layer_norm_ratio", "Per-example layer norm divided by the layer bound.",
                                       labels=["aggregation", "layer"])
         rate = GaugeMetricFamily("clipd_examples_per_second", "Recent throughput.", labels=["aggregation"])
+        private = [(a, s) for a, s in views if a.privacy is not None]
         for aggregation, stats in views:
             a = aggregation.id
+            if aggregation.withheld:  # its released, noised statistics only (below)
+                for layer in stats.layers:
+                    bound.add_metric([a, layer.name], layer.bound)
+                continue
             examples.add_metric([a], stats.examples)
             batches.add_metric([a], stats.batches)
             received.add_metric([a], stats.bytes)
@@ -134,6 +172,7 @@ class _SnapshotCollector:
                 norms.add_metric([a, layer.name], _cumulative(layer.norm_histogram, stats.bucket_upper_bounds),
                                  sum_value=_ratio_sum(layer, stats))
         yield from (examples, batches, received, non_finite, clipped, bound, norms, rate)
+        yield from _privacy_metrics(server, private)
         states = GaugeMetricFamily("clipd_aggregations", "Aggregations by state.", labels=["state"])
         for state in sorted({s.state.value for _, s in views}):
             states.add_metric([state], sum(s.state.value == state for _, s in views))
@@ -161,6 +200,39 @@ class _SnapshotCollector:
         device = GaugeMetricFamily("clipd_device_info", "The device the worker runs on.", labels=["kind"])
         device.add_metric([server.worker.device_kind], 1)
         yield device
+
+
+def _privacy_metrics(server, private):
+    """Released (noised) statistics of private aggregations, debug flags, and each ledger's epsilon."""
+    released = GaugeMetricFamily("clipd_released_examples", "Noised count of a private release.",
+                                 labels=["aggregation", "ledger"])
+    released_clipped = GaugeMetricFamily("clipd_released_clipped", "Noised per-layer clip count of a private release.",
+                                         labels=["aggregation", "ledger", "layer"])
+    noise = GaugeMetricFamily("clipd_release_noise_stddev", "Noise stddev per coordinate of a private release's sum.",
+                              labels=["aggregation", "ledger"])
+    debug = GaugeMetricFamily("clipd_privacy_debug", "1: a private aggregation shows raw statistics (epsilon infinite).",
+                              labels=["aggregation", "ledger"])
+    for aggregation, stats in private:
+        labels = [aggregation.id, aggregation.privacy.ledger_id]
+        debug.add_metric(labels, int(aggregation.privacy.debug_raw_statistics))
+        if stats.release:
+            noise.add_metric(labels, stats.release["noise_stddev"])
+            if stats.release["statistics_noise_stddev"] > 0:
+                released.add_metric(labels, stats.release["examples"])
+                for layer, value in zip(stats.layers, stats.release["layer_clipped"]):
+                    released_clipped.add_metric([*labels, layer.name], value)
+    yield from (released, released_clipped, noise, debug)
+    epsilon = GaugeMetricFamily("clipd_ledger_epsilon", "Epsilon spent by a privacy ledger (at its delta).",
+                                labels=["ledger"])
+    left = GaugeMetricFamily("clipd_ledger_budget_left", "max_epsilon minus epsilon spent (+Inf: no budget).",
+                             labels=["ledger"])
+    releases = GaugeMetricFamily("clipd_ledger_entries", "Accounted events of a privacy ledger.", labels=["ledger"])
+    for ledger_id in server.ledgers.ledger_ids():
+        ledger = server.ledgers.describe(ledger_id)
+        epsilon.add_metric([ledger_id], ledger["epsilon"])
+        left.add_metric([ledger_id], ledger["budget_left"])
+        releases.add_metric([ledger_id], len(ledger["entries"]))
+    yield from (epsilon, left, releases)
 
 
 def _cumulative(counts, upper_bounds) -> list[tuple[str, float]]:
@@ -254,8 +326,12 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
 
     @app.get("/api/v1/aggregations")
     def list_aggregations(_: Reader) -> dict[str, Any]:
-        return {"aggregations": [aggregation_view(a) for a in server.registry.all()],
-                "device_kind": server.worker.device_kind}
+        aggregations = server.registry.all()
+        debug = sorted({a.privacy.ledger_id for a in aggregations if a.privacy and a.privacy.debug_raw_statistics})
+        return {"aggregations": [aggregation_view(a) for a in aggregations],
+                "device_kind": server.worker.device_kind,
+                "privacy_debug_notice": (f"DEBUG MODE: raw statistics of differentially private aggregations are shown;"
+                                         f" the epsilon of ledger(s) {', '.join(debug)} is infinite") if debug else ""}
 
     @app.get("/api/v1/aggregations/{aggregation_id}")
     def get_aggregation(_: Reader, aggregation: AggregationParam) -> dict[str, Any]:
@@ -264,6 +340,17 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
     @app.delete("/api/v1/aggregations/{aggregation_id}")
     def cancel_aggregation(_: Writer, aggregation: AggregationParam) -> dict[str, Any]:
         return aggregation_view(server.servicer.cancel(aggregation.id))
+
+    @app.get("/api/v1/ledgers")
+    def list_ledgers(_: Reader) -> dict[str, Any]:
+        return {"ledgers": [_ledger_view(server.ledgers.describe(i)) for i in server.ledgers.ledger_ids()]}
+
+    @app.get("/api/v1/ledgers/{ledger_id}")
+    def get_ledger(_: Reader, ledger_id: str) -> dict[str, Any]:
+        ledger = server.ledgers.describe(ledger_id)
+        if ledger is None:
+            raise HTTPException(404, f"no ledger {ledger_id!r}")
+        return _ledger_view(ledger)
 
     @app.get("/metrics")
     def metrics(_: Reader) -> Response:

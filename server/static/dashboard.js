@@ -69,6 +69,12 @@ function card(agg) {
   node.append(el("div", { class: "muted" },
     `${p.kind} · C = ${p.kind === "per_layer_explicit" ? p.layer_clips.join(", ") : p.l2_norm_clip}` +
     `${p.rescale_to_unit_norm ? " · unit rescale" : ""} · non-finite: ${p.non_finite}`));
+  if (agg.privacy) {
+    const pv = agg.privacy;
+    node.append(el("div", { class: pv.debug_raw_statistics ? "debug" : "muted", "data-privacy": "notice" },
+      `ledger ${pv.ledger_id} · ${pv.notice}`));
+    if (agg.examples === null) return privateCard(node, agg);
+  }
   const numbers = el("div", { class: "numbers" });
   const clipFrac = agg.examples ? agg.clipped / (agg.examples * (p.kind === "global" ? 1 : agg.layers.length)) : 0;
   for (const [name, value, key] of [["examples", fmt(agg.examples), "examples"],
@@ -89,6 +95,32 @@ function card(agg) {
   return node;
 }
 
+// A private aggregation: no raw number; once released, its noised numbers and epsilon.
+function privateCard(node, agg) {
+  const r = agg.privacy.release;
+  const numbers = el("div", { class: "numbers" });
+  const rows = r ? [["ε of the ledger", fmt(r.ledger_epsilon), "ledger-epsilon"],
+                    ["noise stddev", fmt(r.noise_stddev), "noise"], ["bound", fmt(r.bound), "bound"],
+                    ["next bound", fmt(r.next_bound), "next-bound"]]
+                 : [["ε once released", fmt(agg.privacy.planned_ledger_epsilon), "planned-epsilon"]];
+  if (r && r.statistics_noise_stddev > 0) rows.push(["examples (noised)", fmt(r.examples), "released-examples"]);
+  for (const [name, value, key] of rows) {
+    const d = el("div", { "data-number": key });
+    d.append(el("b", {}, value), document.createTextNode(name));
+    numbers.append(d);
+  }
+  node.append(numbers);
+  if (r && r.statistics_noise_stddev > 0) {
+    const b = el("div", { class: "charts" });
+    const h = el("div"); h.append(el("h3", {}, "example norm vs bound (noised)"),
+      histogramChart(r.example_norm_histogram.map((v) => Math.max(0, v)), agg.bucket_upper_bounds,
+                     agg.example_bound, "example"));
+    b.append(h);
+    node.append(b);
+  }
+  return node;
+}
+
 async function refresh() {
   const status = document.getElementById("status");
   try {
@@ -101,6 +133,9 @@ async function refresh() {
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const data = await response.json();
     document.getElementById("device").textContent = `device: ${data.device_kind}`;
+    const debug = document.getElementById("privacy-debug");
+    debug.textContent = data.privacy_debug_notice;
+    debug.hidden = !data.privacy_debug_notice;
     const main = document.getElementById("aggregations");
     main.replaceChildren();
     for (const agg of data.aggregations) {
