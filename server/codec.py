@@ -138,7 +138,7 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
         return dp.PrivacyPolicy(
             ledger_id=message.ledger_id, delta=message.delta,
             noise_multiplier=message.noise_multiplier if message.HasField("noise_multiplier") else None,
-            target_epsilon=message.target_epsilon if not message.HasField("noise_multiplier") else None,
+            target_epsilon=(message.target_epsilon or None) if not message.HasField("noise_multiplier") else None,
             planned_releases=message.planned_releases, neighbouring=NEIGHBOURING[message.neighbouring],
             sampling=dp.Sampling(SAMPLING[s.kind], s.rate, s.population, s.sample_size),
             accountant=ACCOUNTANTS[message.accountant], max_epsilon=message.max_epsilon or math.inf,
