@@ -1,0 +1,93 @@
+"""A privacy ledger survives SIGKILL of a real ``clipd serve`` process, and refuses the same way afterwards.
+
+Also: a kill at a random point of Finalize never leaves a release without its
+ledger entry, or an entry without its release (one transaction).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from clipd.client import Client, ClipdError, FailedPreconditionError, Privacy
+from test_crash import ServerProcess, _free_port
+
+
+def _client(port: int) -> Client:
+    return Client(f"127.0.0.1:{port}", retry_timeout=60.0)
+
+
+def test_ledger_survives_sigkill_and_refuses_the_same_way(tmp_path):
+    proc = ServerProcess(tmp_path / "data", tmp_path / "cache", _free_port())
+    proc.start()
+    try:
+        privacy = Privacy("survivor", 1e-5, noise_multiplier=1.0, max_epsilon=8.0)  # 2 releases fit, 3 don't
+        with _client(proc.port) as client:
+            released = []
+            for _ in range(2):
+                agg = client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=privacy)
+                client.submit(agg, {"w": np.ones((3, 16), np.float32)})
+                released.append((agg, client.finalize(agg)))
+            with pytest.raises(FailedPreconditionError) as before:
+                client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=privacy)
+            ledger_before = client.ledger("survivor")
+        proc.kill()
+        proc.start()
+        with _client(proc.port) as client:
+            ledger_after = client.ledger("survivor")
+            assert ledger_after == ledger_before  # entries, events, epsilon, budget: all of it
+            with pytest.raises(FailedPreconditionError) as after:
+                client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=privacy)
+            assert after.value.details == before.value.details
+            for agg, result in released:  # the releases themselves came back, not new noise
+                again = client.finalize(agg)
+                np.testing.assert_array_equal(again.sums["w"], result.sums["w"])
+                assert again.release == result.release
+    finally:
+        proc.stop()
+
+
+def test_sigkill_during_finalize_never_splits_a_release_from_its_ledger_entry(tmp_path):
+    rng = random.Random(20261123)
+    proc = ServerProcess(tmp_path / "data", tmp_path / "cache", _free_port())
+    proc.start()
+    privacy = Privacy("atomic", 1e-5, noise_multiplier=1.0)
+    aggregations = []
+    try:
+        for _ in range(4):
+            with _client(proc.port) as client:
+                agg = client.create_aggregation({"w": (4096,)}, l2_norm_clip=1.0, privacy=privacy)
+                client.submit(agg, {"w": np.ones((8, 4096), np.float32)})
+                aggregations.append(agg)
+
+                def finalize():
+                    try:
+                        client.finalize(agg)
+                    except (ClipdError, ValueError):
+                        pass  # the server died under it, or the test closed the channel first
+
+                worker = threading.Thread(target=finalize, daemon=True)
+                worker.start()
+                time.sleep(rng.uniform(0.0, 0.15))
+                proc.kill()
+                worker.join(timeout=1.0)
+            proc.start()
+            with _client(proc.port) as client:
+                entries = [e.aggregation_id for e in client.ledger("atomic").entries]  # made at creation
+                for seen in aggregations:
+                    state = client.get_aggregation(seen).state
+                    finalized = state == 3  # Aggregation.FINALIZED
+                    assert finalized == (seen in entries), (seen, state, entries)
+                    assert entries.count(seen) <= 1
+        with _client(proc.port) as client:  # every one can still be released, exactly once
+            for agg in aggregations:
+                client.finalize(agg)
+            entries = [e.aggregation_id for e in client.ledger("atomic").entries]
+            assert sorted(entries) == sorted(aggregations)
+    finally:
+        proc.stop()
+
