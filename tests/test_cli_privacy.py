@@ -1,0 +1,38 @@
+"""``clipd demo`` with differential privacy, run as a real subprocess against a real server."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from dp_accounting import dp_event as dpe
+from dp_accounting.rdp import rdp_privacy_accountant
+
+LAST_LINE = re.compile(r"^epsilon=(\S+) delta=(\S+) rounds=(\d+) noise_stddev=(\S+)$")
+
+
+def _demo(server, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clipd", "demo", "--target", f"127.0.0.1:{server.port}",
+                           "--examples", "400", *flags], capture_output=True, text=True, timeout=300)
+
+
+def test_private_demo_reports_the_ledgers_epsilon(server):
+    out = _demo(server, "--noise-multiplier", "1.1", "--sampling-rate", "0.05", "--delta", "1e-6", "--rounds", "4",
+                "--clip", "0.5")
+    assert out.returncode == 0, out.stdout + out.stderr
+    match = LAST_LINE.match(out.stdout.strip().splitlines()[-1])
+    assert match, out.stdout
+    epsilon, delta, rounds, stddev = float(match[1]), float(match[2]), int(match[3]), float(match[4])
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(dpe.PoissonSampledDpEvent(0.05, dpe.GaussianDpEvent(1.1)), 4)
+    assert epsilon == pytest.approx(accountant.get_epsilon(1e-6), rel=1e-5)
+    assert (delta, rounds) == (1e-6, 4) and stddev == pytest.approx(1.1 * 0.5, rel=1e-5)
+
+
+def test_private_demo_stops_when_the_budget_is_exhausted(server):
+    out = _demo(server, "--noise-multiplier", "1.0", "--rounds", "5", "--max-epsilon", "8")
+    assert out.returncode != 0
+    assert "budget exhausted" in out.stderr
+    assert out.stdout.count("round ") == 2  # z = 1, no sampling: 4.73 then 7.08, a third would be 9.01
