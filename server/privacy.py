@@ -39,7 +39,7 @@ from clipd.engine import PartialState
 from clipd.engine import _privacy as dp
 
 from .errors import FailedPrecondition
-from .store import LedgerConflict, LedgerEntry, LedgerRecord, Store
+from .store import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, Store
 
 RELEASE_MAGIC = b"CLIPDREL1\n"
 
@@ -190,9 +190,11 @@ class Ledgers:
             after = dp.epsilon(committed + [plan.event], policy.delta, policy.accountant, policy.neighbouring)
             if after > policy.max_epsilon:
                 before = dp.epsilon(committed, policy.delta, policy.accountant, policy.neighbouring)
-                raise FailedPrecondition(
-                    f"privacy budget of ledger {policy.ledger_id!r} exhausted: this release would take epsilon from"
-                    f" {before:.6g} to {after:.6g}, past max_epsilon {policy.max_epsilon:g}")
+                reason = (f"privacy budget of ledger {policy.ledger_id!r} exhausted: this release would take epsilon"
+                          f" from {before:.6g} to {after:.6g}, past max_epsilon {policy.max_epsilon:g}")
+                self.store.set_state(aggregation.id, FAILED, reason=reason, finished=time.time())  # never released
+                self._reserved[policy.ledger_id].pop(aggregation.id, None)
+                raise FailedPrecondition(reason)
             release = draw_release(aggregation, totals, sum_dtypes, after,
                                    dp.epsilon([plan.event], policy.delta, policy.accountant, policy.neighbouring),
                                    len(entries) + 1)

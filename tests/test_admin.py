@@ -9,6 +9,7 @@ import subprocess
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 from clipd.client import Client
@@ -205,3 +206,28 @@ def test_dashboard_renders_the_numbers_of_the_api(admin_server, streamed, tmp_pa
     shot = tmp_path / "dashboard.png"
     subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120)
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+def test_dashboard_shows_a_private_aggregation_withheld_and_warns_of_debug_mode(admin_server, tmp_path):
+    """Real headless Chromium: a private card has no raw number; a debug one raises the banner."""
+    from clipd.client import Privacy
+
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is missing: apt-get install chromium (.ci/run does)"
+    with client_for(admin_server) as c:
+        private = c.create_aggregation({"w": (4,)}, privacy=Privacy("dash", 1e-5, noise_multiplier=1.0))
+        c.submit(private, {"w": np.full((5, 4), 2.0, np.float32)})
+        debug = c.create_aggregation({"w": (4,)}, privacy=Privacy("dash-debug", 1e-5, noise_multiplier=1.0,
+                                                                   debug_raw_statistics=True))
+        c.submit(debug, {"w": np.full((5, 4), 2.0, np.float32)})
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+             "--virtual-time-budget=4000", "--window-size=1280,1000"]
+    dom = subprocess.run([*flags, "--dump-dom", f"http://127.0.0.1:{admin_server.admin.port}/"],
+                         capture_output=True, text=True, timeout=120).stdout
+    banner = dom[dom.index('id="privacy-debug"'):].split("</p>")[0]
+    assert "hidden" not in banner.split(">")[0] and "DEBUG MODE" in banner and "dash-debug" in banner
+    card = dom[dom.index(f'data-aggregation="{private}"'):].split("</section>")[0]
+    assert "withheld" in card and 'data-number="examples"' not in card and 'data-number="planned-epsilon"' in card
+    debug_card = dom[dom.index(f'data-aggregation="{debug}"'):].split("</section>")[0]
+    assert "DEBUG" in debug_card and 'data-number="examples"' in debug_card

@@ -272,6 +272,7 @@ def test_budget_is_checked_again_at_finalize():
     with pytest.raises(FailedPrecondition, match="exhausted"):
         ledgers.release(aggregation, aggregation.totals, (np.float32,))
     assert len(store.ledger_entries("L")) == 1
+    assert store.get("a").state == "failed" and "exhausted" in store.get("a").reason  # not recovered as open
 
 
 def test_a_ledger_keeps_its_configuration(client):
