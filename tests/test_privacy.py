@@ -320,7 +320,7 @@ def test_adaptive_bound_and_sums_follow_tf_privacy(client, case):
     privacy = Privacy(ledger_name(), 1e-5, noise_multiplier=0.0, public_denominator=float(m), adaptive=Adaptive(
         target_unclipped_quantile=case["target_unclipped_quantile"], learning_rate=case["learning_rate"],
         initial_bound=case["initial_l2_norm_clip"], arithmetic_update=not case["geometric_update"]))
-    for t, golden in enumerate(case["rounds"]):
+    for t, golden in enumerate(case["rounds"][:100]):  # from 0.1 or 10, the bound reaches 1 within ~25 rounds
         agg = client.create_aggregation({"x": (d,)}, l2_norm_clip=1.0, privacy=privacy)
         assert client.get_aggregation(agg).layer_bounds[0] == pytest.approx(golden["clip"], rel=2e-5), t
         client.submit(agg, {"x": np.asarray(golden["records"], np.float32)})
