@@ -19,7 +19,7 @@ COPY proto ./proto
 COPY engine ./engine
 COPY server ./server
 COPY client ./client
-RUN pip install --no-cache-dir . && useradd --system --create-home clipd \
+RUN pip install --no-cache-dir ".[server]" && useradd --system --create-home clipd \
     && mkdir -p /var/cache/clipd/jax /var/lib/clipd && chown clipd /var/cache/clipd/jax /var/lib/clipd
 USER clipd
 

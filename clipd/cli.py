@@ -2,6 +2,11 @@
 
 ``clipd demo`` with no ``--target`` starts a server in-process on loopback, so
 it needs nothing else running.
+
+``clipd serve`` and the embedded server of ``clipd demo`` need the server extra
+(``pip install 'clipd[server]'``); ``clipd demo --target HOST:PORT`` needs only
+the client side (numpy, grpcio, protobuf). Nothing of the server is imported
+before a command that needs it runs.
 """
 
 from __future__ import annotations
@@ -153,9 +158,28 @@ def _demo_updates(examples: int, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _server_missing() -> ImportError | None:
+    """Why the server can't run here (the server extra is not installed), or None if it can."""
+    try:
+        import clipd.server  # noqa: F401  (its __init__ checks the server extra's packages)
+    except ImportError as e:
+        return e
+    return None
+
+
+def _serve_unavailable(error: ImportError):
+    def run(args: argparse.Namespace) -> int:
+        return _error(f"clipd serve: {error}", EXIT_RUNTIME)
+
+    return run
+
+
 def _demo(args: argparse.Namespace) -> int:
     from clipd.client import Client
 
+    if args.target is None and (missing := _server_missing()) is not None:
+        return _error(f"clipd demo without --target starts an embedded server: {missing}; or give --target "
+                      "HOST:PORT of a running server", EXIT_RUNTIME)
     server = None
     target = args.target
     with tempfile.TemporaryDirectory(prefix="clipd-demo-") as data_dir:
@@ -188,20 +212,46 @@ def _demo(args: argparse.Namespace) -> int:
                 server.stop(grace=1.0)
 
 
-def _report(result, updates, args, report, seconds) -> int:
-    import jax.numpy as jnp
-
-    from clipd import engine
-
+def _reference(updates: dict[str, np.ndarray], args) -> tuple[list, list[int]]:
+    """The expected sums and clip counts: clipd.engine's optax APIs when the server extra (JAX) is here,
+    else the same rule in numpy (float64): multiplier min(1, C / norm), counted when < 1."""
     names = list(DEMO_LAYERS)
-    grads = [jnp.asarray(updates[n]) for n in names]
-    if args.policy == "global":
-        ref_sums, count = engine.per_example_global_norm_clip(grads, args.clip)
-        ref_counts = [int(count)] * len(names)
-    else:
-        uniform = args.policy == "per_layer_uniform"
+    uniform = args.policy == "per_layer_uniform"
+    if _server_missing() is None:
+        import jax.numpy as jnp
+
+        from clipd import engine
+
+        grads = [jnp.asarray(updates[n]) for n in names]
+        if args.policy == "global":
+            ref_sums, count = engine.per_example_global_norm_clip(grads, args.clip)
+            return ref_sums, [int(count)] * len(names)
         ref_sums, counts = engine.per_example_layer_norm_clip(grads, args.clip, uniform=uniform)
-        ref_counts = [int(c) for c in counts]
+        return ref_sums, [int(c) for c in counts]
+    grads = [updates[n].astype(np.float64).reshape(len(updates[n]), -1) for n in names]
+
+    def clip(group: list[np.ndarray], bound: float) -> tuple[list[np.ndarray], int]:
+        norms = np.sqrt(sum(np.sum(g * g, axis=1) for g in group))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            multipliers = np.nan_to_num(np.minimum(bound / norms, 1.0), nan=1.0)
+        return [multipliers @ g for g in group], int(np.sum(multipliers < 1.0))
+
+    if args.policy == "global":
+        sums, count = clip(grads, args.clip)
+        return [s.reshape(DEMO_LAYERS[n]) for s, n in zip(sums, names)], [count] * len(names)
+    total = sum(g.shape[1] for g in grads)
+    ref_sums, ref_counts = [], []
+    for g, name in zip(grads, names):
+        share = 1.0 / len(grads) if uniform else g.shape[1] / total
+        (s,), count = clip([g], args.clip * share**0.5)
+        ref_sums.append(s.reshape(DEMO_LAYERS[name]))
+        ref_counts.append(count)
+    return ref_sums, ref_counts
+
+
+def _report(result, updates, args, report, seconds) -> int:
+    names = list(DEMO_LAYERS)
+    ref_sums, ref_counts = _reference(updates, args)
     print(f"aggregated {result.examples} examples in {report.batches} batches, {seconds:.2f} s "
           f"(policy {args.policy}, C = {args.clip})")
     print(f"{'layer':<14} {'shape':<10} {'clipped':>8} {'expected':>8} {'|sum|':>10} {'max error':>10}")
@@ -221,12 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``clipd`` command line: ``serve`` (one flag per setting) and ``demo``."""
     parser = argparse.ArgumentParser(prog="clipd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the gRPC service and its admin API")
-    serve.add_argument("--config", metavar="FILE", default=None,
-                       help="TOML file of settings (keys: the names below with underscores, e.g. grpc_port = 50051);"
-                            " env CLIPD_CONFIG. Precedence: flags > CLIPD_* variables > file > defaults")
-    serve.set_defaults(setting_names=_add_settings_flags(serve))
-    serve.set_defaults(run=_serve)
+    missing = _server_missing()
+    if missing is None:
+        serve = sub.add_parser("serve", help="run the gRPC service and its admin API")
+        serve.add_argument("--config", metavar="FILE", default=None,
+                           help="TOML file of settings (keys: the names below with underscores, e.g. grpc_port ="
+                                " 50051); env CLIPD_CONFIG. Precedence: flags > CLIPD_* variables > file > defaults")
+        serve.set_defaults(setting_names=_add_settings_flags(serve))
+        serve.set_defaults(run=_serve)
+    else:  # the client side only: `clipd serve ...` says what to install, whatever its flags
+        serve = sub.add_parser("serve", help="run the service (needs: pip install 'clipd[server]')", add_help=False)
+        serve.set_defaults(run=_serve_unavailable(missing), any_arguments=True)
     demo = sub.add_parser("demo", help="stream synthetic updates and check the aggregate")
     demo.add_argument("--target", default=None, help="HOST:PORT of a server (default: start one in-process)")
     demo.add_argument("--token", default=None)
@@ -253,7 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.run(args)
 
 

@@ -3,8 +3,8 @@
 #
 #   Debian packages (when apt-get is there and they are missing): chromium (the dashboard is checked in
 #   headless Chromium) and prometheus (promtool checks the /metrics format).
-#   Python: this project in editable mode with its [test] extra (the reference libraries that serve as
-#   oracles: optax, jax-privacy, declearn; pytest, hypothesis, grpcio-tools).
+#   Python: this project in editable mode with its [server] and [test] extras (the service; the reference
+#   libraries that serve as oracles: optax, jax-privacy, declearn; pytest, hypothesis).
 #
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_store.py -x`.
 set -euo pipefail
@@ -26,5 +26,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[server,test]"
 exec python -m pytest "$@"

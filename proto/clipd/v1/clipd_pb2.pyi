@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -66,7 +65,7 @@ class ClipPolicy(_message.Message):
     layer_clips: _containers.RepeatedScalarFieldContainer[float]
     rescale_to_unit_norm: bool
     non_finite: ClipPolicy.NonFinite
-    def __init__(self, kind: _Optional[_Union[ClipPolicy.Kind, str]] = ..., l2_norm_clip: _Optional[float] = ..., layer_clips: _Optional[_Iterable[float]] = ..., rescale_to_unit_norm: _Optional[bool] = ..., non_finite: _Optional[_Union[ClipPolicy.NonFinite, str]] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[ClipPolicy.Kind, str]] = ..., l2_norm_clip: _Optional[float] = ..., layer_clips: _Optional[_Iterable[float]] = ..., rescale_to_unit_norm: bool = ..., non_finite: _Optional[_Union[ClipPolicy.NonFinite, str]] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("kind", "rate", "population", "sample_size")
@@ -104,7 +103,7 @@ class AdaptiveClipping(_message.Message):
     min_bound: float
     max_bound: float
     arithmetic_update: bool
-    def __init__(self, target_unclipped_quantile: _Optional[float] = ..., learning_rate: _Optional[float] = ..., count_stddev: _Optional[float] = ..., initial_bound: _Optional[float] = ..., min_bound: _Optional[float] = ..., max_bound: _Optional[float] = ..., arithmetic_update: _Optional[bool] = ...) -> None: ...
+    def __init__(self, target_unclipped_quantile: _Optional[float] = ..., learning_rate: _Optional[float] = ..., count_stddev: _Optional[float] = ..., initial_bound: _Optional[float] = ..., min_bound: _Optional[float] = ..., max_bound: _Optional[float] = ..., arithmetic_update: bool = ...) -> None: ...
 
 class PrivacyPolicy(_message.Message):
     __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics")
@@ -150,7 +149,7 @@ class PrivacyPolicy(_message.Message):
     metrics_noise_multiplier: float
     seed: int
     debug_raw_statistics: bool
-    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: _Optional[bool] = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ...) -> None: ...
 
 class CreateAggregationRequest(_message.Message):
     __slots__ = ("layers", "policy", "aggregation_id", "privacy")
@@ -354,7 +353,7 @@ class Release(_message.Message):
     example_norm_histogram: _containers.RepeatedScalarFieldContainer[float]
     layer_clipped: _containers.RepeatedScalarFieldContainer[float]
     examples: float
-    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: _Optional[bool] = ..., mean: _Optional[bool] = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: _Optional[bool] = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ...) -> None: ...
+    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ...) -> None: ...
 
 class GetLedgerRequest(_message.Message):
     __slots__ = ("ledger_id",)
@@ -398,7 +397,7 @@ class Ledger(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     next_bound: float
     debug_raw_statistics: bool
-    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")

@@ -5,7 +5,7 @@ import warnings
 
 from clipd.v1 import clipd_pb2 as clipd_dot_v1_dot_clipd__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.67.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in clipd/v1/clipd_pb2_grpc.py depends on'
+        + f' but the generated code in clipd/v1/clipd_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class ClipdStub:
+class ClipdStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -76,7 +76,7 @@ class ClipdStub:
                 _registered_method=True)
 
 
-class ClipdServicer:
+class ClipdServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def CreateAggregation(self, request, context):
@@ -188,7 +188,7 @@ def add_ClipdServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Clipd:
+class Clipd(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
