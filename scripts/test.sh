@@ -4,16 +4,32 @@
 #   Debian packages (when apt-get is there and they are missing): chromium (the dashboard is checked in
 #   headless Chromium) and prometheus (promtool checks the /metrics format).
 #   Python: this project in editable mode with its [server] and [test] extras (the service; the reference
-#   libraries that serve as oracles: optax, jax-privacy, declearn; pytest, hypothesis).
+#   libraries that serve as oracles: optax, jax-privacy, declearn; pytest, hypothesis), then the suite.
 #
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_store.py -x`.
+#   Then the Flower tests (tests/flower), in environments of their own under .cache/ (git-ignored, kept
+#   between runs, rebuilt when pyproject.toml changes):
+#     .cache/flower-venv        flwr 1.41.0 + clipd from this tree WITHOUT the server extra (protobuf 6.x:
+#                               flwr wants < 7), which proves the client side installs beside Flower;
+#     .cache/client-floor-venv  clipd's client side at its lowest versions (protobuf 5.28.0, grpcio 1.67.1,
+#                               numpy 1.26.4).
+#   They start a clipd server as a subprocess with this environment's Python (CLIPD_SERVER_PYTHON).
+#
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_store.py -x`; the Flower tests then
+# run only with CLIPD_FLOWER_TESTS=1. `bash scripts/test.sh --flower [ARGS]` runs only the Flower tests.
+# CLIPD_FLOWER_TESTS=0 skips them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+flower_only=0
+if [ "${1:-}" = "--flower" ]; then
+  flower_only=1
+  shift
+fi
 
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
-if [ ${#missing[@]} -gt 0 ]; then
+if [ "$flower_only" -eq 0 ] && [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null 2>&1; then
     echo "scripts/test.sh: missing ${missing[*]} and there is no apt-get to install them" >&2
     exit 1
@@ -27,4 +43,35 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 python -m pip install -q -e ".[server,test]"
-exec python -m pytest "$@"
+
+if [ "$flower_only" -eq 0 ]; then
+  python -m pytest "$@"
+  flower="${CLIPD_FLOWER_TESTS:-auto}"
+  if [ "$flower" = 0 ] || { [ "$flower" = auto ] && [ $# -gt 0 ]; }; then
+    exit 0
+  fi
+  set --
+fi
+
+# A venv under .cache/, rebuilt when its recipe (pyproject.toml, the pins, the Python) changes.
+make_venv() {  # make_venv DIR PIP_ARGS...
+  local dir="$1"
+  shift
+  local stamp
+  stamp="$( { cat pyproject.toml; echo "$*"; python -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)"
+  if [ -x "$dir/bin/python" ] && [ "$(cat "$dir/.clipd-stamp" 2>/dev/null)" = "$stamp" ]; then
+    return
+  fi
+  echo "scripts/test.sh: building $dir"
+  rm -rf "$dir"
+  python -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@"
+  "$dir/bin/python" -m pip check >/dev/null
+  echo "$stamp" >"$dir/.clipd-stamp"
+}
+make_venv .cache/flower-venv -e ".[flower]" "pytest>=8"
+make_venv .cache/client-floor-venv -e . "protobuf==5.28.0" "grpcio==1.67.1" "numpy==1.26.4"
+
+CLIPD_SERVER_PYTHON="$(python -c 'import sys; print(sys.executable)')" \
+CLIPD_FLOOR_PYTHON="$PWD/.cache/client-floor-venv/bin/python" \
+  exec .cache/flower-venv/bin/python -m pytest -p no:cacheprovider --confcutdir tests/flower tests/flower "$@"

@@ -1,0 +1,1 @@
+"""A Flower app whose training rounds are aggregated by clipd with differential privacy."""

@@ -1,0 +1,47 @@
+"""Fixtures of the Flower tests. They run in .cache/flower-venv (flwr 1.41, clipd without the server extra):
+``bash scripts/test.sh`` builds it and runs them there, after the main suite. The clipd server runs as a
+subprocess with the main environment's Python, ``CLIPD_SERVER_PYTHON`` (it can't live here: protobuf 7).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("flwr", reason="tests/flower runs in .cache/flower-venv: bash scripts/test.sh")
+
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from flower_helpers import ServerProcess  # noqa: E402
+
+from clipd.client import Client  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def server_python() -> str:
+    python = os.environ.get("CLIPD_SERVER_PYTHON")
+    if not python:
+        pytest.skip("CLIPD_SERVER_PYTHON (a Python with clipd[server]) is not set: run bash scripts/test.sh")
+    return python
+
+
+@pytest.fixture(scope="session")
+def clipd_server(server_python, tmp_path_factory) -> ServerProcess:
+    server = ServerProcess(server_python, tmp_path_factory.mktemp("clipd-server"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def client(clipd_server) -> Client:
+    with Client(clipd_server.target, retry_timeout=20.0) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True, scope="session")
+def task_identity():
+    """Flower's Message needs the run it belongs to: what flwr's run_simulation sets for its ServerApp."""
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+
+
