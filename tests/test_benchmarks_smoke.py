@@ -73,3 +73,13 @@ def test_engine_benchmark_quick_run():
     assert "0 new compilations" in out.stdout
     last = out.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"engine_vs_optax_median_ratio=\d+\.\d{3}", last), out.stdout
+
+
+def test_privacy_benchmark_quick_run():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "privacy.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.count("|") == 3 and line.strip()[0].isdigit()]
+    assert len(rows) == 3  # one Finalize size, two ledger lengths
+    for row in rows:
+        assert _positive(row[-1])

@@ -1,0 +1,95 @@
+"""Privacy benchmark: what a private release costs at Finalize, and accounting against ledger length.
+
+Two tables, medians of ``--repeats`` runs, each with a reference measured in the same run:
+
+1. Finalize latency of an aggregation of P float32 parameters (one layer, 8
+   examples in it) on the real server (durable store in a temp directory):
+   ``plain`` (no privacy policy: the clipped sum is committed and returned)
+   against ``private`` (the same plus the noise on the device, the dp_accounting
+   epsilon of the ledger, the release file and its ledger entry in one
+   transaction). The ratio private/plain is the price of privacy at Finalize.
+   Each run is a fresh aggregation; warm-up (compilation) is excluded.
+2. Epsilon of a ledger of R identical releases (Poisson q = 0.01, z = 1):
+   clipd's ``engine._privacy.epsilon`` (identical events composed once with
+   their count) against composing the R events one by one into the same
+   dp_accounting accountant (what a naive replay of a ledger does).
+
+Run: ``python benchmarks/privacy.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def finalize_latency(client, params: int, privacy, repeats: int) -> float:
+    times = []
+    rows = np.random.default_rng(0).standard_normal((8, params)).astype(np.float32)
+    for _ in range(repeats + 1):
+        agg = client.create_aggregation({"w": (params,)}, l2_norm_clip=1.0, privacy=privacy)
+        client.submit(agg, {"w": rows})
+        started = time.perf_counter()
+        client.finalize(agg)
+        times.append(time.perf_counter() - started)
+        client.cancel(agg)
+    return statistics.median(times[1:])  # the first one compiles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    repeats = 2 if args.quick else args.repeats
+
+    from dp_accounting import dp_event as dpe
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from clipd.client import Client, Privacy
+    from clipd.engine import _privacy as dp
+    from clipd.server.app import create_server
+    from clipd.server.settings import Settings
+
+    sizes = [1 << 14] if args.quick else [1 << 14, 1 << 20, 1 << 23]
+    with tempfile.TemporaryDirectory() as data_dir:
+        server, port = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1, data_dir=data_dir,
+                                              max_message_bytes=64 << 20))
+        try:
+            with Client(f"127.0.0.1:{port}", max_message_bytes=64 << 20) as client:
+                print(f"{'params':>10} | {'plain ms':>9} | {'private ms':>10} | {'private/plain':>13}")
+                for params in sizes:
+                    plain = finalize_latency(client, params, None, repeats)
+                    private = finalize_latency(client, params, Privacy("bench", 1e-5, noise_multiplier=1.0,
+                                                                        sampling="poisson", sampling_rate=0.01),
+                                               repeats)
+                    print(f"{params:>10,} | {plain * 1e3:>9.2f} | {private * 1e3:>10.2f} | {private / plain:>13.2f}")
+        finally:
+            server.stop(grace=1.0)
+
+    event = dpe.PoissonSampledDpEvent(0.01, dpe.GaussianDpEvent(1.0))
+    print()
+    print(f"{'releases':>8} | {'clipd ms':>9} | {'one by one ms':>13} | {'one-by-one/clipd':>16}")
+    for releases in ([10, 100] if args.quick else [10, 100, 1000]):
+        ours, naive = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            eps = dp.epsilon([event] * releases, 1e-5, "rdp", "add_remove_one")
+            ours.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            accountant = rdp_privacy_accountant.RdpAccountant()
+            for _ in range(releases):
+                accountant.compose(event)
+            reference = accountant.get_epsilon(1e-5)
+            naive.append(time.perf_counter() - started)
+            assert abs(eps - reference) <= 1e-9 * reference, (eps, reference)
+        a, b = statistics.median(ours), statistics.median(naive)
+        print(f"{releases:>8} | {a * 1e3:>9.2f} | {b * 1e3:>13.2f} | {b / a:>16.2f}")
+
+
+if __name__ == "__main__":
+    main()
