@@ -244,7 +244,8 @@ class ClipdStrategy(Strategy):
         """Sends one reply's update as one contribution; 1 if it was summed, 0 if it was skipped."""
         node = reply.metadata.src_node_id
         if reply.has_error():
-            log.info("aggregate_train: reply from node %s carries an error (%s): nothing sent", node, reply.error.reason)
+            log.info("aggregate_train: reply from node %s carries an error (%s): nothing sent", node,
+                     reply.error.reason)
             return 0
         records = reply.content.array_records
         record = records.get(self.arrayrecord_key) or (next(iter(records.values())) if len(records) == 1 else None)

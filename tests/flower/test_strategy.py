@@ -39,6 +39,10 @@ def _updates(m: int, seed: int = 1) -> list[list[np.ndarray]]:
     return out
 
 
+def _plus(model: list[np.ndarray], update: list[np.ndarray]) -> list[np.ndarray]:
+    return [w + u for w, u in zip(model, update)]
+
+
 def _privacy(**overrides) -> Privacy:
     return Privacy(**{"ledger_id": f"flower-test-{uuid.uuid4().hex[:12]}", "delta": 1e-5, "noise_multiplier": 0.0,
                       **overrides})
@@ -73,7 +77,7 @@ def test_equals_flowers_fixed_clipping_wrapper_with_z_0(client, private, mean):
     expected = _flower_oracle(model, updates, m)
     strategy = _strategy(client, m, privacy=_privacy(release_mean=mean) if private else None)
     messages, (arrays, metrics) = _round(
-        strategy, model, lambda nodes: [reply(n, [w + u for w, u in zip(model, updates[i])]) for i, n in enumerate(nodes)])
+        strategy, model, lambda nodes: [reply(n, _plus(model, updates[i])) for i, n in enumerate(nodes)])
     assert len(messages) == m
     got = arrays.to_numpy_ndarrays()
     assert [a.dtype for a in got] == [np.float32] * len(SHAPES)
@@ -161,7 +165,7 @@ def test_noise_is_the_servers_release_divided_by_m_and_metrics_are_private(clien
     z = 2.0
     strategy = _strategy(client, m, privacy=_privacy(noise_multiplier=z, metrics_noise_multiplier=5.0))
     _, (arrays, metrics) = _round(
-        strategy, model, lambda nodes: [reply(n, [w + u for w, u in zip(model, updates[i])]) for i, n in enumerate(nodes)])
+        strategy, model, lambda nodes: [reply(n, _plus(model, updates[i])) for i, n in enumerate(nodes)])
     noise = arrays.to_numpy_ndarrays()[0] - sum(u[0] for u in updates) / m
     release = strategy.releases[-1]
     assert release.noise_stddev > 0
@@ -206,5 +210,6 @@ def test_public_denominator_is_m():
     with pytest.raises(ValueError, match="adaptive"):
         ClipdStrategy(FedAvg(), None, clipping_norm=1.0, num_sampled_clients=10,
                       privacy=_privacy(adaptive=Adaptive(initial_bound=0.5)))
-    adaptive = ClipdStrategy(FedAvg(), None, num_sampled_clients=10, privacy=_privacy(adaptive=Adaptive(initial_bound=0.5)))
+    adaptive = ClipdStrategy(FedAvg(), None, num_sampled_clients=10,
+                             privacy=_privacy(adaptive=Adaptive(initial_bound=0.5)))
     assert adaptive.clipping_norm == 0.5

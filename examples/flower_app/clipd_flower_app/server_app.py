@@ -71,7 +71,8 @@ def main(grid: Grid, context: Context) -> None:
     last_run.update(result=result, strategy=strategy)
     if strategy.releases:
         release = strategy.releases[-1]
-        print(f"clipd: {len(strategy.releases)} releases on ledger {privacy.ledger_id}: epsilon {release.ledger_epsilon:.4g}"
-              f" at delta {privacy.delta:g}, noise stddev of the mean {release.noise_stddev / m:.4g}")
+        print(f"clipd: {len(strategy.releases)} releases on ledger {privacy.ledger_id}:"
+              f" epsilon {release.ledger_epsilon:.4g} at delta {privacy.delta:g},"
+              f" noise stddev of the mean {release.noise_stddev / m:.4g}")
     if strategy.stopped:
         print(f"clipd: training stopped early: {strategy.stopped}")
