@@ -8,7 +8,8 @@
 #
 #   Then the Flower tests (tests/flower), in environments of their own under .cache/ (git-ignored, kept
 #   between runs, rebuilt when pyproject.toml changes):
-#     .cache/flower-venv        flwr 1.41.0 + clipd from this tree WITHOUT the server extra (protobuf 6.x:
+#     .cache/flower-venv        flwr 1.41.0 (+ dp-accounting, for its RdpAccountant) + clipd from this tree
+#                               WITHOUT the server extra (protobuf 6.x:
 #                               flwr wants < 7), which proves the client side installs beside Flower;
 #     .cache/client-floor-venv  clipd's client side at its lowest versions (protobuf 5.28.0, grpcio 1.67.1,
 #                               numpy 1.26.4).
@@ -69,7 +70,7 @@ make_venv() {  # make_venv DIR PIP_ARGS...
   "$dir/bin/python" -m pip check >/dev/null
   echo "$stamp" >"$dir/.clipd-stamp"
 }
-make_venv .cache/flower-venv -e ".[flower]" "pytest>=8"
+make_venv .cache/flower-venv -e ".[flower]" "pytest>=8" "dp-accounting==0.6.0"  # dp-accounting: Flower's RdpAccountant needs it
 make_venv .cache/client-floor-venv -e . "protobuf==5.28.0" "grpcio==1.67.1" "numpy==1.26.4"
 
 CLIPD_SERVER_PYTHON="$(python -c 'import sys; print(sys.executable)')" \
