@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import pathlib
 import random
@@ -26,7 +27,8 @@ import pytest
 
 from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState
 from clipd.server.sqlite_store import SCHEMA_VERSION, SQLiteStore
-from clipd.server.store import FAILED, FINALIZED, OPEN, AggregationRecord, MemoryStore, Store
+from clipd.server.store import (FAILED, FINALIZED, OPEN, AggregationRecord, LedgerConflict, LedgerEntry,
+                                LedgerRecord, MemoryStore, Store)
 
 def state_at(n: int) -> PartialState:
     """A partial state determined by ``n`` alone, with values that survive no lossy round trip.
@@ -186,6 +188,54 @@ class StoreContract:
         for k, aggregation_id in enumerate(ids):
             assert store.load_checkpoint(aggregation_id) == state_at(100 * k + saves)
 
+    # Privacy ledgers ------------------------------------------------------------------------
+    def test_ensure_ledger_keeps_the_first_record(self, store):
+        first = LedgerRecord("L", '{"delta": 1e-05}', created=3.0)
+        assert store.ensure_ledger(first) == first
+        assert store.ensure_ledger(LedgerRecord("L", '{"delta": 1e-06}', created=4.0)) == first
+        assert [r.ledger_id for r in store.ledgers()] == ["L"]
+        assert store.ledger_entries("L") == [] and store.ledger_entries("nope") == []
+
+    def test_commit_release_is_one_step_and_entries_keep_their_order(self, store):
+        store.ensure_ledger(LedgerRecord("L", "{}", created=1.0))
+        for k, aggregation_id in enumerate(["r1", "r2"]):
+            store.create(AggregationRecord(aggregation_id, "{}", created=float(k)))
+            store.save_checkpoint(aggregation_id, state_at(k + 1))
+            entry = LedgerEntry(aggregation_id, '{"e": %d}' % k, time=10.0 + k, epsilon_after=1.5 * (k + 1),
+                                next_bound=0.5 if k else None)
+            store.commit_release(aggregation_id, b"release-%d" % k, "L", entry, k, finished=20.0 + k)
+            assert store.get(aggregation_id).state == FINALIZED and store.get(aggregation_id).finished == 20.0 + k
+            assert store.load_release(aggregation_id) == b"release-%d" % k
+            assert store.load_checkpoint(aggregation_id) is None  # only the release is kept
+        entries = store.ledger_entries("L")
+        assert [e.aggregation_id for e in entries] == ["r1", "r2"]
+        assert entries[1] == LedgerEntry("r2", '{"e": 1}', 11.0, 3.0, 0.5) and entries[0].next_bound is None
+
+    def test_a_stale_position_is_a_conflict_and_writes_nothing(self, store):
+        store.ensure_ledger(LedgerRecord("L", "{}"))
+        store.create(AggregationRecord("a", "{}"))
+        store.save_checkpoint("a", state_at(1))
+        with pytest.raises(LedgerConflict):
+            store.commit_release("a", b"x", "L", LedgerEntry("a", "{}", 0.0, 1.0), 1, finished=5.0)
+        assert store.ledger_entries("L") == [] and store.load_release("a") is None
+        assert store.get("a").state == OPEN and store.load_checkpoint("a") == state_at(1)
+
+    def test_create_can_append_a_ledger_entry_in_the_same_commit(self, store):
+        store.ensure_ledger(LedgerRecord("L", "{}"))
+        entry = LedgerEntry("d", '{"class_name": "NonPrivateDpEvent"}', 1.0, math.inf)
+        assert store.create(AggregationRecord("d", "{}"), ledger_entry=("L", entry)) is True
+        assert store.ledger_entries("L") == [entry]
+        assert store.create(AggregationRecord("d", "{}"), ledger_entry=("L", entry)) is False  # exists: nothing
+        assert store.ledger_entries("L") == [entry]
+
+    def test_deleting_an_aggregation_keeps_its_ledger_entries(self, store):
+        store.ensure_ledger(LedgerRecord("L", "{}"))
+        store.create(AggregationRecord("a", "{}"))
+        store.commit_release("a", b"r", "L", LedgerEntry("a", "{}", 0.0, 1.0), 0, finished=1.0)
+        store.delete("a")
+        assert store.get("a") is None and store.load_release("a") is None
+        assert [e.aggregation_id for e in store.ledger_entries("L")] == ["a"]  # privacy spent stays spent
+
 
 class TestMemoryStore(StoreContract):
     def make_store(self, tmp_path):
@@ -213,6 +263,26 @@ def _only_dir_name(store: SQLiteStore, aggregation_id: str) -> str:
 class TestSQLiteStore(StoreContract):
     def make_store(self, tmp_path):
         return SQLiteStore(str(tmp_path / "data"))
+
+    def test_a_release_survives_reopening_and_a_release_file_without_its_row_is_swept(self, tmp_path):
+        data = tmp_path / "data"
+        store = SQLiteStore(str(data))
+        store.ensure_ledger(LedgerRecord("L", "{}"))
+        for aggregation_id in ("kept", "crashed"):
+            store.create(AggregationRecord(aggregation_id, "{}"))
+            store.save_checkpoint(aggregation_id, state_at(2))
+        store.commit_release("kept", b"noised", "L", LedgerEntry("kept", "{}", 0.0, 1.0), 0, finished=1.0)
+        crashed = data / "states" / _only_dir_name(store, "crashed")
+        (crashed / "release").write_bytes(b"written, then the process died before its commit")
+        store.close()
+        store = SQLiteStore(str(data))
+        try:
+            assert store.load_release("kept") == b"noised" and store.get("kept").state == FINALIZED
+            assert not (crashed / "release").exists()  # no row: swept at open
+            assert store.load_release("crashed") is None and store.load_checkpoint("crashed") == state_at(2)
+            assert len(store.ledger_entries("L")) == 1
+        finally:
+            store.close()
 
     def test_layout_and_settings(self, tmp_path):
         data = tmp_path / "new" / "data"
