@@ -341,6 +341,13 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
     def cancel_aggregation(_: Writer, aggregation: AggregationParam) -> dict[str, Any]:
         return aggregation_view(server.servicer.cancel(aggregation.id))
 
+    @app.get("/api/v1/server")
+    def server_view(_: Reader) -> dict[str, Any]:
+        """The devices in use and their step counts (one device worker per server today)."""
+        worker = server.worker
+        return {"devices": [{"id": worker.device.id, "kind": worker.device_kind,
+                             "platform": worker.device.platform, "steps": worker.steps}]}
+
     @app.get("/api/v1/ledgers")
     def list_ledgers(_: Reader) -> dict[str, Any]:
         return {"ledgers": [_ledger_view(server.ledgers.describe(i)) for i in server.ledgers.ledger_ids()]}

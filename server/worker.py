@@ -142,7 +142,9 @@ class DeviceWorker:
         self._parked: dict[Aggregation, list[_Work]] = {}
         self._inflight: _InFlight | None = None
         self._commits: queue.Queue = queue.Queue()
-        self.device_kind = jax.devices()[0].device_kind
+        self.device = jax.devices()[0]  # every step runs here (one device per worker for now)
+        self.device_kind = self.device.device_kind
+        self.steps = 0  # clip-and-sum steps dispatched, over every aggregation
         self.ready = threading.Event()  # set once the device has run a first program
         self._thread = threading.Thread(target=self._run, name="clipd-device-worker", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name="clipd-committer", daemon=True)
@@ -399,6 +401,7 @@ class DeviceWorker:
         self._finish_inflight()
         slot.delta = aggregation.accumulator.update(slot.delta, layers, valid)
         slot.steps += 1
+        self.steps += 1
         self._inflight = _InFlight(aggregation, done)
 
     def _finish_inflight(self) -> None:

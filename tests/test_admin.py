@@ -231,3 +231,16 @@ def test_dashboard_shows_a_private_aggregation_withheld_and_warns_of_debug_mode(
     assert "withheld" in card and 'data-number="examples"' not in card and 'data-number="planned-epsilon"' in card
     debug_card = dom[dom.index(f'data-aggregation="{debug}"'):].split("</section>")[0]
     assert "DEBUG" in debug_card and 'data-number="examples"' in debug_card
+
+
+def test_server_view_lists_the_device_and_counts_its_steps(admin_server):
+    import jax
+
+    before = json.loads(http(admin_server, "/api/v1/server")[1])["devices"]
+    assert [(d["id"], d["kind"]) for d in before] == [(jax.devices()[0].id, jax.devices()[0].device_kind)]
+    with client_for(admin_server) as c:
+        agg = c.create_aggregation({"w": (4,)})
+        c.submit(agg, {"w": np.ones((3, 4), np.float32)})
+        c.finalize(agg)
+    after = json.loads(http(admin_server, "/api/v1/server")[1])["devices"]
+    assert after[0]["steps"] > before[0]["steps"]
