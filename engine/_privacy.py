@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import json
 import math
 import secrets
@@ -217,13 +218,21 @@ def epsilon(events: Sequence[dpe.DpEvent], delta: float, accountant: Accountant,
     """Epsilon at ``delta`` of the composition of ``events`` (``inf`` with a non-private one)."""
     if not events:
         return 0.0
-    acc = make_accountant(accountant, neighbouring)
     # Identical events (a ledger's rounds usually are) composed once with their count: the
     # same epsilon (RDP adds count * rdp, PLD self-composes), in time that does not grow with rounds.
     counts = collections.Counter(event_to_json(e) for e in events)
-    for text, count in counts.items():
+    return _epsilon_of_counts(tuple(sorted(counts.items())), float(delta), Accountant(accountant),
+                              Neighbouring(neighbouring))
+
+
+@functools.lru_cache(maxsize=1024)
+def _epsilon_of_counts(counts: tuple[tuple[str, int], ...], delta: float, accountant: Accountant,
+                       neighbouring: Neighbouring) -> float:
+    """Cached: a ledger's epsilon is asked at every creation, release and scrape, and changes only with it."""
+    acc = make_accountant(accountant, neighbouring)
+    for text, count in counts:
         event = event_from_json(text)
-        acc.compose(_collapse_gaussians(event) if Accountant(accountant) is Accountant.PLD else event, count)
+        acc.compose(_collapse_gaussians(event) if accountant is Accountant.PLD else event, count)
     return float(acc.get_epsilon(delta))
 
 
