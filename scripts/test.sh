@@ -2,7 +2,8 @@
 # Installs what the test suite needs, then runs it. The README's test command and .ci/run both call this.
 #
 #   Debian packages (when apt-get is there and they are missing): chromium (the dashboard is checked in
-#   headless Chromium) and prometheus (promtool checks the /metrics format).
+#   headless Chromium), prometheus (promtool checks the /metrics format) and postgresql-15 (initdb and pg_ctl
+#   run a throwaway cluster for the PostgresStore tests).
 #   Python: this project in editable mode with its [server] and [test] extras (the service; the reference
 #   libraries that serve as oracles: optax, jax-privacy, declearn; pytest, hypothesis), then the suite.
 #
@@ -30,6 +31,7 @@ fi
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v initdb >/dev/null 2>&1 || [ -x /usr/lib/postgresql/15/bin/initdb ] || missing+=(postgresql-15)
 if [ "$flower_only" -eq 0 ] && [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null 2>&1; then
     echo "scripts/test.sh: missing ${missing[*]} and there is no apt-get to install them" >&2
@@ -42,6 +44,8 @@ if [ "$flower_only" -eq 0 ] && [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# tests/test_postgres_store.py runs a throwaway cluster with Debian's initdb and pg_ctl (not on PATH by default).
+[ -d /usr/lib/postgresql/15/bin ] && export PATH="$PATH:/usr/lib/postgresql/15/bin"
 
 python -m pip install -q -e ".[server,test]"
 

@@ -230,9 +230,14 @@ class MemoryStore(Store):
 
 
 def open_store(data_dir: str) -> Store:
-    """``"memory"``: a :class:`MemoryStore`; otherwise a SQLite store in that directory (created if need be)."""
+    """``"memory"``: a :class:`MemoryStore`; a ``postgresql://`` DSN: a PostgreSQL store; otherwise a SQLite store
+    in that directory (created if need be)."""
     if data_dir == "memory":
         return MemoryStore()
+    if data_dir.startswith(("postgresql://", "postgres://")):  # a shared store (the [postgres] extra)
+        from .postgres_store import PostgresStore
+
+        return PostgresStore(data_dir)
     from .sqlite_store import SQLiteStore
 
     return SQLiteStore(data_dir)

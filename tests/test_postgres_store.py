@@ -1,0 +1,303 @@
+"""PostgresStore against a throwaway PostgreSQL 15 cluster: the Store contract, and what a shared store adds.
+
+The session fixture runs Debian's PostgreSQL (``initdb``, ``pg_ctl``; as the
+``postgres`` user when the tests run as root) in a temporary directory,
+listening on 127.0.0.1 on a free port with trust auth; every test gets a
+database of its own. Without ``initdb`` the tests FAIL (scripts/test.sh
+installs ``postgresql-15``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import logging
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import zlib
+
+import psycopg
+import pytest
+
+from clipd.server.postgres_store import SCHEMA_VERSION, PostgresStore
+from clipd.server.store import FINALIZED, OPEN, AggregationRecord, LedgerConflict, LedgerEntry, LedgerRecord, open_store
+
+from test_store import StoreContract, record, state_at
+
+PG_BIN = "/usr/lib/postgresql/15/bin"
+_TIMEOUT = 60  # seconds for any one cluster command
+
+
+def _pg_tool(name: str) -> str:
+    found = shutil.which(name) or (os.path.join(PG_BIN, name) if os.access(os.path.join(PG_BIN, name), os.X_OK)
+                                   else None)
+    if found is None:
+        pytest.fail(f"{name} (PostgreSQL 15) is not installed: the PostgresStore tests need a throwaway cluster. "
+                    f"Install the Debian package postgresql-15 (scripts/test.sh does) or put {PG_BIN} on PATH.")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """A PostgreSQL cluster in a temporary directory, owned by ``postgres`` when we are root."""
+
+    def __init__(self) -> None:
+        self.initdb, self.pg_ctl = _pg_tool("initdb"), _pg_tool("pg_ctl")
+        self.as_root = os.geteuid() == 0
+        self.dir = tempfile.mkdtemp(prefix="clipd-pg-")
+        if self.as_root:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+        self.data = os.path.join(self.dir, "data")
+        self.port = 0
+        self._names = itertools.count()
+
+    def _run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        prefix = ["runuser", "-u", "postgres", "--"] if self.as_root else []
+        done = subprocess.run(prefix + list(argv), cwd=self.dir, capture_output=True, text=True, timeout=_TIMEOUT)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        return done
+
+    def start(self) -> None:
+        self._run(self.initdb, "-D", self.data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8",
+                  "--locale=C")
+        for attempt in range(3):  # the port is free when picked; another process may take it first
+            self.port = _free_port()
+            options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.dir}"
+                       " -c max_connections=50")
+            done = self._run(self.pg_ctl, "-D", self.data, "-l", os.path.join(self.dir, "log"), "-w", "-t",
+                             str(_TIMEOUT), "-o", options, "start", check=False)
+            if done.returncode == 0:
+                return
+        with open(os.path.join(self.dir, "log")) as f:
+            raise RuntimeError(f"pg_ctl start failed 3 times:\n{done.stdout}{done.stderr}\n{f.read()[-4000:]}")
+
+    def stop(self) -> None:
+        try:
+            if os.path.exists(os.path.join(self.data, "postmaster.pid")):
+                self._run(self.pg_ctl, "-D", self.data, "-m", "fast", "-w", "-t", "30", "stop", check=False)
+        finally:
+            self._kill_leftover()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _kill_leftover(self) -> None:
+        """SIGKILL the postmaster if ``pg_ctl stop`` did not end it (its pid from postmaster.pid)."""
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(os.path.join(self.data, "postmaster.pid")) as f:
+                os.kill(int(f.readline()), signal.SIGKILL)
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def new_database(self) -> str:
+        """A DSN of a new, empty database."""
+        name = f"clipd_test_{os.getpid()}_{next(self._names)}"
+        with psycopg.connect(self.dsn(), autocommit=True, connect_timeout=10) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.dsn(name)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    cluster = Cluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class TestPostgresStore(StoreContract):
+    @pytest.fixture(autouse=True)
+    def _cluster(self, pg_cluster):
+        self.cluster = pg_cluster
+
+    def make_store(self, tmp_path):
+        return PostgresStore(self.cluster.new_database())
+
+    def test_open_store_takes_a_dsn_and_everything_survives_reopen(self):
+        dsn = self.cluster.new_database()
+        store = open_store(dsn)
+        assert isinstance(store, PostgresStore) and store.durable
+        store.create(AggregationRecord("a", '{"a": 1}', created=3.0))
+        store.create(AggregationRecord("b", '{"b": 2}', created=1.0))
+        for n in (1, 2, 3):
+            store.save_checkpoint("a", state_at(n))
+        store.save_checkpoint("b", state_at(7), finished=50.0)
+        store.ensure_ledger(LedgerRecord("L", "{}", 1.0))
+        expected = store.records()
+        store.close()
+        store.close()  # a second close does nothing
+
+        store = PostgresStore(dsn)
+        try:
+            assert store.records() == expected
+            assert store.get("b") == AggregationRecord("b", '{"b": 2}', FINALIZED, 1.0, 50.0, "")
+            assert store.load_checkpoint("a") == state_at(3)
+            assert store.ledgers() == [LedgerRecord("L", "{}", 1.0)]
+            store.save_checkpoint("a", state_at(4))  # generations go on after a reopen
+            with psycopg.connect(dsn) as conn:
+                generations = conn.execute("SELECT generation FROM checkpoints ORDER BY aggregation, generation")
+                assert [g for (g,) in generations] == [3, 4, 1]  # two kept per aggregation
+                assert conn.execute("SELECT version FROM clipd_schema").fetchall() == [(SCHEMA_VERSION,)]
+        finally:
+            store.close()
+
+    def test_newer_schema_is_refused(self):
+        dsn = self.cluster.new_database()
+        PostgresStore(dsn).close()
+        with psycopg.connect(dsn) as conn:
+            conn.execute("UPDATE clipd_schema SET version = 99")
+        with pytest.raises(RuntimeError, match="schema version 99"):
+            PostgresStore(dsn)
+
+    @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "crc_agrees"])
+    def test_damaged_newest_falls_back_to_previous(self, caplog, damage):
+        dsn = self.cluster.new_database()
+        store = PostgresStore(dsn)
+        try:
+            store.create(record("agg-7"))
+            store.save_checkpoint("agg-7", state_at(1))
+            store.save_checkpoint("agg-7", state_at(2))
+            with psycopg.connect(dsn) as conn:
+                (blob,) = conn.execute("SELECT blob FROM checkpoints WHERE generation = 2").fetchone()
+                blob = bytearray(blob)
+                if damage == "truncate":
+                    blob = blob[:-10]
+                else:
+                    blob[len(blob) // 2] ^= 0x01
+                conn.execute("UPDATE checkpoints SET blob = %s WHERE generation = 2", (bytes(blob),))
+                if damage == "crc_agrees":  # damaged before its row was written: the blob's own checksum
+                    conn.execute("UPDATE checkpoints SET crc32 = %s WHERE generation = 2",
+                                 (zlib.crc32(blob),))
+            with caplog.at_level(logging.WARNING, logger="clipd.server.postgres_store"):
+                assert store.load_checkpoint("agg-7") == state_at(1)
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warnings) == 1 and "agg-7" in warnings[0] and "generation 2" in warnings[0]
+            assert store.load_checkpoint("agg-7", newest_only=True) is None  # a final result: none, not older
+        finally:
+            store.close()
+
+    def test_stale_position_from_another_process_is_a_conflict_and_writes_nothing(self):
+        """Two stores on one database (two clipd processes): the second release at one position loses."""
+        dsn = self.cluster.new_database()
+        first, second = PostgresStore(dsn), PostgresStore(dsn)
+        try:
+            first.ensure_ledger(LedgerRecord("L", "{}"))
+            for aggregation_id in ("a", "b"):
+                first.create(AggregationRecord(aggregation_id, "{}"))
+                first.save_checkpoint(aggregation_id, state_at(1))
+            position = len(second.ledger_entries("L"))  # both read 0 entries
+            assert position == len(first.ledger_entries("L")) == 0
+            first.commit_release("a", b"ra", "L", LedgerEntry("a", "{}", 1.0, 1.0), position, finished=2.0)
+            with pytest.raises(LedgerConflict):
+                second.commit_release("b", b"rb", "L", LedgerEntry("b", "{}", 1.0, 2.0), position, finished=3.0)
+            for store in (first, second):
+                assert [e.aggregation_id for e in store.ledger_entries("L")] == ["a"]
+                assert store.load_release("b") is None
+                assert store.get("b").state == OPEN and store.load_checkpoint("b") == state_at(1)
+            # Re-read, the second process releases at the next position.
+            second.commit_release("b", b"rb", "L", LedgerEntry("b", "{}", 1.0, 2.0), 1, finished=3.0)
+            assert [e.aggregation_id for e in first.ledger_entries("L")] == ["a", "b"]
+            assert first.load_release("b") == b"rb"
+        finally:
+            first.close()
+            second.close()
+
+    def test_concurrent_releases_take_distinct_positions(self):
+        """Threads on separate connections race to append: each position is taken exactly once."""
+        dsn = self.cluster.new_database()
+        stores = [PostgresStore(dsn) for _ in range(4)]
+        try:
+            stores[0].ensure_ledger(LedgerRecord("L", "{}"))
+            for k in range(len(stores)):
+                stores[0].create(AggregationRecord(f"a{k}", "{}"))
+            errors: list[BaseException] = []
+
+            def work(k: int) -> None:
+                store = stores[k]
+                try:
+                    while True:
+                        position = len(store.ledger_entries("L"))
+                        try:
+                            store.commit_release(f"a{k}", b"r", "L", LedgerEntry(f"a{k}", "{}", 0.0, 1.0),
+                                                 position, finished=1.0)
+                            return
+                        except LedgerConflict:
+                            continue
+                except BaseException as e:  # reported below
+                    errors.append(e)
+
+            workers = [threading.Thread(target=work, args=(k,)) for k in range(len(stores))]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(timeout=60)
+            assert not any(w.is_alive() for w in workers) and errors == []
+            assert sorted(e.aggregation_id for e in stores[0].ledger_entries("L")) == [f"a{k}" for k in range(4)]
+        finally:
+            for store in stores:
+                store.close()
+
+    def test_a_commit_survives_killing_the_client(self):
+        dsn = self.cluster.new_database()
+        child = "\n".join([
+            "from __future__ import annotations",
+            "import sys, time",
+            "import numpy as np",
+            "from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState",
+            "from clipd.server.postgres_store import PostgresStore",
+            "from clipd.server.store import AggregationRecord",
+            inspect.getsource(state_at),
+            "store = PostgresStore(sys.argv[1])",
+            "store.create(AggregationRecord('agg', '{}', created=5.0))",
+            "store.save_checkpoint('agg', state_at(3))",
+            "print('saved', flush=True)",
+            "time.sleep(120)",
+        ])
+        proc = subprocess.Popen([sys.executable, "-c", child, dsn], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            line = proc.stdout.readline().strip()  # the child returned from save_checkpoint
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        stderr = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+        assert line == "saved", stderr
+        assert proc.returncode == -signal.SIGKILL, stderr
+        store = PostgresStore(dsn)
+        try:
+            assert store.get("agg") == AggregationRecord("agg", "{}", created=5.0)
+            assert store.load_checkpoint("agg") == state_at(3)
+        finally:
+            store.close()
+
+    def test_reconnects_after_the_server_drops_the_connection(self):
+        dsn = self.cluster.new_database()
+        store = PostgresStore(dsn)
+        try:
+            store.create(record("a"))
+            (pid,) = store._query("SELECT pg_backend_pid()")[0]
+            with psycopg.connect(self.cluster.dsn(), autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            with pytest.raises(psycopg.OperationalError):
+                store.get("a")  # this call finds the connection gone
+            assert store.get("a") == record("a")  # the next one reconnects
+        finally:
+            store.close()
