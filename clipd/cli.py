@@ -301,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     private.add_argument("--rounds", type=int, default=1, metavar="R")
     private.add_argument("--max-epsilon", type=float, default=None, metavar="E",
                          help="the ledger's budget: a round it can't afford is refused")
-    private.add_argument("--seed-noise", action="store_true",
-                         help="sample the rounds from --seed (the server's noise stays secure)")
+    private.add_argument("--seed-sampling", action="store_true",
+                         help="draw each round's sample from --seed (the server's noise stays secure)")
     demo.set_defaults(run=_demo)
     return parser
 

@@ -1,8 +1,8 @@
 """``clipd demo --noise-multiplier Z``: R private releases on one ledger, with Poisson sampling.
 
 Each round samples the synthetic examples with rate Q (each joins with
-probability Q, from the OS's randomness unless ``--seed`` makes the demo
-reproducible), streams them into an aggregation under a privacy policy on one
+probability Q, from the OS's randomness unless ``--seed-sampling`` makes it
+reproducible from ``--seed``), streams them into an aggregation under a privacy policy on one
 ledger, and finalizes it: the server adds the noise and accounts the release.
 The last line is ``epsilon=<e> delta=<d> rounds=<r> noise_stddev=<s>``. With
 ``--max-epsilon`` the ledger refuses the first round it can't afford: the demo
@@ -27,7 +27,7 @@ def run(client, layers: dict, updates: dict[str, np.ndarray], args) -> int:
         sampling="poisson" if rate < 1.0 else "none", sampling_rate=rate if rate < 1.0 else 0.0,
         max_epsilon=args.max_epsilon or 0.0, public_denominator=rate * args.examples,
     )
-    rng = np.random.default_rng(args.seed if args.seed_noise else None)
+    rng = np.random.default_rng(args.seed if args.seed_sampling else None)
     examples = len(next(iter(updates.values())))
     release = None
     print(f"{args.rounds} private rounds on ledger {ledger}: z = {args.noise_multiplier}, q = {rate},"

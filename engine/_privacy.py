@@ -216,11 +216,16 @@ def check_supported(accountant: Accountant, neighbouring: Neighbouring, sampling
 def epsilon(events: Sequence[dpe.DpEvent], delta: float, accountant: Accountant,
             neighbouring: Neighbouring) -> float:
     """Epsilon at ``delta`` of the composition of ``events`` (``inf`` with a non-private one)."""
+    return epsilon_of_json([event_to_json(e) for e in events], delta, accountant, neighbouring)
+
+
+def epsilon_of_json(events: Sequence[str], delta: float, accountant: Accountant, neighbouring: Neighbouring) -> float:
+    """:func:`epsilon` of events as a ledger stores them (``event_to_json``)."""
     if not events:
         return 0.0
     # Identical events (a ledger's rounds usually are) composed once with their count: the
     # same epsilon (RDP adds count * rdp, PLD self-composes), in time that does not grow with rounds.
-    counts = collections.Counter(event_to_json(e) for e in events)
+    counts = collections.Counter(events)
     return _epsilon_of_counts(tuple(sorted(counts.items())), float(delta), Accountant(accountant),
                               Neighbouring(neighbouring))
 
@@ -270,8 +275,6 @@ def _named(value):
     """JSON objects back into named tuples that ``DpEvent.from_named_tuple`` accepts."""
     if isinstance(value, dict):
         fields = {k: _named(v) for k, v in value.items()}
-        if "events" in fields:
-            fields["events"] = list(fields["events"])
         return collections.namedtuple("_Event", list(fields))(**fields)
     if isinstance(value, list):
         return [_named(v) for v in value]
@@ -389,6 +392,9 @@ class PrivacyPolicy:
         if (self.release_mean or self.adaptive is not None) and self.public_denominator <= 0:
             raise ValueError("a mean and adaptive clipping divide by a public_denominator > 0"
                              " (the expected number of contributions)")
+        if self.adaptive is not None and self.adaptive.count_stddev == 0 and self.noise_multiplier != 0:
+            raise ValueError("adaptive clipping under noise needs adaptive.count_stddev > 0: the next bound comes"
+                             " from the count of unclipped contributions, which must be noised too")
         if not (self.metrics_noise_multiplier >= 0 and math.isfinite(self.metrics_noise_multiplier)):
             raise ValueError(f"metrics_noise_multiplier must be finite and >= 0, got {self.metrics_noise_multiplier}")
         check_supported(self.accountant, self.neighbouring, self.sampling)
@@ -427,3 +433,8 @@ class ReleasePlan:
     count_noise_stddev: float  # sigma_b, on the centred unclipped count (adaptive)
     metrics_noise_stddev: float  # per coordinate of the statistics vector
     event: dpe.DpEvent
+
+    @functools.cached_property
+    def event_json(self) -> str:
+        """The event as the ledger stores it."""
+        return event_to_json(self.event)

@@ -57,10 +57,10 @@ def aggregation_view(aggregation: Aggregation) -> dict[str, Any]:
     Under a privacy policy (not in debug mode) the raw counters and statistics
     are absent (null): only the release's noised ones, under "privacy".
     """
-    view = _full_view(aggregation)
+    stats = aggregation.stats()
+    view = _full_view(aggregation, stats)
     if aggregation.privacy is None:
         return view
-    stats = aggregation.stats()
     view["privacy"] = {
         "ledger_id": aggregation.privacy.ledger_id,
         "debug_raw_statistics": aggregation.privacy.debug_raw_statistics,
@@ -80,8 +80,7 @@ RAW_FIELDS = ("updated_unix_seconds", "examples", "batches", "bytes", "non_finit
               "example_norm_histogram")
 
 
-def _full_view(aggregation: Aggregation) -> dict[str, Any]:
-    stats = aggregation.stats()
+def _full_view(aggregation: Aggregation, stats: Stats) -> dict[str, Any]:
     policy = aggregation.policy
     return {
         "aggregation_id": aggregation.id,

@@ -357,9 +357,7 @@ class Aggregation:
 
     def _withheld_stats_locked(self) -> Stats:
         """A private aggregation's statistics: its spec and state; numbers only as released (noised)."""
-        k = len(self.layers)
-        bounds = self.accumulator.bounds if self.policy.is_per_layer else self.accumulator.bounds * k
-        layers = tuple(LayerStats(spec.name, float(bounds[i]), 0, 0.0, 0.0, ()) for i, spec in enumerate(self.layers))
+        layers = tuple(LayerStats(spec.name, bound, 0, 0.0, 0.0, ()) for spec, bound in zip(self.layers, self._layer_bounds()))
         notice = ("withheld: a differentially private aggregation shows no raw statistic;"
                   + (" see the release for its noised ones" if self.release else
                      " its noised statistics come with the release at finalize"))
@@ -369,13 +367,12 @@ class Aggregation:
 
     def _raw_stats_locked(self) -> Stats:
         t = self.totals if self._device_stats is None else self.totals.absorb(self._device_stats)
-        k = len(self.layers)
         counted = t.layer_histograms.sum(axis=1)
-        bounds = self.accumulator.bounds if self.policy.is_per_layer else self.accumulator.bounds * k
+        bounds = self._layer_bounds()
         layers = tuple(
             LayerStats(
                 name=spec.name,
-                bound=float(bounds[i]),
+                bound=bounds[i],
                 clipped=int(t.clip_counts[i]),
                 norm_mean=float(t.norm_sum[i] / counted[i]) if counted[i] else 0.0,
                 norm_max=float(t.norm_max[i]),
@@ -400,6 +397,11 @@ class Aggregation:
             examples_per_second=self._rate(),
             failure_reason=self.failure_reason,
         )
+
+    def _layer_bounds(self) -> list[float]:
+        """Each layer's bound (the global C for every layer of a GLOBAL policy)."""
+        bounds = self.accumulator.bounds
+        return [float(bounds[i if self.policy.is_per_layer else 0]) for i in range(len(self.layers))]
 
     def _rate(self, window: float = 10.0) -> float:
         """Examples per second over the last ``window`` seconds (0 once idle that long)."""

@@ -38,10 +38,12 @@ from dp_accounting import dp_event as dpe
 from clipd.engine import PartialState
 from clipd.engine import _privacy as dp
 
+from .aggregations import TAKES_BATCHES, Aggregation, State
 from .errors import FailedPrecondition
 from .store import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, Store
 
 RELEASE_MAGIC = b"CLIPDREL1\n"
+NON_PRIVATE = dp.event_to_json(dpe.NonPrivateDpEvent())  # a debug aggregation's entry: epsilon infinite
 
 
 def ledger_config(policy: dp.PrivacyPolicy) -> dict:
@@ -86,8 +88,8 @@ class Release:
 
 @dataclasses.dataclass
 class _Reservation:
-    aggregation: object  # server.aggregations.Aggregation (its state says whether it still counts)
-    event: dpe.DpEvent
+    aggregation: Aggregation  # its state says whether the reservation still counts
+    event: str  # the DpEvent of its release, as JSON
 
 
 class Ledgers:
@@ -104,8 +106,9 @@ class Ledgers:
             return self._ledger_locks[ledger_id]
 
     # Reading ---------------------------------------------------------------------------
-    def events(self, ledger_id: str) -> list[dpe.DpEvent]:
-        return [dp.event_from_json(e.event) for e in self.store.ledger_entries(ledger_id)]
+    def events(self, ledger_id: str) -> list[str]:
+        """The committed events of a ledger, as JSON."""
+        return [e.event for e in self.store.ledger_entries(ledger_id)]
 
     def current_bound(self, policy: dp.PrivacyPolicy) -> float:
         """The adaptive bound of the ledger's next aggregation: the last release's next bound, or the initial one."""
@@ -121,14 +124,14 @@ class Ledgers:
             return None
         config = json.loads(record.config)
         entries = self.store.ledger_entries(ledger_id)
-        events = [dp.event_from_json(e.event) for e in entries]
-        eps = dp.epsilon(events, config["delta"], config["accountant"], config["neighbouring"])
+        eps = dp.epsilon_of_json([e.event for e in entries], config["delta"], config["accountant"],
+                                 config["neighbouring"])
         bounds = [e.next_bound for e in entries if e.next_bound is not None]
         return {
             "ledger_id": ledger_id, **config, "epsilon": eps,
             "budget_left": config["max_epsilon"] - eps,
             "next_bound": bounds[-1] if bounds else 0.0,
-            "debug_raw_statistics": any(isinstance(e, dpe.NonPrivateDpEvent) for e in events),
+            "debug_raw_statistics": any(e.event == NON_PRIVATE for e in entries),
             "entries": [dataclasses.asdict(e) for e in entries],
         }
 
@@ -149,29 +152,28 @@ class Ledgers:
             if not _same_config(json.loads(stored.config), wanted):
                 raise FailedPrecondition(f"ledger {policy.ledger_id!r} exists with {stored.config};"
                                          f" this aggregation asks {json.dumps(wanted)}")
-            debug = [dpe.NonPrivateDpEvent()] if policy.debug_raw_statistics else []
+            debug = [NON_PRIVATE] if policy.debug_raw_statistics else []
             reserved = [r.event for r in self._reserved[policy.ledger_id].values() if _counts(r.aggregation)]
             committed = self.events(policy.ledger_id)
-            planned = dp.epsilon(committed + reserved + debug + [plan.event], policy.delta, policy.accountant,
-                                 policy.neighbouring)
+            planned = _epsilon(policy, committed + reserved + debug + [plan.event_json])
             if planned > policy.max_epsilon:
-                now = dp.epsilon(committed, policy.delta, policy.accountant, policy.neighbouring)
+                now = _epsilon(policy, committed)
                 raise FailedPrecondition(
                     f"privacy budget of ledger {policy.ledger_id!r} exhausted: epsilon would reach {planned:.6g}"
                     f" (max_epsilon {policy.max_epsilon:g}, delta {policy.delta:g}); spent {now:.6g} in"
                     f" {len(committed)} entries, {len(reserved)} more releases reserved by open aggregations")
             entry = None
             if debug:
-                after = dp.epsilon(committed + debug, policy.delta, policy.accountant, policy.neighbouring)
-                entry = (policy.ledger_id, LedgerEntry(aggregation.id, dp.event_to_json(debug[0]), time.time(), after))
+                entry = (policy.ledger_id, LedgerEntry(aggregation.id, NON_PRIVATE, time.time(),
+                                                       _epsilon(policy, committed + debug)))
             create(entry)
-            self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event)
+            self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event_json)
             return planned
 
     def reserve(self, aggregation, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan) -> None:
         """Counts a recovered open aggregation's release against its ledger."""
         with self._locked(policy.ledger_id):
-            self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event)
+            self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event_json)
 
     def forget(self, aggregation) -> None:
         if aggregation.privacy is None:
@@ -185,33 +187,35 @@ class Ledgers:
         policy: dp.PrivacyPolicy = aggregation.privacy
         plan: dp.ReleasePlan = aggregation.plan
         with self._locked(policy.ledger_id):
-            entries = self.store.ledger_entries(policy.ledger_id)
-            committed = [dp.event_from_json(e.event) for e in entries]
-            after = dp.epsilon(committed + [plan.event], policy.delta, policy.accountant, policy.neighbouring)
+            committed = self.events(policy.ledger_id)
+            after = _epsilon(policy, committed + [plan.event_json])
             if after > policy.max_epsilon:
-                before = dp.epsilon(committed, policy.delta, policy.accountant, policy.neighbouring)
+                before = _epsilon(policy, committed)
                 reason = (f"privacy budget of ledger {policy.ledger_id!r} exhausted: this release would take epsilon"
                           f" from {before:.6g} to {after:.6g}, past max_epsilon {policy.max_epsilon:g}")
                 self.store.set_state(aggregation.id, FAILED, reason=reason, finished=time.time())  # never released
                 self._reserved[policy.ledger_id].pop(aggregation.id, None)
                 raise FailedPrecondition(reason)
-            release = draw_release(aggregation, totals, sum_dtypes, after,
-                                   dp.epsilon([plan.event], policy.delta, policy.accountant, policy.neighbouring),
-                                   len(entries) + 1)
-            entry = LedgerEntry(aggregation.id, dp.event_to_json(plan.event), time.time(), after,
+            release = draw_release(aggregation, totals, sum_dtypes, after, _epsilon(policy, [plan.event_json]),
+                                   len(committed) + 1)
+            entry = LedgerEntry(aggregation.id, plan.event_json, time.time(), after,
                                 release.fields["next_bound"] if policy.adaptive is not None else None)
             try:
                 self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry,
-                                          len(entries), entry.time)
+                                          len(committed), entry.time)
             except LedgerConflict as e:
                 raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
             self._reserved[policy.ledger_id].pop(aggregation.id, None)
             return release
 
 
-def _counts(aggregation) -> bool:
+def _counts(aggregation: Aggregation) -> bool:
     """Whether an aggregation's reservation still counts: it may still be released."""
-    return aggregation.state.value in ("warming_up", "open", "finalizing")
+    return aggregation.state in (*TAKES_BATCHES, State.FINALIZING)
+
+
+def _epsilon(policy: dp.PrivacyPolicy, events: list[str]) -> float:
+    return dp.epsilon_of_json(events, policy.delta, policy.accountant, policy.neighbouring)
 
 
 def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype], ledger_epsilon: float,

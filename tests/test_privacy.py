@@ -150,13 +150,12 @@ def test_noise_split_keeps_the_total_noise_multiplier(client):
 
 # Noise ----------------------------------------------------------------------------------------
 def test_noise_stddev_is_the_anchors_formula(client):
-    """Opacus: noise_multiplier * max_grad_norm; TFF: clip * z; Flower: compute_stdv = z*C/m on the mean."""
-    z, c, m = 1.3, 0.7, 20
+    """Opacus: noise_multiplier * max_grad_norm; TFF: clip * z (worked formulas: torch and TFF aren't installed)."""
+    z, c = 1.3, 0.7
     privacy = Privacy(ledger_name(), 1e-5, noise_multiplier=z)
     agg = client.create_aggregation({"w": (3,)}, l2_norm_clip=c, privacy=privacy)
     release = client.finalize(agg).release
-    assert release.noise_stddev == pytest.approx(z * c, rel=1e-12)  # opacus, TFF
-    assert release.noise_stddev / m == pytest.approx(z * c / m, rel=1e-12)  # Flower's compute_stdv, times m
+    assert release.noise_stddev == pytest.approx(z * c, rel=1e-12)  # opacus, TFF (Flower's: tests/flower)
     replace = Privacy(ledger_name(), 1e-5, noise_multiplier=z, neighbouring="replace_one")
     agg = client.create_aggregation({"w": (3,)}, l2_norm_clip=c, privacy=replace)
     assert client.finalize(agg).release.noise_stddev == pytest.approx(2 * z * c, rel=1e-12)  # sensitivity 2C
@@ -234,7 +233,6 @@ def test_mean_divides_by_the_public_denominator(client):
 # Budgets ----------------------------------------------------------------------------------------
 def test_budget_refuses_at_creation_with_the_numbers(client):
     z, delta = 1.0, 1e-5
-    one = rdp_epsilon([dpe.GaussianDpEvent(z)], delta)
     two = rdp_epsilon([dpe.GaussianDpEvent(z)] * 2, delta)
     three = rdp_epsilon([dpe.GaussianDpEvent(z)] * 3, delta)
     privacy = Privacy(ledger_name(), delta, noise_multiplier=z, max_epsilon=(two + three) / 2)
@@ -248,7 +246,6 @@ def test_budget_refuses_at_creation_with_the_numbers(client):
         client.create_aggregation({"w": (3,)}, privacy=privacy)
     ledger = client.ledger(privacy.ledger_id)
     assert len(ledger.entries) == 2 and ledger.budget_left == pytest.approx((two + three) / 2 - two, rel=1e-6)
-    assert one < two
 
 
 def test_budget_is_checked_again_at_finalize():
@@ -294,6 +291,8 @@ def test_a_ledger_keeps_its_configuration(client):
     (Privacy("l", 1e-5, noise_multiplier=1.0, adaptive=Adaptive()), "public_denominator"),
     (Privacy("l", 1e-5, noise_multiplier=1.0, public_denominator=5, adaptive=Adaptive(count_stddev=0.5)),
      "leave nothing"),
+    (Privacy("l", 1e-5, noise_multiplier=1.0, public_denominator=5, adaptive=Adaptive(count_stddev=0.0)),
+     "count_stddev > 0"),  # an un-noised count would leak through the next bound
 ])
 def test_unfit_privacy_policies_are_invalid_arguments(client, privacy, message):
     with pytest.raises(InvalidArgumentError, match=message):
@@ -301,7 +300,7 @@ def test_unfit_privacy_policies_are_invalid_arguments(client, privacy, message):
 
 
 def test_adaptive_clipping_needs_a_global_bound_and_noise_needs_a_finite_one(client):
-    adaptive = Privacy("l", 1e-5, noise_multiplier=1.0, public_denominator=5, adaptive=Adaptive())
+    adaptive = Privacy("l", 1e-5, noise_multiplier=1.0, public_denominator=5, adaptive=Adaptive(count_stddev=3.0))
     with pytest.raises(InvalidArgumentError, match="GLOBAL"):
         client.create_aggregation({"w": (3,)}, policy="per_layer_uniform", privacy=adaptive)
     with pytest.raises(InvalidArgumentError, match="infinite bound"):
@@ -336,7 +335,7 @@ def test_adaptive_bound_and_sums_follow_tf_privacy(client, case):
 
 
 # Statistics that don't leak ---------------------------------------------------------------------
-def _raw_numbers_visible(client, server, agg) -> list[str]:
+def _raw_numbers_visible(client, agg) -> list[str]:
     """Every route that could show a raw statistic of ``agg``; the names of those that do."""
     leaks = []
     stats = client.stats(agg)
@@ -368,7 +367,7 @@ def test_no_raw_statistic_is_reachable_under_a_privacy_policy(private_server):
         responses = list(pb_grpc.ClipdStub(channel).Submit(iter([pb.SubmitRequest(
             aggregation_id=agg, client_id="probe", sequence=0, writer_id="w")])))
         assert responses and all(r.aggregation_examples == 0 for r in responses)
-    assert _raw_numbers_visible(client, server, agg) == []
+    assert _raw_numbers_visible(client, agg) == []
     assert "withheld" in client.stats(agg).privacy_notice
     view = httpx.get(f"{base}/api/v1/aggregations/{agg}").json()
     assert view["examples"] is None and view["clipped"] is None and view["example_norm_histogram"] is None
@@ -379,7 +378,7 @@ def test_no_raw_statistic_is_reachable_under_a_privacy_policy(private_server):
     released = result.release
     assert len(released.layer_clipped) == 1 and len(released.example_norm_histogram) > 0
     assert released.statistics_noise_stddev == pytest.approx(2.0 * math.sqrt(3))
-    assert _raw_numbers_visible(client, server, agg) == []
+    assert _raw_numbers_visible(client, agg) == []
     view = httpx.get(f"{base}/api/v1/aggregations/{agg}").json()
     assert view["examples"] is None and view["privacy"]["release"]["examples"] == released.examples
     metrics = httpx.get(f"{base}/metrics").text
