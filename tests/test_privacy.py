@@ -26,7 +26,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import stats as scipy_stats
 
-from clipd.client import Adaptive, FailedPreconditionError, InvalidArgumentError, Privacy
+from clipd.client import Adaptive, FailedPreconditionError, InvalidArgumentError, NotFoundError, Privacy
 from clipd.v1 import clipd_pb2 as pb
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "tf_privacy_adaptive.json"
@@ -381,6 +381,11 @@ def test_no_raw_statistic_is_reachable_under_a_privacy_policy(private_server):
     assert _raw_numbers_visible(client, agg) == []
     view = httpx.get(f"{base}/api/v1/aggregations/{agg}").json()
     assert view["examples"] is None and view["privacy"]["release"]["examples"] == released.examples
+    ledger_view = httpx.get(f"{base}/api/v1/ledgers/{privacy.ledger_id}").json()
+    assert ledger_view["epsilon"] == pytest.approx(released.ledger_epsilon) and len(ledger_view["entries"]) == 1
+    assert httpx.get(f"{base}/api/v1/ledgers/no-such-ledger").status_code == 404
+    with pytest.raises(NotFoundError):
+        client.ledger("no-such-ledger")
     metrics = httpx.get(f"{base}/metrics").text
     assert _private_metric_lines(metrics, agg) == ["clipd_layer_bound", "clipd_privacy_debug", "clipd_release_noise_stddev",
                                                    "clipd_released_clipped", "clipd_released_examples"]

@@ -35,6 +35,12 @@ def test_ledger_survives_sigkill_and_refuses_the_same_way(tmp_path):
             with pytest.raises(FailedPreconditionError) as before:
                 client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=privacy)
             ledger_before = client.ledger("survivor")
+            # Another ledger: one release made, one reserved by an aggregation still open at the kill.
+            reserving = Privacy("reserving", 1e-5, noise_multiplier=1.0, max_epsilon=8.0)
+            client.finalize(client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=reserving))
+            still_open = client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=reserving)
+            with pytest.raises(FailedPreconditionError, match="1 more releases reserved") as reserved_before:
+                client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=reserving)
         proc.kill()
         proc.start()
         with _client(proc.port) as client:
@@ -43,6 +49,10 @@ def test_ledger_survives_sigkill_and_refuses_the_same_way(tmp_path):
             with pytest.raises(FailedPreconditionError) as after:
                 client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=privacy)
             assert after.value.details == before.value.details
+            with pytest.raises(FailedPreconditionError) as reserved_after:  # the open one's reservation came back
+                client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=reserving)
+            assert reserved_after.value.details == reserved_before.value.details
+            assert client.finalize(still_open).release.ledger_releases == 2
             for agg, result in released:  # the releases themselves came back, not new noise
                 again = client.finalize(agg)
                 np.testing.assert_array_equal(again.sums["w"], result.sums["w"])
