@@ -19,7 +19,7 @@ from clipd.v1 import clipd_pb2
 from . import codec, wire
 from .aggregations import Aggregation, Registry
 from .reflection import enable_reflection
-from .credentials import SubmitTokens, bearer_token, load_key, same
+from .credentials import SubmitTokens, bearer_token, same
 from .errors import ClipdError, PermissionDenied, Unauthenticated
 from .limits import StreamSlots, trim_heap
 from .logs import event
@@ -153,7 +153,7 @@ class ClipdServer:
                                    settings.warmup_timeout)
         self.ledgers = Ledgers(self.store)
         recover(self.store, self.registry, self.worker, settings, self.ledgers)
-        tokens = SubmitTokens(load_key(settings.data_dir))
+        tokens = SubmitTokens(self.store.submit_token_key())
         self.servicer = ClipdServicer(settings, self.registry, self.worker, self.store, tokens, self.ledgers)
         self.health = health.HealthServicer()
         # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more

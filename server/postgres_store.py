@@ -7,7 +7,9 @@ transaction, and the ledger is appended to under a row lock on the ledger.
 Tables (created on open; ``clipd_schema`` holds the schema version)::
 
     aggregations    id, spec, state, created, finished, reason; ``key`` a surrogate bigint
-    checkpoints     (aggregation key, generation) -> PartialState blob (bytea), its size and CRC-32
+    checkpoints     (aggregation key, generation) -> shard, PartialState blob (bytea), its size and CRC-32
+    shard_epochs    (aggregation key, shard) -> the epoch of the shard's current owner (fencing)
+    secrets         name -> value (the submit-token key, the same for every process)
     releases        aggregation key -> release blob (bytea), its size and CRC-32
     ledgers         id, config, created
     ledger_entries  (ledger, position) -> entry; never deleted (privacy spent stays spent)
@@ -17,7 +19,7 @@ Semantics are those of :class:`~clipd.server.sqlite_store.SQLiteStore`:
 - Durable on return: every write is a committed transaction, and the session
   sets ``synchronous_commit = on`` (the commit waits for the WAL flush,
   whatever the server's default is).
-- The two newest checkpoint generations of an aggregation are kept; the row
+- The two newest checkpoint generations of each shard are kept; the row
   of a new one and the removal of the older ones (and, with ``finished``, the
   FINALIZED state) are one transaction.
 - Reading a checkpoint checks its size and CRC-32 against its row, then the
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import zlib
 from collections.abc import Iterator
@@ -44,12 +47,13 @@ from psycopg import errors as pg_errors
 
 from clipd.engine import CorruptStateError, PartialState
 
-from .store import FINALIZED, STATES, AggregationRecord, LedgerConflict, LedgerEntry, LedgerRecord, Store
+from .store import (FINALIZED, STATES, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
+                    Store)
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1  # clipd_schema.version; no table is an empty database
-KEEP_GENERATIONS = 2  # checkpoints kept per aggregation: the newest and the one before
+SCHEMA_VERSION = 2  # clipd_schema.version; no table is an empty database; 1 had no shards
+KEEP_GENERATIONS = 2  # checkpoints kept per shard: the newest and the one before
 _SCHEMA_LOCK = 0x636C6970  # pg_advisory_xact_lock key: one process creates the schema at a time
 
 _SCHEMA = (
@@ -92,6 +96,17 @@ _SCHEMA = (
         next_bound double precision,
         PRIMARY KEY (ledger, position)
     )""",
+)
+
+_SCHEMA_V2 = (
+    "ALTER TABLE checkpoints ADD COLUMN shard integer NOT NULL DEFAULT 0",
+    """CREATE TABLE shard_epochs (
+        aggregation bigint NOT NULL REFERENCES aggregations (key) ON DELETE CASCADE,
+        shard integer NOT NULL,
+        epoch bigint NOT NULL,
+        PRIMARY KEY (aggregation, shard)
+    )""",
+    "CREATE TABLE secrets (name text PRIMARY KEY, value bytea NOT NULL)",
 )
 
 _RECORD_COLUMNS = "id, spec, state, created, finished, reason"
@@ -152,16 +167,22 @@ class PostgresStore(Store):
             if not exists:
                 for statement in _SCHEMA:
                     conn.execute(statement)
-                conn.execute("INSERT INTO clipd_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
-                return
-            row = conn.execute("SELECT max(version) FROM clipd_schema").fetchone()
-            version = row[0] if row and row[0] is not None else 0
+                version = 1
+            else:
+                row = conn.execute("SELECT max(version) FROM clipd_schema").fetchone()
+                version = row[0] if row and row[0] is not None else 0
             if version > SCHEMA_VERSION:
                 raise RuntimeError(
                     f"store schema version {version} is newer than this clipd understands "
                     f"({SCHEMA_VERSION}); upgrade clipd or use another database")
-            if version < SCHEMA_VERSION:
+            if version < 1:
                 raise RuntimeError(f"store schema version {version} is unknown to this clipd ({SCHEMA_VERSION})")
+            if version < 2:
+                for statement in _SCHEMA_V2:
+                    conn.execute(statement)
+            if version < SCHEMA_VERSION or not exists:
+                conn.execute("DELETE FROM clipd_schema")
+                conn.execute("INSERT INTO clipd_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
 
     # Aggregations -------------------------------------------------------------------------
     def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:
@@ -204,29 +225,38 @@ class PostgresStore(Store):
             conn.execute("DELETE FROM aggregations WHERE id = %s", (aggregation_id,))
 
     # Checkpoints --------------------------------------------------------------------------
-    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *,
-                        finished: float | None = None) -> None:
-        """One commit: the new generation, the older ones beyond two gone, FINALIZED with ``finished``."""
+    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *, shard: int = 0,
+                        epoch: int | None = None, finished: float | None = None) -> None:
+        """One commit: the epoch checked, the shard's new generation, its older ones beyond two gone,
+        FINALIZED with ``finished``."""
         blob = partial.to_bytes()
         with self._transaction() as conn:
             key = _lock_aggregation(conn, aggregation_id)
+            if epoch is not None:
+                current = _epoch(conn, key, shard)
+                if current != epoch:
+                    raise FencedOut(f"aggregation {aggregation_id!r} shard {shard}: epoch {epoch} was"
+                                    f" replaced by {current}")
             (generation,) = conn.execute(
                 "SELECT COALESCE(max(generation), 0) + 1 FROM checkpoints WHERE aggregation = %s",
                 (key,)).fetchone()
-            conn.execute("INSERT INTO checkpoints (aggregation, generation, nbytes, crc32, blob)"
-                         " VALUES (%s, %s, %s, %s, %s)", (key, generation, len(blob), zlib.crc32(blob), blob))
-            conn.execute("DELETE FROM checkpoints WHERE aggregation = %s AND generation <= %s",
-                         (key, generation - KEEP_GENERATIONS))
+            conn.execute("INSERT INTO checkpoints (aggregation, generation, shard, nbytes, crc32, blob)"
+                         " VALUES (%s, %s, %s, %s, %s, %s)",
+                         (key, generation, shard, len(blob), zlib.crc32(blob), blob))
+            conn.execute("DELETE FROM checkpoints WHERE aggregation = %s AND shard = %s AND generation IN"
+                         " (SELECT generation FROM checkpoints WHERE aggregation = %s AND shard = %s"
+                         "  ORDER BY generation DESC OFFSET %s)", (key, shard, key, shard, KEEP_GENERATIONS))
             if finished is not None:
                 conn.execute("UPDATE aggregations SET state = %s, finished = %s WHERE key = %s",
                              (FINALIZED, finished, key))
 
-    def load_checkpoint(self, aggregation_id: str, *, newest_only: bool = False) -> PartialState | None:
-        """The newest checkpoint that reads back intact (an older one if it is damaged), or None."""
+    def load_checkpoint(self, aggregation_id: str, *, shard: int = 0,
+                        newest_only: bool = False) -> PartialState | None:
+        """The shard's newest checkpoint that reads back intact (an older one if it is damaged), or None."""
         rows = self._query(
             "SELECT c.generation, c.nbytes, c.crc32, c.blob FROM checkpoints c"
-            " JOIN aggregations a ON a.key = c.aggregation WHERE a.id = %s ORDER BY c.generation DESC",
-            (aggregation_id,))
+            " JOIN aggregations a ON a.key = c.aggregation WHERE a.id = %s AND c.shard = %s"
+            " ORDER BY c.generation DESC", (aggregation_id, shard))
         for generation, nbytes, crc, blob in rows:
             try:
                 return PartialState.from_bytes(_checked(bytes(blob), nbytes, crc, f"generation {generation}"))
@@ -238,6 +268,26 @@ class PostgresStore(Store):
                 log.warning("store: checkpoint generation %d of aggregation %r is unusable (%s); "
                             "trying an older one", generation, aggregation_id, e)
         return None
+
+    def claim_shard(self, aggregation_id: str, shard: int) -> int:
+        """The shard's next epoch, committed; the row lock orders it against every concurrent save."""
+        with self._transaction() as conn:
+            row = conn.execute("SELECT key FROM aggregations WHERE id = %s", (aggregation_id,)).fetchone()
+            if row is None:
+                raise KeyError(aggregation_id)
+            (epoch,) = conn.execute(
+                "INSERT INTO shard_epochs (aggregation, shard, epoch) VALUES (%s, %s, 1)"
+                " ON CONFLICT (aggregation, shard) DO UPDATE SET epoch = shard_epochs.epoch + 1"
+                " RETURNING epoch", (row[0], shard)).fetchone()
+            return epoch
+
+    def submit_token_key(self) -> bytes:
+        """The key in ``secrets``: the first process to ask makes it, every other reads it."""
+        with self._transaction() as conn:
+            conn.execute("INSERT INTO secrets (name, value) VALUES ('submit-token-key', %s)"
+                         " ON CONFLICT (name) DO NOTHING", (secrets.token_bytes(32),))
+            (key,) = conn.execute("SELECT value FROM secrets WHERE name = 'submit-token-key'").fetchone()
+        return bytes(key)
 
     # Privacy ledgers ----------------------------------------------------------------------
     def ensure_ledger(self, record: LedgerRecord) -> LedgerRecord:
@@ -314,6 +364,13 @@ def _lock_ledger(conn: psycopg.Connection, ledger_id: str) -> int:
         raise KeyError(ledger_id)
     (count,) = conn.execute("SELECT count(*) FROM ledger_entries WHERE ledger = %s", (ledger_id,)).fetchone()
     return count
+
+
+def _epoch(conn: psycopg.Connection, key: int, shard: int) -> int:
+    """The shard's epoch, its row share-locked until the transaction ends (a claim waits for it)."""
+    row = conn.execute("SELECT epoch FROM shard_epochs WHERE aggregation = %s AND shard = %s FOR SHARE",
+                       (key, shard)).fetchone()
+    return row[0] if row else 0
 
 
 def _insert_entry(conn: psycopg.Connection, ledger_id: str, position: int, entry: LedgerEntry) -> None:

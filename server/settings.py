@@ -87,10 +87,9 @@ class Settings:
             raise ValueError("Settings.max_batch_bytes can't exceed max_buffered_bytes (no batch could ever fit)")
         if not self.data_dir:
             raise ValueError("Settings.data_dir must name a directory (or 'memory')")
-        if "://" in self.data_dir:
-            raise ValueError("Settings.data_dir: a database URL is not served yet (the PostgreSQL store exists as"
-                             " clipd.server.postgres_store, but the server keeps its submit-token key on disk);"
-                             " name a directory")
+        if "://" in self.data_dir and not self.data_dir.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"Settings.data_dir: a directory, 'memory', or a postgresql:// URL (a shared store),"
+                             f" got {self.data_dir.split('://')[0]}://...")
         if not (self.admin_token or self.insecure or is_loopback(self.host)):
             raise ValueError(f"refusing to listen on {self.host} without credentials: set admin_token"
                              " (CLIPD_ADMIN_TOKEN, --admin-token), or listen on loopback, or pass --insecure")

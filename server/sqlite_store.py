@@ -3,11 +3,12 @@
 Layout of ``data_dir``::
 
     clipd.sqlite3               aggregations and checkpoint rows (WAL, synchronous=FULL)
-    states/<key>/<gen>.state    one PartialState blob per checkpoint generation
+    states/<key>/<gen>.state    one PartialState blob per checkpoint generation (of some shard)
     states/<key>/release        a private release (noised sums), once committed
 
 ``<key>`` is the aggregation's surrogate integer key, never its id (ids may be
-``"."`` or ``".."``). The two newest generations of an aggregation are kept.
+``"."`` or ``".."``). Generations count up per aggregation, over all its shards;
+the two newest generations of each shard are kept.
 
 Why a crash at any point loses nothing that was acknowledged and never mixes
 two states (Pillai et al., OSDI'14: a rename alone is not durable):
@@ -46,12 +47,14 @@ from collections.abc import Iterator
 
 from clipd.engine import CorruptStateError, PartialState
 
-from .store import FINALIZED, STATES, AggregationRecord, LedgerConflict, LedgerEntry, LedgerRecord, Store
+from .credentials import load_key
+from .store import (FINALIZED, STATES, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
+                    Store)
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers
-KEEP_GENERATIONS = 2  # checkpoint files kept per aggregation: the newest and the one before
+SCHEMA_VERSION = 3  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards
+KEEP_GENERATIONS = 2  # checkpoint files kept per shard: the newest and the one before
 DB_NAME = "clipd.sqlite3"
 RELEASE_FILE = "release"
 STATES_DIR = "states"
@@ -95,6 +98,16 @@ _SCHEMA_V2 = (
         aggregation INTEGER PRIMARY KEY REFERENCES aggregations (key),
         nbytes INTEGER NOT NULL,
         crc32 INTEGER NOT NULL
+    )""",
+)
+
+_SCHEMA_V3 = (
+    "ALTER TABLE checkpoints ADD COLUMN shard INTEGER NOT NULL DEFAULT 0",
+    """CREATE TABLE shard_epochs (  -- the epoch of each shard's current owner (fencing)
+        aggregation INTEGER NOT NULL REFERENCES aggregations (key),
+        shard INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        PRIMARY KEY (aggregation, shard)
     )""",
 )
 
@@ -155,6 +168,9 @@ class SQLiteStore(Store):
                     conn.execute(statement)
             if version < 2:
                 for statement in _SCHEMA_V2:
+                    conn.execute(statement)
+            if version < 3:
+                for statement in _SCHEMA_V3:
                     conn.execute(statement)
             if version < SCHEMA_VERSION:
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -257,6 +273,7 @@ class SQLiteStore(Store):
             with self._transaction() as conn:
                 conn.execute("DELETE FROM checkpoints WHERE aggregation = ?", (key,))
                 conn.execute("DELETE FROM releases WHERE aggregation = ?", (key,))
+                conn.execute("DELETE FROM shard_epochs WHERE aggregation = ?", (key,))
                 conn.execute("DELETE FROM aggregations WHERE key = ?", (key,))
             self._remove_state_dir(key)
 
@@ -273,12 +290,13 @@ class SQLiteStore(Store):
             log.warning("store: could not remove %s (%s); it goes at the next open", directory, e)
 
     # Checkpoints --------------------------------------------------------------------------
-    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *,
-                        finished: float | None = None) -> None:
-        """Commits ``partial`` as the newest checkpoint: file durable first, then its row (see the module doc).
+    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *, shard: int = 0,
+                        epoch: int | None = None, finished: float | None = None) -> None:
+        """Commits ``partial`` as the shard's newest checkpoint: file durable first, then its row (module doc).
 
         With ``finished``, the same SQLite commit marks the aggregation FINALIZED.
-        ``KeyError`` (and nothing written) if the aggregation does not exist.
+        ``KeyError`` (and nothing written) if the aggregation does not exist;
+        ``FencedOut`` (nothing kept) if ``epoch`` is not the shard's current one.
         """
         blob = partial.to_bytes()
         with self._files_lock:
@@ -295,34 +313,47 @@ class SQLiteStore(Store):
             # If the commit fails, the file stays: it has no row (swept at the next open, or
             # replaced by the next save of this generation), and deleting it would be wrong
             # if the commit did reach the disk before the error.
-            pruned = self._commit_checkpoint(key, generation, name, blob, finished)
+            try:
+                pruned = self._commit_checkpoint(key, shard, epoch, generation, name, blob, finished)
+            except FencedOut:
+                _remove_files(directory, [name])  # refused before the commit: no row points at it
+                raise
             if pruned:
                 _remove_files(directory, pruned)
                 _fsync_dir(directory)
 
-    def _commit_checkpoint(self, key: int, generation: int, name: str, blob: bytes,
-                           finished: float | None) -> list[str]:
-        """One transaction: the new row, FINALIZED if ``finished``, old rows dropped. Returns their files."""
+    def _commit_checkpoint(self, key: int, shard: int, epoch: int | None, generation: int, name: str,
+                           blob: bytes, finished: float | None) -> list[str]:
+        """One transaction: the epoch checked, the new row, FINALIZED if ``finished``, the shard's old rows dropped.
+
+        Returns the dropped rows' files.
+        """
         with self._transaction() as conn:
-            conn.execute("INSERT INTO checkpoints (aggregation, generation, file, nbytes, crc32)"
-                         " VALUES (?, ?, ?, ?, ?)", (key, generation, name, len(blob), zlib.crc32(blob)))
+            if epoch is not None:
+                current = _epoch(conn, key, shard)
+                if current != epoch:
+                    raise FencedOut(f"shard {shard}: epoch {epoch} was replaced by {current}")
+            conn.execute("INSERT INTO checkpoints (aggregation, generation, file, nbytes, crc32, shard)"
+                         " VALUES (?, ?, ?, ?, ?, ?)", (key, generation, name, len(blob), zlib.crc32(blob), shard))
             if finished is not None:
                 conn.execute("UPDATE aggregations SET state = ?, finished = ? WHERE key = ?",
                              (FINALIZED, finished, key))
-            old = conn.execute("SELECT generation, file FROM checkpoints WHERE aggregation = ?"
-                               " ORDER BY generation DESC LIMIT -1 OFFSET ?", (key, KEEP_GENERATIONS)).fetchall()
+            old = conn.execute("SELECT generation, file FROM checkpoints WHERE aggregation = ? AND shard = ?"
+                               " ORDER BY generation DESC LIMIT -1 OFFSET ?",
+                               (key, shard, KEEP_GENERATIONS)).fetchall()
             conn.executemany("DELETE FROM checkpoints WHERE aggregation = ? AND generation = ?",
                              [(key, g) for g, _ in old])
         return [name for _, name in old]
 
-    def load_checkpoint(self, aggregation_id: str, *, newest_only: bool = False) -> PartialState | None:
-        """The newest checkpoint that reads back intact (an older one if it is damaged), or None."""
+    def load_checkpoint(self, aggregation_id: str, *, shard: int = 0,
+                        newest_only: bool = False) -> PartialState | None:
+        """The shard's newest checkpoint that reads back intact (an older one if it is damaged), or None."""
         with self._files_lock:
             key = self._key(aggregation_id)
             if key is None:
                 return None
             rows = self._query("SELECT generation, file, nbytes, crc32 FROM checkpoints"
-                               " WHERE aggregation = ? ORDER BY generation DESC", (key,))
+                               " WHERE aggregation = ? AND shard = ? ORDER BY generation DESC", (key, shard))
             for generation, name, nbytes, crc in rows:
                 try:
                     return self._read_checkpoint(key, name, nbytes, crc)
@@ -334,6 +365,21 @@ class SQLiteStore(Store):
                     log.warning("store: checkpoint generation %d of aggregation %r is unusable (%s); "
                                 "trying an older one", generation, aggregation_id, e)
             return None
+
+    def claim_shard(self, aggregation_id: str, shard: int) -> int:
+        """The shard's next epoch, committed: checkpoints of every earlier epoch are refused from now on."""
+        with self._transaction() as conn:
+            row = conn.execute("SELECT key FROM aggregations WHERE id = ?", (aggregation_id,)).fetchone()
+            if row is None:
+                raise KeyError(aggregation_id)
+            epoch = _epoch(conn, row[0], shard) + 1
+            conn.execute("INSERT OR REPLACE INTO shard_epochs (aggregation, shard, epoch) VALUES (?, ?, ?)",
+                         (row[0], shard, epoch))
+            return epoch
+
+    def submit_token_key(self) -> bytes:
+        """``<data_dir>/submit-token.key`` (0600), made on first use."""
+        return load_key(self.data_dir)
 
     def _read_checkpoint(self, key: int, name: str, nbytes: int, crc: int) -> PartialState:
         """The blob of one checkpoint row, checked against the row and its own checksum."""
@@ -422,6 +468,11 @@ def _lock_exclusively(path: str):
         f.close()
         raise RuntimeError(f"{os.path.dirname(path)} is in use by another clipd process") from None
     return f
+
+
+def _epoch(conn: sqlite3.Connection, key: int, shard: int) -> int:
+    row = conn.execute("SELECT epoch FROM shard_epochs WHERE aggregation = ? AND shard = ?", (key, shard)).fetchone()
+    return row[0] if row else 0
 
 
 def _insert_entry(conn: sqlite3.Connection, ledger_id: str, position: int, entry: LedgerEntry) -> None:

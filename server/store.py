@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import secrets
 import threading
 
 from clipd.engine import PartialState
@@ -62,6 +63,15 @@ class LedgerConflict(Exception):
     """The ledger gained an entry since the caller read it (another process released on it)."""
 
 
+class FencedOut(Exception):
+    """A newer owner claimed the shard (a higher epoch): this owner's checkpoint is refused.
+
+    An owner believed dead (a stopped process, a partitioned actor) may still
+    run; once a replacement has claimed the shard, nothing the old one writes
+    may land, or two owners would both count the shard's batches.
+    """
+
+
 class Store(abc.ABC):
     """The durable half of the server. Every method is thread-safe; every write is durable on return."""
 
@@ -88,22 +98,39 @@ class Store(abc.ABC):
         """Moves an aggregation to ``state`` (``KeyError`` if it does not exist)."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *,
-                        finished: float | None = None) -> None:
-        """Commits ``partial`` as the aggregation's newest checkpoint.
+    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *, shard: int = 0,
+                        epoch: int | None = None, finished: float | None = None) -> None:
+        """Commits ``partial`` as the newest checkpoint of one shard of the aggregation.
 
+        Each shard (``0 <= shard``) has checkpoints of its own. ``epoch``: the
+        epoch the writer claimed with :meth:`claim_shard`; ``FencedOut`` (and
+        nothing written) if the shard has been claimed since. None: no check
+        (a single owner, such as the one process of an embedded store).
         With ``finished``, the same commit also marks the aggregation FINALIZED
         at that time: the final state and the state change are one transaction.
         ``KeyError`` if the aggregation does not exist.
         """
 
     @abc.abstractmethod
-    def load_checkpoint(self, aggregation_id: str, *, newest_only: bool = False) -> PartialState | None:
-        """The newest checkpoint that reads back intact (an older one if the newest is corrupt), or None.
+    def load_checkpoint(self, aggregation_id: str, *, shard: int = 0,
+                        newest_only: bool = False) -> PartialState | None:
+        """The shard's newest checkpoint that reads back intact (an older one if the newest is corrupt), or None.
 
         ``newest_only``: None rather than an older checkpoint (a finalized result
         must be the final state, never an earlier one).
         """
+
+    @abc.abstractmethod
+    def claim_shard(self, aggregation_id: str, shard: int) -> int:
+        """Makes the caller the shard's owner: returns its new epoch (1, 2, ...), durably.
+
+        Every earlier owner's :meth:`save_checkpoint` is refused from then on
+        (``FencedOut``). ``KeyError`` if the aggregation does not exist.
+        """
+
+    @abc.abstractmethod
+    def submit_token_key(self) -> bytes:
+        """The 32-byte key the server signs submit tokens with: made once, the same for every process."""
 
     @abc.abstractmethod
     def delete(self, aggregation_id: str) -> None:
@@ -152,6 +179,8 @@ class MemoryStore(Store):
         self._ledgers: dict[str, LedgerRecord] = {}
         self._entries: dict[str, list[LedgerEntry]] = {}
         self._releases: dict[str, bytes] = {}
+        self._epochs: dict[tuple[str, int], int] = {}
+        self._key = secrets.token_bytes(32)
 
     def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:
         with self._lock:
@@ -181,23 +210,41 @@ class MemoryStore(Store):
             self._records[aggregation_id] = dataclasses.replace(record, state=state, reason=reason,
                                                                 finished=finished)
 
-    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *,
-                        finished: float | None = None) -> None:
+    def save_checkpoint(self, aggregation_id: str, partial: PartialState, *, shard: int = 0,
+                        epoch: int | None = None, finished: float | None = None) -> None:
         with self._lock:
             record = self._records[aggregation_id]
-            self._checkpoints[aggregation_id] = partial
+            current = self._epochs.get((aggregation_id, shard), 0)
+            if epoch is not None and epoch != current:
+                raise FencedOut(f"aggregation {aggregation_id!r} shard {shard}: epoch {epoch} was"
+                                f" replaced by {current}")
+            self._checkpoints[(aggregation_id, shard)] = partial
             if finished is not None:
                 self._records[aggregation_id] = dataclasses.replace(record, state=FINALIZED, finished=finished)
 
-    def load_checkpoint(self, aggregation_id: str, *, newest_only: bool = False) -> PartialState | None:
+    def load_checkpoint(self, aggregation_id: str, *, shard: int = 0,
+                        newest_only: bool = False) -> PartialState | None:
         with self._lock:
-            return self._checkpoints.get(aggregation_id)
+            return self._checkpoints.get((aggregation_id, shard))
+
+    def claim_shard(self, aggregation_id: str, shard: int) -> int:
+        with self._lock:
+            if aggregation_id not in self._records:
+                raise KeyError(aggregation_id)
+            epoch = self._epochs.get((aggregation_id, shard), 0) + 1
+            self._epochs[(aggregation_id, shard)] = epoch
+            return epoch
+
+    def submit_token_key(self) -> bytes:
+        return self._key
 
     def delete(self, aggregation_id: str) -> None:
         with self._lock:
             self._records.pop(aggregation_id, None)
-            self._checkpoints.pop(aggregation_id, None)
             self._releases.pop(aggregation_id, None)
+            for key in [k for k in (*self._checkpoints, *self._epochs) if k[0] == aggregation_id]:
+                self._checkpoints.pop(key, None)
+                self._epochs.pop(key, None)
 
     def ensure_ledger(self, record: LedgerRecord) -> LedgerRecord:
         with self._lock:
@@ -221,7 +268,8 @@ class MemoryStore(Store):
                 raise LedgerConflict(f"ledger {ledger_id!r} has {len(entries)} entries, not {position}")
             entries.append(entry)
             self._releases[aggregation_id] = release
-            self._checkpoints.pop(aggregation_id, None)
+            for key in [k for k in self._checkpoints if k[0] == aggregation_id]:
+                del self._checkpoints[key]
             self._records[aggregation_id] = dataclasses.replace(record, state=FINALIZED, finished=finished)
 
     def load_release(self, aggregation_id: str) -> bytes | None:

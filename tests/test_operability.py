@@ -264,8 +264,9 @@ def test_invalid_combinations_are_settings_errors_that_name_their_source(tmp_pat
     with pytest.raises(SettingsError, match="log_level.*--log-level"):
         Settings.load({"log_level": "loud"}, environ={})
     assert issubclass(SettingsError, ValueError)
-    with pytest.raises(SettingsError, match="database URL is not served yet.*--data-dir"):  # not a directory name
-        Settings.load({"data_dir": "postgresql://127.0.0.1/clipd"}, environ={})
+    with pytest.raises(SettingsError, match="postgresql:// URL.*got mysql://.*--data-dir"):  # no other database
+        Settings.load({"data_dir": "mysql://127.0.0.1/clipd"}, environ={})
+    assert Settings.load({"data_dir": "postgresql://127.0.0.1/clipd"}, environ={}).data_dir.startswith("postgresql")
 
 
 def test_empty_numbers_in_the_environment_count_as_unset():

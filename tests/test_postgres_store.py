@@ -157,6 +157,36 @@ class TestPostgresStore(StoreContract):
         finally:
             store.close()
 
+    def test_a_version_1_database_opens_with_its_checkpoints_as_shard_0(self):
+        from clipd.server import postgres_store
+
+        dsn = self.cluster.new_database()
+        blob = state_at(4).to_bytes()
+        with psycopg.connect(dsn) as conn:
+            for statement in postgres_store._SCHEMA:
+                conn.execute(statement)
+            conn.execute("INSERT INTO clipd_schema VALUES (1)")
+            conn.execute("INSERT INTO aggregations (id, spec, state, created) VALUES ('old', '{}', 'open', 1.0)")
+            conn.execute("INSERT INTO checkpoints VALUES (1, 1, %s, %s, %s)", (len(blob), zlib.crc32(blob), blob))
+        store = PostgresStore(dsn)
+        try:
+            assert store.load_checkpoint("old") == state_at(4)
+            assert store.claim_shard("old", 0) == 1
+            assert len(store.submit_token_key()) == 32
+        finally:
+            store.close()
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT version FROM clipd_schema").fetchall() == [(SCHEMA_VERSION,)] == [(2,)]
+
+    def test_processes_sharing_a_database_share_the_submit_token_key(self):
+        dsn = self.cluster.new_database()
+        first, second = PostgresStore(dsn), PostgresStore(dsn)
+        try:
+            assert first.submit_token_key() == second.submit_token_key()
+        finally:
+            first.close()
+            second.close()
+
     def test_newer_schema_is_refused(self):
         dsn = self.cluster.new_database()
         PostgresStore(dsn).close()

@@ -27,7 +27,7 @@ import pytest
 
 from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState
 from clipd.server.sqlite_store import SCHEMA_VERSION, SQLiteStore
-from clipd.server.store import (FAILED, FINALIZED, OPEN, AggregationRecord, LedgerConflict, LedgerEntry,
+from clipd.server.store import (FAILED, FINALIZED, OPEN, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry,
                                 LedgerRecord, MemoryStore, Store)
 
 def state_at(n: int) -> PartialState:
@@ -189,6 +189,56 @@ class StoreContract:
             assert store.load_checkpoint(aggregation_id) == state_at(100 * k + saves)
 
     # Privacy ledgers ------------------------------------------------------------------------
+    def test_shards_have_checkpoints_of_their_own(self, store):
+        store.create(record("a"))
+        store.save_checkpoint("a", state_at(1), shard=0)
+        store.save_checkpoint("a", state_at(2), shard=3)
+        for n in (3, 4, 5):  # generations of shard 3 must not push out shard 0's only one
+            store.save_checkpoint("a", state_at(n), shard=3)
+        assert store.load_checkpoint("a") == state_at(1)
+        assert store.load_checkpoint("a", shard=0) == state_at(1)
+        assert store.load_checkpoint("a", shard=3) == state_at(5)
+        assert store.load_checkpoint("a", shard=1) is None
+
+    def test_claiming_a_shard_fences_out_the_previous_owner(self, store):
+        store.create(record("a"))
+        with pytest.raises(KeyError):
+            store.claim_shard("ghost", 0)
+        first = store.claim_shard("a", 1)
+        assert store.claim_shard("a", 2) == 1  # epochs count per shard
+        store.save_checkpoint("a", state_at(1), shard=1, epoch=first)
+        second = store.claim_shard("a", 1)  # a new owner: the old one is believed dead
+        assert second == first + 1
+        with pytest.raises(FencedOut):
+            store.save_checkpoint("a", state_at(99), shard=1, epoch=first)  # it was not: refused
+        with pytest.raises(FencedOut):
+            store.save_checkpoint("a", state_at(99), shard=1, epoch=first, finished=5.0)
+        assert store.load_checkpoint("a", shard=1) == state_at(1)
+        assert store.get("a").state == OPEN
+        store.save_checkpoint("a", state_at(2), shard=1, epoch=second)
+        assert store.load_checkpoint("a", shard=1) == state_at(2)
+        with pytest.raises(FencedOut):  # an epoch never claimed is no owner either
+            store.save_checkpoint("a", state_at(3), shard=1, epoch=second + 1)
+
+    def test_a_release_drops_every_shard_and_delete_forgets_epochs(self, store):
+        store.ensure_ledger(LedgerRecord("L", "{}", 1.0))
+        for aggregation_id in ("a", "b"):
+            store.create(record(aggregation_id))
+            for shard in range(3):
+                store.save_checkpoint(aggregation_id, state_at(shard + 1), shard=shard)
+        store.commit_release("a", b"noised", "L", LedgerEntry("a", "{}", 2.0, 0.5), 0, 2.0)
+        assert [store.load_checkpoint("a", shard=k) for k in range(3)] == [None] * 3
+        assert store.claim_shard("b", 0) == 1
+        store.delete("b")
+        store.create(record("b"))  # the same id again: a new aggregation, epochs from 1
+        assert store.load_checkpoint("b", shard=2) is None
+        assert store.claim_shard("b", 0) == 1
+
+    def test_the_submit_token_key_is_made_once(self, store):
+        key = store.submit_token_key()
+        assert isinstance(key, bytes) and len(key) == 32
+        assert store.submit_token_key() == key
+
     def test_ensure_ledger_keeps_the_first_record(self, store):
         first = LedgerRecord("L", '{"delta": 1e-05}', created=3.0)
         assert store.ensure_ledger(first) == first
@@ -323,6 +373,31 @@ class TestSQLiteStore(StoreContract):
             assert _checkpoint_files(pathlib.Path(data))[_only_dir_name(store, "a")] == ["2.state", "3.state"]
         finally:
             store.close()
+
+    def test_a_version_2_store_opens_with_its_checkpoints_as_shard_0(self, tmp_path):
+        """Upgrade in place: a store written before shards keeps its checkpoints (they become shard 0)."""
+        from clipd.server import sqlite_store
+
+        data = tmp_path / "data"
+        (data / "states" / "1").mkdir(parents=True)
+        blob = state_at(4).to_bytes()
+        (data / "states" / "1" / "1.state").write_bytes(blob)
+        with sqlite3.connect(data / "clipd.sqlite3") as conn:
+            for statement in (*sqlite_store._SCHEMA, *sqlite_store._SCHEMA_V2):
+                conn.execute(statement)
+            conn.execute("INSERT INTO aggregations (id, spec, state, created) VALUES ('old', '{}', 'open', 1.0)")
+            conn.execute("INSERT INTO checkpoints VALUES (1, 1, '1.state', ?, ?)", (len(blob), zlib.crc32(blob)))
+            conn.execute("PRAGMA user_version = 2")
+        store = SQLiteStore(str(data))
+        try:
+            assert store.load_checkpoint("old") == state_at(4)
+            assert store.claim_shard("old", 0) == 1
+            store.save_checkpoint("old", state_at(5), shard=1)
+            assert store.load_checkpoint("old", shard=1) == state_at(5)
+        finally:
+            store.close()
+        with sqlite3.connect(data / "clipd.sqlite3") as conn:
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
 
     def test_newer_schema_is_refused(self, tmp_path):
         data = tmp_path / "data"
