@@ -193,12 +193,16 @@ class _SnapshotCollector:
         yield CounterMetricFamily("clipd_refused_batches", "Batches refused: the buffer stayed full.",
                                   value=budget.refused)
         yield GaugeMetricFamily("clipd_queue_depth", "Items waiting for the device worker.",
-                                value=server.worker.queue_depth)
+                                value=server.devices.queue_depth)
         yield GaugeMetricFamily("clipd_queued_bytes", "Batch bytes waiting for the device.",
-                                value=server.worker.queued_bytes)
-        device = GaugeMetricFamily("clipd_device_info", "The device the worker runs on.", labels=["kind"])
-        device.add_metric([server.worker.device_kind], 1)
+                                value=server.devices.queued_bytes)
+        device = GaugeMetricFamily("clipd_device_info", "The devices the workers run on.", labels=["id", "kind"])
+        steps = CounterMetricFamily("clipd_device_steps", "Clip-and-sum steps run, by device.", labels=["id"])
+        for d in server.devices.describe():
+            device.add_metric([str(d["id"]), d["kind"]], 1)
+            steps.add_metric([str(d["id"])], d["steps"])
         yield device
+        yield steps
 
 
 def _privacy_metrics(server, private):
@@ -328,7 +332,7 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
         aggregations = server.registry.all()
         debug = sorted({a.privacy.ledger_id for a in aggregations if a.privacy and a.privacy.debug_raw_statistics})
         return {"aggregations": [aggregation_view(a) for a in aggregations],
-                "device_kind": server.worker.device_kind,
+                "device_kind": server.devices.device_kind,
                 "privacy_debug_notice": (f"DEBUG MODE: raw statistics of differentially private aggregations are shown;"
                                          f" the epsilon of ledger(s) {', '.join(debug)} is infinite") if debug else ""}
 
@@ -342,10 +346,11 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
 
     @app.get("/api/v1/server")
     def server_view(_: Reader) -> dict[str, Any]:
-        """The devices in use and their step counts (one device worker per server today)."""
-        worker = server.worker
-        return {"devices": [{"id": worker.device.id, "kind": worker.device_kind,
-                             "platform": worker.device.platform, "steps": worker.steps}]}
+        """The devices in use (a device worker each) and the clip-and-sum steps each has run; the ingest processes."""
+        ingest = server.ingest.describe() if server.ingest is not None else []
+        for process in ingest:
+            process["calls"] = server.guard.forwarded.get(str(process["index"]), 0)
+        return {"devices": server.devices.describe(), "ingest_processes": ingest}
 
     @app.get("/api/v1/ledgers")
     def list_ledgers(_: Reader) -> dict[str, Any]:

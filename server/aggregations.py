@@ -10,9 +10,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import threading
 import time
 import uuid
+import zlib
 
 import numpy as np
 
@@ -71,6 +73,15 @@ class Result:
     sums: tuple[np.ndarray, ...]
 
 
+def shard_of(client_id: str, shards: int) -> int:
+    """The shard that sums a client's batches: a fixed function of the id, the same in every process.
+
+    >>> shard_of("alice", 1), shard_of("alice", 4), shard_of("bob", 4)  # crc32 of "alice" is 663,665,735
+    (0, 3, 0)
+    """
+    return zlib.crc32(client_id.encode()) % shards
+
+
 class Aggregation:
     """One aggregation: its spec, its clients' sequence numbers, its totals and latest statistics.
 
@@ -78,12 +89,16 @@ class Aggregation:
     queued or summed) >= ``durable`` (in a committed checkpoint). Streams
     acknowledge ``durable`` only; ``pending`` counts accepted batches not yet
     summed. After a restart both start at the recovered checkpoint's marks.
+
+    Shards: the aggregation's clients are split over ``shards`` partial states
+    (:func:`shard_of`), each summed by one device and checkpointed on its own;
+    :attr:`totals` is their merge. A client's marks live in its shard's state.
     """
 
     def __init__(self, aggregation_id: str, layers: tuple[LayerSpec, ...], policy: ClipPolicy,
                  reject_non_finite: bool, max_device_rows: int, staging_bytes: int,
-                 recovered: PartialState | None = None, created: float | None = None,
-                 max_clients: int | None = None, privacy=None, plan=None) -> None:
+                 recovered: list[PartialState | None] | PartialState | None = None, created: float | None = None,
+                 max_clients: int | None = None, privacy=None, plan=None, shards: int = 1) -> None:
         self.id = aggregation_id
         self.privacy = privacy  # engine PrivacyPolicy, or None: the sum is released as is
         self.plan = plan  # engine ReleasePlan of the privacy policy
@@ -103,20 +118,35 @@ class Aggregation:
         self.failure_reason = ""
         self.finished: float | None = None  # unix time it was finalized or failed
         self.pending = 0  # batches accepted and not yet summed
-        self.totals = recovered if recovered is not None else PartialState.empty(layers)  # as of the last flush
-        marks = {client: sequence for client, (sequence, _) in self.totals.clients.items()}
+        if not isinstance(recovered, list):
+            recovered = [recovered] + [None] * (shards - 1)
+        if len(recovered) != shards:
+            raise ValueError(f"aggregation {aggregation_id}: {len(recovered)} recovered shards, not {shards}")
+        self.shards = shards
+        # Each shard's totals as of its last flush.
+        self.shard_totals = [r if r is not None else PartialState.empty(layers) for r in recovered]
+        totals = self.totals
+        marks = {client: sequence for client, (sequence, _) in totals.clients.items()}
         self._accepted = dict(marks)
         self._durable = dict(marks)
-        self._last_writer = {client: writer for client, (_, writer) in self.totals.clients.items()}
+        self._last_writer = {client: writer for client, (_, writer) in totals.clients.items()}
         self._open_writers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        self._examples, self._batches, self._bytes = self.totals.examples, self.totals.batches, self.totals.bytes
+        self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
         self._rate_base = self._examples
-        self._device_stats = None  # statistics of the device delta since the last flush (numpy)
+        self._device_stats: list = [None] * shards  # per shard: statistics of its device delta since its flush
         self._updated = self.created
         self._rates: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.result: Result | None = None
         self.released_sums: tuple[np.ndarray, ...] = ()
         self._finalize_lock = threading.Lock()
+
+    @property
+    def totals(self) -> PartialState:
+        """Every shard's totals merged (as of each shard's last flush)."""
+        return functools.reduce(PartialState.merge, self.shard_totals)
+
+    def shard_of(self, client_id: str) -> int:
+        return shard_of(client_id, self.shards)
 
     @property
     def parameters(self) -> int:
@@ -202,8 +232,8 @@ class Aggregation:
             return self._durable.get(client_id, 0)
 
     # Called by the worker ---------------------------------------------------------
-    def record(self, done: list[tuple[str, str, int, int, int]], device_stats) -> None:
-        """Marks ``(client, writer, sequence, rows, nbytes)`` batches summed, with the delta's statistics."""
+    def record(self, done: list[tuple[str, str, int, int, int]], device_stats, shard: int = 0) -> None:
+        """Marks ``(client, writer, sequence, rows, nbytes)`` batches summed, with the shard's delta statistics."""
         now = time.time()
         with self.cond:
             for _, _, _, rows, nbytes in done:
@@ -212,17 +242,17 @@ class Aggregation:
                 self._batches += 1
                 self.pending -= 1
             if device_stats is not None:
-                self._device_stats = device_stats
+                self._device_stats[shard] = device_stats
             self._updated = now
             if not self._rates or now - self._rates[-1][0] >= 0.25:  # 64 samples cover >= 16 s
                 self._rates.append((now, self._examples))
             self.cond.notify_all()
 
-    def flushed(self, totals: PartialState) -> None:
-        """The worker added the device delta into ``totals`` (the delta restarts from zero)."""
+    def flushed(self, totals: PartialState, shard: int = 0) -> None:
+        """The worker added the shard's device delta into ``totals`` (the delta restarts from zero)."""
         with self.cond:
-            self.totals = totals
-            self._device_stats = None
+            self.shard_totals[shard] = totals
+            self._device_stats[shard] = None
 
     def mark_durable(self, clients) -> None:
         """A checkpoint holding these client marks was committed: acknowledge up to them."""
@@ -276,8 +306,9 @@ class Aggregation:
     def finalize(self, commit_final, timeout: float, release=None) -> Result:
         """Closes, waits for every accepted batch, commits the final state, keeps ``Result``.
 
-        ``commit_final()`` flushes the device delta, commits the totals as the
-        final checkpoint and returns them. A second call returns the same result.
+        ``commit_final()`` flushes every shard's device delta, commits each
+        shard's totals as its final checkpoint and returns them, one per shard
+        (merged here: a client in two shards is refused, ``OverlapError``). A second call returns the same result.
         ``DeadlineExceeded`` if the accepted batches are not summed within ``timeout``.
         Under a privacy policy, ``commit_final`` commits the raw totals without
         finishing and ``release(totals)`` commits the private release (and the
@@ -293,7 +324,8 @@ class Aggregation:
                     f"aggregation {self.id}: {self.pending} accepted batches not summed after {timeout:g} s")
             with self.cond:
                 self._check_not_ended()
-            totals = commit_final()
+            shard_totals = commit_final()
+            totals = functools.reduce(PartialState.merge, shard_totals)
             released = None
             if release is not None:
                 try:
@@ -307,8 +339,8 @@ class Aggregation:
                     self.release, self.released_sums = released.fields, released.sums
                 self.state = State.FINALIZED
                 self.finished = time.time()
-                self.totals = totals
-                self._device_stats = None
+                self.shard_totals = list(shard_totals)
+                self._device_stats = [None] * self.shards
                 self.mark_durable(totals.clients)
                 self.result = self._result_locked()
                 return self.result
@@ -366,7 +398,9 @@ class Aggregation:
                      privacy_notice=notice, release=self.release)
 
     def _raw_stats_locked(self) -> Stats:
-        t = self.totals if self._device_stats is None else self.totals.absorb(self._device_stats)
+        t = functools.reduce(PartialState.merge, (
+            totals if stats is None else totals.absorb(stats)
+            for totals, stats in zip(self.shard_totals, self._device_stats)))
         counted = t.layer_histograms.sum(axis=1)
         bounds = self._layer_bounds()
         layers = tuple(

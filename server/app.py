@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from concurrent import futures
@@ -23,11 +27,12 @@ from .credentials import SubmitTokens, bearer_token, same
 from .errors import ClipdError, PermissionDenied, Unauthenticated
 from .limits import StreamSlots, trim_heap
 from .logs import event
+from .ingest import INGEST_METADATA, IngestProcesses, SharedRegions, reserve_port, shared_memory_dir
 from .privacy import Ledgers, Release
 from .service import ClipdServicer, lenient
 from .settings import Settings
 from .store import FAILED, FINALIZED, Store, open_store
-from .worker import DeviceWorker
+from .shards import Devices
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"].full_name
@@ -53,10 +58,14 @@ class _Guard(grpc.ServerInterceptor):
     def __init__(self, admin_token: str, servicer: ClipdServicer) -> None:
         self._admin_token = admin_token
         self._servicer = servicer
+        self.forwarded: collections.Counter = collections.Counter()  # calls per ingest process (--processes)
         self._other_streams = StreamSlots(OTHER_STREAMS, "health-watch and reflection stream")
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == INGEST_METADATA:
+                self.forwarded[value] += 1
         handler = continuation(handler_call_details)
         if handler is None:
             return None
@@ -114,8 +123,11 @@ def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: Cl
     return _with_behavior(handler, refuse_streaming if handler.response_streaming else refuse)
 
 
-def _clipd_handlers(servicer) -> grpc.GenericRpcHandler:
-    """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies)."""
+def _clipd_handlers(servicer, regions=None) -> grpc.GenericRpcHandler:
+    """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies).
+
+    ``regions``: the internal socket of ``--processes``: chunk data may be in the ingest processes' shared memory.
+    """
     service = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -127,7 +139,7 @@ def _clipd_handlers(servicer) -> grpc.GenericRpcHandler:
     for method in service.methods:
         parse = getattr(clipd_pb2, method.input_type.name).FromString
         if method.name == "Submit":
-            parse = wire.parse_submit_request
+            parse = functools.partial(wire.parse_submit_request, regions=regions)
         parse = lenient(parse)  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
         handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
@@ -138,10 +150,17 @@ def _clipd_handlers(servicer) -> grpc.GenericRpcHandler:
 
 
 class ClipdServer:
-    """The running service: gRPC server, device worker, registry, and (optionally) the admin API."""
+    """The running service: gRPC server, device workers, registry, and (optionally) the admin API.
+
+    With ``settings.processes`` = N > 0, this process serves gRPC on a private
+    unix socket only, and N ingest processes (:mod:`clipd.server.ingest`) listen on
+    the gRPC port and forward to it.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.ingest: IngestProcesses | None = None
+        self._arena_dir = tempfile.mkdtemp(prefix="clipd-ingest-", dir=shared_memory_dir()) if settings.processes else ""
         if settings.compilation_cache_dir:
             import jax
 
@@ -149,13 +168,14 @@ class ClipdServer:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations, settings.max_total_parameters)
-        self.worker = DeviceWorker(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
-                                   settings.warmup_timeout)
+        self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
+                               settings.warmup_timeout)
         self.ledgers = Ledgers(self.store)
-        recover(self.store, self.registry, self.worker, settings, self.ledgers)
+        recover(self.store, self.registry, self.devices, settings, self.ledgers)
         tokens = SubmitTokens(self.store.submit_token_key())
-        self.servicer = ClipdServicer(settings, self.registry, self.worker, self.store, tokens, self.ledgers)
+        self.servicer = ClipdServicer(settings, self.registry, self.devices, self.store, tokens, self.ledgers)
         self.health = health.HealthServicer()
+        self.guard = _Guard(settings.admin_token, self.servicer)
         # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more
         # that only unary RPCs and health checks can use, whatever the streams do. No global RPC cap
         # (gRPC's refuses health checks too): Submit streams beyond max_streams are refused, others wait.
@@ -163,19 +183,26 @@ class ClipdServer:
             futures.ThreadPoolExecutor(max_workers=settings.max_streams + OTHER_STREAMS + settings.unary_workers,
                                        thread_name_prefix="clipd-grpc"),
             options=server_options(settings),
-            interceptors=[_Guard(settings.admin_token, self.servicer)],
+            interceptors=[self.guard],
         )
-        self.grpc.add_generic_rpc_handlers((_clipd_handlers(self.servicer),))
+        self.grpc.add_generic_rpc_handlers((_clipd_handlers(
+            self.servicer, SharedRegions(self._arena_dir) if settings.processes else None),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
-        address = f"{settings.host}:{settings.grpc_port}"
         from .tls import grpc_server_credentials
 
-        credentials = grpc_server_credentials(settings)  # TLS, or mutual TLS with tls_client_ca_file
-        if credentials is not None:
-            self.port = self.grpc.add_secure_port(address, credentials)
+        if settings.processes:  # the ingest processes listen on the port (and terminate TLS)
+            self.internal_address = f"unix:{os.path.join(self._arena_dir, 'server.sock')}"
+            self.grpc.add_insecure_port(self.internal_address)
+            self._port_holder = reserve_port(settings.host, settings.grpc_port)
+            self.port = self._port_holder.getsockname()[1]
         else:
-            self.port = self.grpc.add_insecure_port(address)
+            address = f"{settings.host}:{settings.grpc_port}"
+            credentials = grpc_server_credentials(settings)  # TLS, or mutual TLS with tls_client_ca_file
+            if credentials is not None:
+                self.port = self.grpc.add_secure_port(address, credentials)
+            else:
+                self.port = self.grpc.add_insecure_port(address)
         self.admin = None
         self.stopped = threading.Event()
         self._janitor = threading.Thread(target=self._expire_results, name="clipd-janitor", daemon=True)
@@ -205,11 +232,14 @@ class ClipdServer:
 
     def start(self) -> ClipdServer:
         self.grpc.start()
+        if self.settings.processes:
+            self.ingest = IngestProcesses(self.settings, self.port, self.internal_address, self._arena_dir).start()
         self._janitor.start()
         self._trimmer.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("clipd gRPC on %s:%d (device: %s)", self.settings.host, self.port, self.worker.device_kind)
+        log.info("clipd gRPC on %s:%d (%d x %s)", self.settings.host, self.port, len(self.devices),
+                 self.devices.device_kind)
         if self.settings.admin_port >= 0:
             from .admin import start_admin
 
@@ -220,7 +250,7 @@ class ClipdServer:
     @property
     def serving(self) -> bool:
         """Ready for traffic: gRPC started, not stopping, and the device worker warmed up."""
-        return not self.stopped.is_set() and self.worker.ready.is_set()
+        return not self.stopped.is_set() and self.devices.ready
 
     def stop(self, grace: float = 10.0) -> None:
         """Graceful: refuse new RPCs, let open streams finish for ``grace`` s, sum what was accepted."""
@@ -228,11 +258,15 @@ class ClipdServer:
             return
         self.stopped.set()
         self.health.enter_graceful_shutdown()
+        if self.ingest is not None:
+            self.ingest.stop(grace)  # their streams drain into this process first
         self.grpc.stop(grace).wait(grace + 1.0)
-        self.worker.stop(timeout=grace)
+        self.devices.stop(timeout=grace)
         self.store.close()
         if self.admin is not None:
             self.admin.stop()
+        if self._arena_dir:
+            shutil.rmtree(self._arena_dir, ignore_errors=True)
 
 
 def server_options(settings: Settings) -> list[tuple[str, int]]:
@@ -251,16 +285,17 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Settings, ledgers: Ledgers) -> None:
+def recover(store: Store, registry: Registry, devices: Devices, settings: Settings, ledgers: Ledgers) -> None:
     """Brings back every aggregation of the store as of its last checkpoint.
 
     Open ones warm up again and keep taking batches: their clients resume after
-    the checkpoint's sequence numbers (anything older is a duplicate); a private
+    their shard's checkpoint's sequence numbers (anything older is a duplicate); a private
     one reserves its release on its ledger again. Finalized ones serve their
     result (or their private release) again; failed ones keep their reason.
     """
     for record in store.records():
         layers, policy, reject, privacy = codec.spec_from_json(record.spec)
+        shards = codec.spec_shards(record.spec)
         finalized = record.state == FINALIZED
         release = None
         if privacy is not None and finalized:
@@ -268,11 +303,14 @@ def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Se
             release = Release.from_bytes(blob) if blob is not None else None
             totals = None
         else:
-            totals = store.load_checkpoint(record.aggregation_id, newest_only=finalized)
+            totals = [store.load_checkpoint(record.aggregation_id, shard=k, newest_only=finalized)
+                      for k in range(shards)]
+            if finalized and None in totals:
+                totals = None  # a final checkpoint is missing or damaged: no result
         plan = privacy.plan(policy.example_bound(layers), len(layers)) if privacy is not None else None
         aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
                                   settings.staging_bytes, recovered=totals, created=record.created,
-                                  max_clients=settings.max_clients, privacy=privacy, plan=plan)
+                                  max_clients=settings.max_clients, privacy=privacy, plan=plan, shards=shards)
         if finalized and (totals is not None or release is not None):
             aggregation.restore_result(record.finished, release)
         elif finalized:
@@ -283,7 +321,7 @@ def recover(store: Store, registry: Registry, worker: DeviceWorker, settings: Se
         else:
             if privacy is not None:
                 ledgers.reserve(aggregation, privacy, plan)
-            worker.warm_up(aggregation)
+            devices.warm_up(aggregation)
         registry.add(aggregation)
         event(log, "aggregation.recovered", aggregation=record.aggregation_id, state=aggregation.state.value,
               examples=aggregation.examples)

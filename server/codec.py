@@ -83,9 +83,10 @@ def _x64_enabled() -> bool:
 
 
 def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool,
-                 privacy: dp.PrivacyPolicy | None = None) -> str:
-    """An aggregation's layers, policy (with the bound in use) and privacy policy as JSON, for the store."""
+                 privacy: dp.PrivacyPolicy | None = None, shards: int = 1) -> str:
+    """An aggregation's layers, policy (with the bound in use), privacy policy and shard count as JSON, for the store."""
     spec = {
+        "shards": shards,
         "layers": [[l.name, list(l.shape), l.dtype] for l in layers],
         "policy": {"kind": policy.kind.value, "l2_norm_clip": policy.l2_norm_clip,
                    "layer_clips": list(policy.layer_clips), "rescale_to_unit_norm": policy.rescale_to_unit_norm,
@@ -109,6 +110,11 @@ def spec_from_json(text: str) -> tuple[tuple[LayerSpec, ...], ClipPolicy, bool, 
             fields["adaptive"] = dp.AdaptiveClipping(**fields["adaptive"])
         privacy = dp.PrivacyPolicy(**fields)
     return layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy
+
+
+def spec_shards(text: str) -> int:
+    """How many shards the aggregation of :func:`spec_to_json`'s text has (1 if it predates shards)."""
+    return int(json.loads(text).get("shards", 1))
 
 
 SAMPLING = {pb.Sampling.NONE: dp.SamplingKind.NONE, pb.Sampling.POISSON: dp.SamplingKind.POISSON,

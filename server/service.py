@@ -42,8 +42,8 @@ from .limits import ByteBudget, StreamSlots
 from .logs import event
 from .privacy import Ledgers
 from .settings import Settings
-from .store import AggregationRecord, Store
-from .worker import DeviceWorker
+from .store import FINALIZED, AggregationRecord, Store
+from .shards import Devices
 
 log = logging.getLogger(__name__)
 MIN_CHUNK_BYTES = 64 * 1024  # Finalize: smaller chunks are refused (millions of messages for one sum)
@@ -98,12 +98,12 @@ def _check_id(value: str, what: str) -> str:
 
 
 class ClipdServicer(pb_grpc.ClipdServicer):
-    def __init__(self, settings: Settings, registry: Registry, worker: DeviceWorker, store: Store,
+    def __init__(self, settings: Settings, registry: Registry, devices: Devices, store: Store,
                  submit_tokens: SubmitTokens, ledgers: Ledgers | None = None) -> None:
         self.settings = settings
         self.ledgers = ledgers if ledgers is not None else Ledgers(store)
         self.registry = registry
-        self.worker = worker
+        self.devices = devices
         self.store = store
         self.submit_tokens = submit_tokens
         self.budget = ByteBudget(settings.max_buffered_bytes)
@@ -138,13 +138,15 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         if privacy is not None:
             policy, plan = self._private_policy(policy, privacy, layers)
 
+        shards = self.settings.shards or len(self.devices)
+
         def make(aggregation_id: str) -> Aggregation:
             return Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
                                self.settings.staging_bytes, max_clients=self.settings.max_clients,
-                               privacy=privacy, plan=plan)
+                               privacy=privacy, plan=plan, shards=shards)
 
         def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it
-            record = AggregationRecord(aggregation.id, codec.spec_to_json(layers, policy, reject, privacy),
+            record = AggregationRecord(aggregation.id, codec.spec_to_json(layers, policy, reject, privacy, shards),
                                        created=aggregation.created)
 
             def create(ledger_entry=None) -> None:
@@ -155,7 +157,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
                 create()
             else:
                 aggregation.planned_epsilon = self.ledgers.admit(aggregation, privacy, plan, create)
-            self.worker.warm_up(aggregation)
+            self.devices.warm_up(aggregation)
 
         aggregation, created = self.registry.create(requested, make, publish)
         if not created and not _same_request(aggregation, layers, policy, reject, privacy):
@@ -210,7 +212,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         was = aggregation.state
         aggregation.cancel()
         self.ledgers.forget(aggregation)
-        self.worker.forget(aggregation)
+        self.devices.forget(aggregation)
         self.store.delete(aggregation.id)
         event(log, "aggregation.deleted", aggregation=aggregation.id, was=was.value)
         return aggregation
@@ -245,8 +247,14 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         timeout = self.settings.finalize_timeout
         first = aggregation.result is None
         private = aggregation.privacy is not None
-        result = aggregation.finalize(
-            lambda: self.worker.commit_final(aggregation, timeout, mark_finished=not private), timeout,
+        def commit_final() -> list:
+            """Every shard's final checkpoint; without privacy, then FINALIZED (a release does that itself)."""
+            shard_totals = self.devices.commit_final(aggregation, timeout)
+            if not private:
+                self.store.set_state(aggregation.id, FINALIZED, finished=time.time())
+            return shard_totals
+
+        result = aggregation.finalize(commit_final, timeout,
             release=(lambda totals: self.ledgers.release(aggregation, totals, aggregation.accumulator.sum_dtypes))
             if private else None)
         if first:
@@ -380,7 +388,7 @@ class _SubmitSession:
                 batch.release()  # a duplicate of an accepted batch
                 return
             try:
-                self.servicer.worker.submit(self.aggregation, self.client, self.writer, batch)
+                self.servicer.devices.submit(self.aggregation, self.client, self.writer, batch)
             except ClipdError:
                 self.aggregation.drop(1)
                 raise

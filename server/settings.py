@@ -58,6 +58,8 @@ class Settings:
     tls_key_file: str = ""  # PEM private key of tls_cert_file
     tls_client_ca_file: str = ""  # PEM CA bundle: gRPC requires client certificates it signed (mutual TLS)
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
+    shards: int = 0  # shards of each new aggregation (client id -> shard); 0 = one per local JAX device
+    processes: int = 0  # ingest processes on the gRPC port (receive, parse); 0 = this process does it all
     # Durability: aggregations, checkpoints and results live here ("memory": nothing survives a restart).
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
     checkpoint_interval: float = 0.01  # seconds between checkpoint starts (the acknowledgement latency)
@@ -78,6 +80,10 @@ class Settings:
                       "warmup_timeout", "stream_idle_timeout", "shutdown_grace"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
+        if self.processes < 0:
+            raise ValueError(f"Settings.processes must be >= 0 (0: one process), got {self.processes}")
+        if self.shards < 0:
+            raise ValueError(f"Settings.shards must be >= 0 (0: one per device), got {self.shards}")
         if not 0 < self.checkpoint_max_duty <= 1:
             raise ValueError(f"Settings.checkpoint_max_duty must be in (0, 1], got {self.checkpoint_max_duty}")
         if self.buffer_wait >= self.stream_idle_timeout:

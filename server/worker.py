@@ -1,4 +1,8 @@
-"""The device worker: the one thread that owns the JAX device state of every aggregation.
+"""The device worker: the one thread that owns the JAX device state of the shards on one device.
+
+A server runs one worker per local JAX device (:class:`clipd.server.shards.Devices`);
+each aggregation is split into shards by client id and every shard is summed
+by one worker. Everything below is about one worker and its shards.
 
 Validated batches wait in a queue; their bytes are held in the server's buffer
 budget (``limits.ByteBudget``) until the worker has copied them, so a busy
@@ -85,6 +89,7 @@ def bucket_for(rows: int, buckets: list[int]) -> int:
 @dataclasses.dataclass
 class _Work:
     aggregation: Aggregation
+    shard: int
     client: str
     writer: str
     batch: Batch
@@ -103,6 +108,7 @@ class _Stop:
 @dataclasses.dataclass
 class _InFlight:
     aggregation: Aggregation
+    shard: int
     done: list[tuple[str, str, int, int, int]]  # (client, writer, sequence, rows, nbytes)
 
 
@@ -124,10 +130,10 @@ class _Slot:
 
 
 class DeviceWorker:
-    """Runs every device step of the server, in one thread; a second thread commits checkpoints."""
+    """Runs every device step of one device, in one thread; a second thread commits checkpoints."""
 
     def __init__(self, store: Store, checkpoint_interval: float = 0.05, checkpoint_max_duty: float = 0.25,
-                 warmup_timeout: float = 300.0) -> None:
+                 warmup_timeout: float = 300.0, device: jax.Device | None = None) -> None:
         self.store = store
         self.warmup_timeout = warmup_timeout
         self.checkpoint_interval = checkpoint_interval
@@ -137,27 +143,29 @@ class DeviceWorker:
         self._queued_bytes = 0
         self._stopping = False
         self._recheck = False  # set by the committer: a checkpoint may have become due
-        self._slots: dict[Aggregation, _Slot] = {}  # keyed by the object: a re-created id is another key
+        # Keyed by (aggregation object, shard): a re-created id is another key.
+        self._slots: dict[tuple[Aggregation, int], _Slot] = {}
+        self._shards: dict[Aggregation, tuple[int, ...]] = {}  # the shards of each aggregation this worker sums
         self._warming: set[Aggregation] = set()  # compiling; their batches are parked meanwhile
         self._parked: dict[Aggregation, list[_Work]] = {}
         self._inflight: _InFlight | None = None
         self._commits: queue.Queue = queue.Queue()
-        self.device = jax.devices()[0]  # every step runs here (one device per worker for now)
+        self.device = device if device is not None else jax.devices()[0]  # every step of this worker runs here
         self.device_kind = self.device.device_kind
         self.steps = 0  # clip-and-sum steps dispatched, over every aggregation
         self.ready = threading.Event()  # set once the device has run a first program
-        self._thread = threading.Thread(target=self._run, name="clipd-device-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"clipd-device-worker-{self.device.id}", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name="clipd-committer", daemon=True)
         self._thread.start()
         self._committer.start()
 
     # Producer side (gRPC handler threads) -----------------------------------------
-    def submit(self, aggregation: Aggregation, client: str, writer: str, batch: Batch) -> None:
-        """Queues an accepted batch (its bytes are already reserved in the buffer budget)."""
+    def submit(self, aggregation: Aggregation, shard: int, client: str, writer: str, batch: Batch) -> None:
+        """Queues an accepted batch of one of this worker's shards (its bytes are reserved in the buffer budget)."""
         with self._cond:
             if self._stopping:
                 raise Unavailable("the server is shutting down")
-            self._queue.append(_Work(aggregation, client, writer, batch))
+            self._queue.append(_Work(aggregation, shard, client, writer, batch))
             self._queued_bytes += batch.nbytes
             self._cond.notify_all()
 
@@ -180,8 +188,10 @@ class DeviceWorker:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def warm_up(self, aggregation: Aggregation) -> None:
-        """Compiles every bucket size of ``aggregation`` on a thread of its own; it opens when done.
+    def warm_up(self, aggregation: Aggregation, shards: tuple[int, ...] = (0,)) -> None:
+        """Compiles every bucket size of ``aggregation`` for this device on a thread of its own, for ``shards``.
+
+        The shards get their device state, and the aggregation opens, when done.
 
         Batches that come before are parked by the worker and run after. If the
         compilation is not done within ``warmup_timeout`` the aggregation fails
@@ -189,6 +199,7 @@ class DeviceWorker:
         """
         with self._cond:
             self._warming.add(aggregation)
+            self._shards[aggregation] = tuple(shards)
         threading.Thread(target=self._compile, args=(aggregation,), name=f"clipd-warmup-{aggregation.id}",
                          daemon=True).start()
         timer = threading.Timer(self.warmup_timeout, self._warm_up_overdue, args=(aggregation,))
@@ -204,34 +215,40 @@ class DeviceWorker:
 
         self.call_soon(fail_if_still_warming)
 
-    def commit_final(self, aggregation: Aggregation, timeout: float | None = None,
-                     mark_finished: bool = True) -> PartialState:
-        """Flushes the aggregation's delta, commits its totals as final, frees its device state.
+    def commit_final(self, aggregation: Aggregation, shard: int,
+                     timeout: float | None = None) -> concurrent.futures.Future:
+        """Flushes the shard's delta, commits its totals as its final checkpoint, frees its device state.
 
-        Runs after everything queued before it; the final commit goes through
-        the committer after any checkpoint of the same aggregation still being
-        written, so an older checkpoint can never land after it. Without
-        ``mark_finished`` the commit leaves the aggregation open in the store
-        (a private release marks it FINALIZED with the release).
+        Returns a future of the committed totals. Runs after everything queued
+        before it; the final commit goes through the committer after any
+        checkpoint of the same shard still being written, so an older
+        checkpoint can never land after it. The aggregation stays open in the
+        store: the caller marks it FINALIZED (or releases it) once every shard is in.
         """
-        finished = concurrent.futures.Future()
+        finished: concurrent.futures.Future = concurrent.futures.Future()
 
         def flush_and_commit():
-            totals = self._flush(aggregation)
-            self._slots.pop(aggregation, None)
-            self._commits.put((aggregation, totals, finished, mark_finished))
+            totals = self._flush(aggregation, shard)
+            self._slots.pop((aggregation, shard), None)
+            self._commits.put((aggregation, shard, totals, finished))
 
-        self.call(flush_and_commit, timeout)
-        return finished.result(timeout)
+        self._enqueue_call(flush_and_commit).add_done_callback(
+            lambda call: call.exception() is not None and finished.set_exception(call.exception()))
+        return finished
 
     def forget(self, aggregation: Aggregation) -> None:
         """Frees an aggregation's device state, staging buffers and parked batches."""
 
         def drop():
-            self._slots.pop(aggregation, None)
+            self._drop_slots(aggregation)
             self._drop_parked(aggregation)
+            self._shards.pop(aggregation, None)
 
         self.call(drop)
+
+    def _drop_slots(self, aggregation: Aggregation) -> None:
+        for shard in self._shards.get(aggregation, ()):
+            self._slots.pop((aggregation, shard), None)
 
     def _drop_parked(self, aggregation: Aggregation) -> None:
         with self._cond:
@@ -268,8 +285,8 @@ class DeviceWorker:
                 self._cond.notify_all()
             return item
 
-    def _more_for(self, aggregation: Aggregation, rows: int, deadline: float = 0.0) -> _Work | None:
-        """The next queued batch if it belongs to ``aggregation`` and fits in ``rows`` more rows.
+    def _more_for(self, aggregation: Aggregation, shard: int, rows: int, deadline: float = 0.0) -> _Work | None:
+        """The next queued batch if it belongs to the shard and fits in ``rows`` more rows.
 
         With an empty queue it waits until ``deadline`` (``time.monotonic()``) for one to arrive.
         """
@@ -278,7 +295,8 @@ class DeviceWorker:
                 self._cond.wait(deadline - time.monotonic())
             if self._queue:
                 head = self._queue[0]
-                if isinstance(head, _Work) and head.aggregation is aggregation and head.batch.rows <= rows:
+                if (isinstance(head, _Work) and head.aggregation is aggregation and head.shard == shard
+                        and head.batch.rows <= rows):
                     self._queue.popleft()
                     self._queued_bytes -= head.batch.nbytes
                     self._cond.notify_all()
@@ -294,6 +312,10 @@ class DeviceWorker:
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _run(self) -> None:
+        with jax.default_device(self.device):  # thread-local: this thread's steps run on its device
+            self._loop()
+
+    def _loop(self) -> None:
         jax.block_until_ready(jax.jit(lambda x: x + 1)(np.zeros(8, np.float32)))
         self.ready.set()
         while True:
@@ -309,9 +331,9 @@ class DeviceWorker:
                     self._run_call(item)
                 else:
                     self._finish_inflight()
-                    for aggregation, slot in list(self._slots.items()):  # stopping: a last checkpoint
+                    for (aggregation, shard), slot in list(self._slots.items()):  # stopping: a last checkpoint
                         if slot.dirty or slot.steps:
-                            self._checkpoint(aggregation)
+                            self._checkpoint(aggregation, shard)
                     return
                 self._checkpoint_due()
             except Exception as e:  # a failed step: fail its aggregation, never the server
@@ -330,7 +352,7 @@ class DeviceWorker:
     def _fail(self, aggregation: Aggregation, reason: str) -> None:
         """Fails an aggregation: its device state and queued batches are dropped, the store says FAILED."""
         event(log, "aggregation.failed", logging.ERROR, aggregation=aggregation.id, reason=reason)
-        self._slots.pop(aggregation, None)
+        self._drop_slots(aggregation)
         if self._inflight is not None and self._inflight.aggregation is aggregation:
             self._inflight = None
         self._drop_parked(aggregation)
@@ -351,8 +373,8 @@ class DeviceWorker:
             aggregation.cond.notify_all()
 
     def _accumulate(self, first: _Work) -> None:
-        aggregation = first.aggregation
-        slot = self._slots.get(aggregation)
+        aggregation, shard = first.aggregation, first.shard
+        slot = self._slots.get((aggregation, shard))
         if slot is None and aggregation in self._warming:
             self._parked.setdefault(aggregation, []).append(first)  # runs once the warm-up is done
             return
@@ -373,12 +395,12 @@ class DeviceWorker:
                     buf[fill : fill + take] = layer[start : start + take]
                 fill, start = fill + take, start + take
                 if fill == capacity and start < batch.rows:  # a batch larger than one step
-                    self._dispatch(aggregation, slot, buffers, fill, done)
+                    self._dispatch(aggregation, shard, slot, buffers, fill, done)
                     buffers, fill, done = self._buffers(aggregation, slot), 0, []
             batch.release()  # copied: its buffers may go
             done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
-            work = self._more_for(aggregation, capacity - fill, deadline if fill < capacity // 2 else 0.0)
-        self._dispatch(aggregation, slot, buffers, fill, done)
+            work = self._more_for(aggregation, shard, capacity - fill, deadline if fill < capacity // 2 else 0.0)
+        self._dispatch(aggregation, shard, slot, buffers, fill, done)
 
     @staticmethod
     def _buffers(aggregation: Aggregation, slot: _Slot) -> list[np.ndarray]:
@@ -392,7 +414,7 @@ class DeviceWorker:
         slot.next_staging = 1 - slot.next_staging
         return buffers
 
-    def _dispatch(self, aggregation: Aggregation, slot: _Slot, buffers, rows: int, done) -> None:
+    def _dispatch(self, aggregation: Aggregation, shard: int, slot: _Slot, buffers, rows: int, done) -> None:
         bucket = bucket_for(rows, bucket_sizes(aggregation.device_rows))
         # Aligned numpy views go to the jitted step as they are: on the CPU JAX reads them in
         # place (one jax.device_put per array costs more than the step for small batches).
@@ -402,15 +424,15 @@ class DeviceWorker:
         slot.delta = aggregation.accumulator.update(slot.delta, layers, valid)
         slot.steps += 1
         self.steps += 1
-        self._inflight = _InFlight(aggregation, done)
+        self._inflight = _InFlight(aggregation, shard, done)
 
     def _finish_inflight(self) -> None:
         """Waits for the step in flight and publishes its batches and statistics."""
         if self._inflight is None:
             return
         inflight, self._inflight = self._inflight, None
-        aggregation = inflight.aggregation
-        slot = self._slots[aggregation]
+        aggregation, shard = inflight.aggregation, inflight.shard
+        slot = self._slots[(aggregation, shard)]
         try:
             now = time.monotonic()
             if now - slot.stats_read >= STATS_PERIOD or not self._queue:
@@ -427,38 +449,38 @@ class DeviceWorker:
             slot.batches += 1
             slot.nbytes += nbytes
         slot.dirty = slot.dirty or bool(inflight.done)
-        aggregation.record(inflight.done, stats)
+        aggregation.record(inflight.done, stats, shard)
         if slot.steps >= FLUSH_STEPS:
-            self._flush(aggregation)
+            self._flush(aggregation, shard)
 
     # Flushes and checkpoints ------------------------------------------------------------
-    def _flush(self, aggregation: Aggregation) -> PartialState:
-        """Adds the device delta into the host totals (float64, int64) and restarts it from zero."""
+    def _flush(self, aggregation: Aggregation, shard: int) -> PartialState:
+        """Adds the shard's device delta into its host totals (float64, int64) and restarts it from zero."""
         self._finish_inflight()
-        slot = self._slots.get(aggregation)
+        slot = self._slots.get((aggregation, shard))
         if slot is None or not slot.steps:
-            return aggregation.totals
+            return aggregation.shard_totals[shard]
         delta = jax.device_get(slot.delta)
-        totals = aggregation.totals.absorb(delta, slot.marks, slot.batches, slot.nbytes)
+        totals = aggregation.shard_totals[shard].absorb(delta, slot.marks, slot.batches, slot.nbytes)
         slot.delta = aggregation.accumulator.init()
         slot.marks, slot.batches, slot.nbytes, slot.steps = {}, 0, 0, 0
-        aggregation.flushed(totals)
+        aggregation.flushed(totals, shard)
         return totals
 
-    def _checkpoint(self, aggregation: Aggregation) -> None:
-        """Flushes and hands the totals to the committer (group commit)."""
-        slot = self._slots[aggregation]
-        totals = self._flush(aggregation)
+    def _checkpoint(self, aggregation: Aggregation, shard: int) -> None:
+        """Flushes and hands the shard's totals to the committer (group commit)."""
+        slot = self._slots[(aggregation, shard)]
+        totals = self._flush(aggregation, shard)
         with self._cond:
             slot.committing, slot.dirty = True, False
-        self._commits.put((aggregation, totals, None, False))
+        self._commits.put((aggregation, shard, totals, None))
 
     def _checkpoint_due(self) -> None:
         now = time.monotonic()
         with self._cond:
-            due = [a for a, s in self._slots.items() if s.dirty and not s.committing and now >= s.checkpoint_due]
-        for aggregation in due:
-            self._checkpoint(aggregation)
+            due = [key for key, s in self._slots.items() if s.dirty and not s.committing and now >= s.checkpoint_due]
+        for aggregation, shard in due:
+            self._checkpoint(aggregation, shard)
 
     def _commit_loop(self) -> None:
         """The committer thread: writes checkpoints in order, then acknowledges what they cover."""
@@ -466,10 +488,10 @@ class DeviceWorker:
             item = self._commits.get()
             if item is None:
                 return
-            aggregation, totals, final, mark_finished = item
+            aggregation, shard, totals, final = item
             started = time.monotonic()
             try:
-                self.store.save_checkpoint(aggregation.id, totals, finished=time.time() if mark_finished else None)
+                self.store.save_checkpoint(aggregation.id, totals, shard=shard)
             except Exception as e:
                 log.exception("checkpoint of aggregation %s failed", aggregation.id)
                 if final is not None:
@@ -482,7 +504,7 @@ class DeviceWorker:
                     final.set_result(totals)
             took = time.monotonic() - started
             with self._cond:
-                slot = self._slots.get(aggregation)
+                slot = self._slots.get((aggregation, shard))
                 if slot is not None and final is None:
                     slot.committing = False
                     slot.checkpoint_due = started + max(self.checkpoint_interval, took / self.checkpoint_max_duty)
@@ -497,11 +519,12 @@ class DeviceWorker:
         """The warm-up thread: compiles (and runs once, on zeros) every bucket size's step."""
         acc = aggregation.accumulator
         try:
-            for bucket in bucket_sizes(aggregation.device_rows):
-                if aggregation not in self._warming:
-                    return
-                layers = [np.zeros((bucket, *l.shape), l.dtype) for l in aggregation.layers]
-                jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(bucket, bool)))
+            with jax.default_device(self.device):
+                for bucket in bucket_sizes(aggregation.device_rows):
+                    if aggregation not in self._warming:
+                        return
+                    layers = [np.zeros((bucket, *l.shape), l.dtype) for l in aggregation.layers]
+                    jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(bucket, bool)))
         except Exception as e:
             reason = f"warm-up failed: {type(e).__name__}: {e}"
             self.call_soon(lambda: self._fail(aggregation, reason))
@@ -509,13 +532,14 @@ class DeviceWorker:
         self.call_soon(lambda: self._open(aggregation))
 
     def _open(self, aggregation: Aggregation) -> None:
-        """On the worker thread: the aggregation gets its device state; parked batches queue again."""
+        """On the worker thread: the aggregation's shards get their device state; parked batches queue again."""
         if aggregation not in self._warming:
             return  # failed or cancelled meanwhile
         if aggregation.state in (State.CANCELLED, State.FAILED, State.FINALIZED):
             self._drop_parked(aggregation)
             return
-        self._slots[aggregation] = _Slot(aggregation.accumulator.init())
+        for shard in self._shards[aggregation]:
+            self._slots[(aggregation, shard)] = _Slot(aggregation.accumulator.init())
         parked = self._parked.pop(aggregation, [])
         with self._cond:
             self._warming.discard(aggregation)

@@ -1,10 +1,17 @@
-"""Helpers for the service tests: reference results computed in-process, and a faulty TCP proxy."""
+"""Helpers for the service tests: reference results computed in-process, a faulty TCP proxy, a server process."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
+
+import grpc
 
 import jax.numpy as jnp
 import numpy as np
@@ -110,3 +117,55 @@ class FaultyProxy:
         self._closed.set()
         self._listener.close()
         self._thread.join(timeout=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``clipd serve`` in a subprocess on a fixed port and data directory; restartable.
+
+    ``args``: more flags for ``clipd serve``; ``env``: more environment (``XLA_FLAGS`` for forced devices).
+    """
+
+    def __init__(self, data_dir, cache_dir, port: int, args: tuple[str, ...] = ("--admin-port", "-1"),
+                 env: dict[str, str] | None = None) -> None:
+        self.data_dir, self.cache_dir, self.port = data_dir, cache_dir, port
+        self.args, self.env = tuple(args), dict(env or {})
+        self.proc: subprocess.Popen | None = None
+        self.kills = 0
+
+    def start(self) -> None:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", **self.env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", str(self.port),
+             "--data-dir", str(self.data_dir), "--compilation-cache-dir", str(self.cache_dir), *self.args],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 90
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            while True:
+                assert self.proc.poll() is None, f"clipd serve exited: {self.proc.stderr.read().decode()[-3000:]}"
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=0.5)
+                    return
+                except grpc.FutureTimeoutError:
+                    assert time.monotonic() < deadline, "clipd serve did not start within 90 s"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc.stderr.close()
+        self.kills += 1
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc.stderr.close()

@@ -15,70 +15,17 @@ from __future__ import annotations
 import os
 import pathlib
 import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
-import grpc
 import numpy as np
-import pytest
 
 from clipd.client import Client
+from service_helpers import ServerProcess, free_port
 
 LAYERS = {"big": (1 << 18,), "w": (16, 8)}  # 1 MiB + 512 B per example: 4+ chunks of 256 KiB
 CLIP = 20.0
 EXAMPLES_PER_BATCH = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """``clipd serve`` in a subprocess on a fixed port and data directory; restartable."""
-
-    def __init__(self, data_dir: pathlib.Path, cache_dir: pathlib.Path, port: int) -> None:
-        self.data_dir, self.cache_dir, self.port = data_dir, cache_dir, port
-        self.proc: subprocess.Popen | None = None
-        self.kills = 0
-
-    def start(self) -> None:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", str(self.port),
-             "--admin-port", "-1", "--data-dir", str(self.data_dir),
-             "--compilation-cache-dir", str(self.cache_dir)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
-        deadline = time.monotonic() + 60
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
-            while True:
-                assert self.proc.poll() is None, f"clipd serve exited: {self.proc.stderr.read().decode()[-3000:]}"
-                try:
-                    grpc.channel_ready_future(channel).result(timeout=0.5)
-                    return
-                except grpc.FutureTimeoutError:
-                    assert time.monotonic() < deadline, "clipd serve did not start within 60 s"
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        self.proc.stderr.close()
-        self.kills += 1
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            self.proc.stderr.close()
 
 
 def _batch(client: int, index: int) -> dict[str, np.ndarray]:
@@ -116,7 +63,7 @@ def _states_dir_has_tmp(states: pathlib.Path) -> bool:
 
 def test_sigkill_at_random_points_loses_nothing_and_counts_nothing_twice(tmp_path):
     rng = random.Random(8)
-    server = ServerProcess(tmp_path / "data", tmp_path / "jax-cache", _free_port())
+    server = ServerProcess(tmp_path / "data", tmp_path / "jax-cache", free_port())
     server.start()
     target = f"127.0.0.1:{server.port}"
     stop_producing = threading.Event()

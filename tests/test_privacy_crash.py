@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from clipd.client import Client, ClipdError, FailedPreconditionError, Privacy
-from test_crash import ServerProcess, _free_port
+from service_helpers import ServerProcess, free_port
 
 
 def _client(port: int) -> Client:
@@ -22,7 +22,7 @@ def _client(port: int) -> Client:
 
 
 def test_ledger_survives_sigkill_and_refuses_the_same_way(tmp_path):
-    proc = ServerProcess(tmp_path / "data", tmp_path / "cache", _free_port())
+    proc = ServerProcess(tmp_path / "data", tmp_path / "cache", free_port())
     proc.start()
     try:
         privacy = Privacy("survivor", 1e-5, noise_multiplier=1.0, max_epsilon=8.0)  # 2 releases fit, 3 don't
@@ -63,7 +63,7 @@ def test_ledger_survives_sigkill_and_refuses_the_same_way(tmp_path):
 
 def test_sigkill_during_finalize_never_splits_a_release_from_its_ledger_entry(tmp_path):
     rng = random.Random(20261123)
-    proc = ServerProcess(tmp_path / "data", tmp_path / "cache", _free_port())
+    proc = ServerProcess(tmp_path / "data", tmp_path / "cache", free_port())
     proc.start()
     privacy = Privacy("atomic", 1e-5, noise_multiplier=1.0)
     aggregations = []

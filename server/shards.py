@@ -1,0 +1,112 @@
+"""Every local device at work: one device worker per JAX device, each aggregation's shards spread over them.
+
+An aggregation of ``S`` shards on a host with ``D`` devices: shard ``s`` is
+summed by the worker of device ``s % D``. A client's batches always go to the
+shard :func:`~clipd.server.aggregations.shard_of` names, so a client's sequence
+numbers, and its exactly-once marks, live in one shard's partial state. At
+finalize every shard commits its final checkpoint (in parallel, each on its
+own device) and the partial states are merged on the host.
+
+Why a shard per device and not one step sharded over every device with an
+on-device reduce: shards need no collective (devices never wait for each
+other, and a small batch runs on one device instead of being split D ways);
+every shard is checkpointed and recovered on its own; and the same shard is
+the unit that spreads over processes and hosts. A sharded step would add a
+second way to split the work for one host only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import jax
+
+from clipd.engine import PartialState
+
+from .aggregations import Aggregation
+from .batches import Batch
+from .store import Store
+from .worker import DeviceWorker
+
+
+class Devices:
+    """The device workers of one server: where each shard runs, and the calls that span every shard."""
+
+    def __init__(self, store: Store, checkpoint_interval: float = 0.05, checkpoint_max_duty: float = 0.25,
+                 warmup_timeout: float = 300.0, devices: list | None = None) -> None:
+        devices = list(jax.local_devices() if devices is None else devices)
+        if not devices:
+            raise ValueError("Devices: no JAX device")
+        self.workers = [DeviceWorker(store, checkpoint_interval, checkpoint_max_duty, warmup_timeout, device=d)
+                        for d in devices]
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def worker_of(self, shard: int) -> DeviceWorker:
+        return self.workers[shard % len(self.workers)]
+
+    def shards_on(self, worker_index: int, shards: int) -> tuple[int, ...]:
+        """The shards of an aggregation of ``shards`` shards that the ``worker_index``-th worker sums."""
+        return tuple(range(worker_index, shards, len(self.workers)))
+
+    # Per batch ------------------------------------------------------------------------------
+    def submit(self, aggregation: Aggregation, client: str, writer: str, batch: Batch) -> None:
+        """Queues an accepted batch on the worker of its client's shard."""
+        shard = aggregation.shard_of(client)
+        self.worker_of(shard).submit(aggregation, shard, client, writer, batch)
+
+    # Per aggregation ------------------------------------------------------------------------
+    def warm_up(self, aggregation: Aggregation) -> None:
+        """Every worker that sums a shard of the aggregation compiles its programs for its device."""
+        for index, worker in enumerate(self.workers):
+            shards = self.shards_on(index, aggregation.shards)
+            if shards:
+                worker.warm_up(aggregation, shards)
+
+    def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
+        """Every shard's final checkpoint, committed (in parallel over the workers); their totals, by shard."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        futures = [self.worker_of(s).commit_final(aggregation, s) for s in range(aggregation.shards)]
+        try:
+            return [f.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for f in futures]
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"aggregation {aggregation.id}: the final checkpoints took over {timeout:g} s") from None
+
+    def forget(self, aggregation: Aggregation) -> None:
+        for worker in self.workers:
+            worker.forget(aggregation)
+
+    # The server -------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Every device has run a first program."""
+        return all(w.ready.is_set() for w in self.workers)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(w.ready.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for w in self.workers)
+
+    @property
+    def queued_bytes(self) -> int:
+        return sum(w.queued_bytes for w in self.workers)
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(w.queue_depth for w in self.workers)
+
+    @property
+    def device_kind(self) -> str:
+        return self.workers[0].device_kind
+
+    def describe(self) -> list[dict]:
+        """Each device in use and the steps it has run: ``[{"id", "kind", "platform", "steps"}, ...]``."""
+        return [{"id": w.device.id, "kind": w.device_kind, "platform": w.device.platform, "steps": w.steps}
+                for w in self.workers]
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops every worker (each finishes its queue and commits a last checkpoint of its shards)."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
+            list(pool.map(lambda w: w.stop(timeout), self.workers))

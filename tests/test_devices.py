@@ -1,0 +1,138 @@
+"""Every local device at work: 4 forced host devices, one shard each, through a SIGKILL.
+
+``clipd serve`` runs as a real process with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``: an aggregation has 4
+shards, one per device. Eight clients (two per shard) stream half their
+batches, the server is killed with SIGKILL and restarted on the same data
+directory, and the clients append the other half. Each shard must come back
+from its own checkpoint (what was acknowledged is in, nothing twice), every
+device must step, and the result must equal a float64 numpy reference
+computed here. The shard of a client is recomputed here from its definition
+(CRC-32 of the id modulo the shard count), not taken from clipd.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+
+import numpy as np
+
+from clipd.client import Client
+from clipd.server.sqlite_store import SQLiteStore
+from service_helpers import ServerProcess, free_port
+
+DEVICES = 4
+LAYERS = {"w": (32, 8), "b": (8,)}
+CLIP = 1.0
+ROWS = 16  # examples per batch
+BATCHES = 6  # per client: 3 before the kill, 3 after
+
+
+def _clients() -> list[str]:
+    """Eight client ids, two for each of the four shards."""
+    chosen: dict[int, list[str]] = {k: [] for k in range(DEVICES)}
+    for i in range(1000):
+        shard = zlib.crc32(f"client-{i}".encode()) % DEVICES
+        if len(chosen[shard]) < 2:
+            chosen[shard].append(f"client-{i}")
+    return [c for k in range(DEVICES) for c in chosen[k]]
+
+
+def _batch(client: str, index: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([zlib.crc32(client.encode()), index])
+    scale = np.exp(rng.uniform(-1.5, 1.5, ROWS)) / np.sqrt(264)
+    return {name: (rng.standard_normal((ROWS, *shape)) * scale.reshape((-1,) + (1,) * len(shape))).astype(np.float32)
+            for name, shape in LAYERS.items()}
+
+
+def _reference(batches) -> tuple[dict[str, np.ndarray], int, int]:
+    """Global-norm clipped sums in float64 numpy, the clip count and the example count."""
+    sums = {name: np.zeros(shape) for name, shape in LAYERS.items()}
+    clipped = examples = 0
+    for batch in batches:
+        x = {name: batch[name].astype(np.float64).reshape(ROWS, -1) for name in LAYERS}
+        norms = np.sqrt(sum((v**2).sum(axis=1) for v in x.values()))
+        factor = np.minimum(1.0, CLIP / norms)
+        clipped += int((norms > CLIP).sum())
+        examples += ROWS
+        for name, shape in LAYERS.items():
+            sums[name] += (factor @ x[name]).reshape(shape)
+    return sums, clipped, examples
+
+
+def _submit_all(target: str, aggregation: str, clients: list[str], indices: range) -> None:
+    errors = []
+
+    def run(client: str) -> None:
+        try:
+            with Client(target, retry_delay=0.05) as c:
+                report = c.submit(aggregation, [_batch(client, i) for i in indices], client_id=client)
+                assert report.examples == ROWS * len(indices)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+
+
+def _get_json(url: str) -> dict:
+    """GET ``url``, waiting up to 30 s for the admin API (it starts after the gRPC port)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                return json.load(response)
+        except urllib.error.URLError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_four_devices_each_sum_a_shard_and_each_shard_recovers_on_its_own(tmp_path):
+    admin_port = free_port()
+    server = ServerProcess(tmp_path / "data", tmp_path / "jax-cache", free_port(),
+                           args=("--admin-port", str(admin_port), "--max-device-rows", "64"),
+                           env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"})
+    clients = _clients()
+    server.start()
+    target = f"127.0.0.1:{server.port}"
+    try:
+        with Client(target) as admin:
+            aggregation = admin.create_aggregation(LAYERS, l2_norm_clip=CLIP, aggregation_id="devices")
+        _submit_all(target, aggregation, clients, range(0, 3))
+        server.kill()  # acknowledged means durable: each shard's checkpoint must hold its clients' batches
+        server.start()
+        _submit_all(target, aggregation, clients, range(3, BATCHES))
+
+        devices = _get_json(f"http://127.0.0.1:{admin_port}/api/v1/server")["devices"]
+        assert sorted(d["id"] for d in devices) == list(range(DEVICES))
+        assert all(d["steps"] > 0 and d["platform"] == "cpu" for d in devices), devices  # since the restart
+
+        with Client(target) as admin:
+            result = admin.finalize(aggregation)
+        sums, clipped, examples = _reference(_batch(c, i) for c in clients for i in range(BATCHES))
+        assert result.examples == examples == len(clients) * BATCHES * ROWS
+        assert result.clip_counts == {"w": clipped, "b": clipped}
+        for name in LAYERS:
+            np.testing.assert_allclose(result.sums[name], sums[name], rtol=1e-5, atol=1e-5 * np.abs(sums[name]).max())
+    finally:
+        server.stop()
+
+    store = SQLiteStore(str(tmp_path / "data"))  # each shard's final checkpoint holds its own clients only
+    try:
+        for shard in range(DEVICES):
+            state = store.load_checkpoint("devices", shard=shard, newest_only=True)
+            mine = {c for c in clients if zlib.crc32(c.encode()) % DEVICES == shard}
+            assert set(state.clients) == mine and len(mine) == 2
+            assert state.examples == 2 * BATCHES * ROWS
+    finally:
+        store.close()

@@ -1,0 +1,210 @@
+"""``clipd serve --processes N``: ingest processes on one port, forwarding through shared memory.
+
+- 8 clients through ``--processes 2`` (a real ``clipd serve`` process), one ingest
+  process killed with SIGKILL mid-stream: the clients reconnect, the server
+  restarts the ingest process, and the result equals a float64 numpy reference
+  computed here (nothing lost, nothing twice); both ingest processes forwarded calls.
+- Behind one ingest process, every refusal is the single-process one: bad bytes,
+  a missing or wrong token, an unknown aggregation; auth still holds.
+- The shared-memory ring: a region is reused only once the server has dropped
+  every view of it; segment names and offsets from the wire are checked.
+"""
+
+from __future__ import annotations
+
+import doctest
+import gc
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+
+import grpc
+import numpy as np
+import pytest
+
+from clipd.client import Client
+from clipd.server import aggregations, ingest, wire
+from clipd.server.app import create_server
+from clipd.server.settings import Settings
+from clipd.v1 import clipd_pb2 as pb
+from clipd.v1 import clipd_pb2_grpc as pb_grpc
+from conftest import TEST_SETTINGS
+from service_helpers import ServerProcess, free_port
+
+LAYERS = {"w": (64, 16), "b": (16,)}
+CLIP = 1.0
+ROWS = 32
+BATCHES = 8
+CLIENTS = [f"client-{i}" for i in range(8)]
+
+
+def _batch(client: str, index: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([zlib.crc32(client.encode()), index])
+    scale = np.exp(rng.uniform(-1.5, 1.5, ROWS)) / np.sqrt(1040)
+    return {name: (rng.standard_normal((ROWS, *shape)) * scale.reshape((-1,) + (1,) * len(shape))).astype(np.float32)
+            for name, shape in LAYERS.items()}
+
+
+def _reference(batches):
+    """Global-norm clipped sums in float64 numpy, the clip count and the example count."""
+    sums = {name: np.zeros(shape) for name, shape in LAYERS.items()}
+    clipped = examples = 0
+    for batch in batches:
+        x = {name: batch[name].astype(np.float64).reshape(ROWS, -1) for name in LAYERS}
+        norms = np.sqrt(sum((v**2).sum(axis=1) for v in x.values()))
+        factor = np.minimum(1.0, CLIP / norms)
+        clipped += int((norms > CLIP).sum())
+        examples += ROWS
+        for name, shape in LAYERS.items():
+            sums[name] += (factor @ x[name]).reshape(shape)
+    return sums, clipped, examples
+
+
+def _get_json(url: str) -> dict:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                return json.load(response)
+        except urllib.error.URLError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_eight_clients_through_two_ingest_processes_one_killed_mid_stream(tmp_path):
+    admin_port = free_port()
+    server = ServerProcess(tmp_path / "data", tmp_path / "jax-cache", free_port(),
+                           args=("--admin-port", str(admin_port), "--processes", "2", "--max-device-rows", "256"))
+    server.start()
+    target, admin = f"127.0.0.1:{server.port}", f"http://127.0.0.1:{admin_port}/api/v1/server"
+    errors, acknowledged = [], threading.Semaphore(0)
+    try:
+        with Client(target) as c:
+            aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP, aggregation_id="processes")
+
+        def updates(client: str):
+            for index in range(BATCHES):
+                yield _batch(client, index)
+                if index == 1:
+                    acknowledged.release()
+                time.sleep(0.05)  # streams stay open while an ingest process is killed
+
+        def run(client: str) -> None:
+            try:
+                with Client(target, retry_delay=0.05, message_bytes=64 << 10) as c:
+                    report = c.submit(aggregation, updates(client), client_id=client)
+                    assert report.examples == BATCHES * ROWS
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in CLIENTS]
+        for t in threads:
+            t.start()
+        for _ in range(4):
+            assert acknowledged.acquire(timeout=60)
+        victim = _get_json(admin)["ingest_processes"][0]
+        os.kill(victim["pid"], signal.SIGKILL)  # streams through it break: their clients reconnect
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+
+        with Client(target) as c:
+            result = c.finalize(aggregation)
+        sums, clipped, examples = _reference(_batch(c, i) for c in CLIENTS for i in range(BATCHES))
+        assert result.examples == examples == len(CLIENTS) * BATCHES * ROWS
+        assert result.clip_counts == {"w": clipped, "b": clipped}
+        for name in LAYERS:
+            np.testing.assert_allclose(result.sums[name], sums[name], rtol=1e-5, atol=1e-5 * np.abs(sums[name]).max())
+
+        processes = _get_json(admin)["ingest_processes"]
+        assert [p["restarts"] for p in processes] == [1, 0] and all(p["alive"] for p in processes)
+        assert processes[0]["pid"] != victim["pid"]
+        for _ in range(64):  # each new connection lands on either process; both must forward
+            if all(p["calls"] > 0 for p in _get_json(admin)["ingest_processes"]):
+                break
+            with grpc.insecure_channel(target) as channel:
+                pb_grpc.ClipdStub(channel).ListAggregations(pb.ListAggregationsRequest(), timeout=30)
+        assert all(p["calls"] > 0 for p in _get_json(admin)["ingest_processes"])
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def behind_ingest():
+    """A server with one ingest process and an admin token (so every role boundary is crossed through it)."""
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "processes": 1, "admin_token": "admin-secret"}))
+    yield server, f"127.0.0.1:{port}"
+    server.stop(1.0)
+
+
+def test_refusals_through_an_ingest_process_are_those_of_one_process(behind_ingest):
+    server, target = behind_ingest
+    admin = [("authorization", "Bearer admin-secret")]
+    with Client(target, token="admin-secret") as c:
+        c.create_aggregation({"w": (4,)}, l2_norm_clip=1.0, aggregation_id="via-ingest")
+        created = c.get_aggregation("via-ingest")
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.ClipdStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ListAggregations(pb.ListAggregationsRequest(), timeout=30)
+        assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:  # a submit token may not list
+            stub.ListAggregations(pb.ListAggregationsRequest(), timeout=30,
+                                  metadata=[("authorization", f"Bearer {created.submit_token}")])
+        assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetStats(pb.GetStatsRequest(aggregation_id="nope"), metadata=admin, timeout=30)
+        assert e.value.code() is grpc.StatusCode.NOT_FOUND and "nope" in e.value.details()
+        raw = channel.stream_stream("/clipd.v1.Clipd/Submit")
+        with pytest.raises(grpc.RpcError) as e:  # bytes that are no SubmitRequest
+            list(raw(iter([b"\xff\xff\xff"]), metadata=admin, timeout=30))
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "malformed" in e.value.details()
+
+    with Client(target, token=created.submit_token) as c:  # and a real submission, exact
+        x = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+        c.submit("via-ingest", {"w": x}, client_id="a")
+    with Client(target, token="admin-secret") as c:
+        result = c.finalize("via-ingest")
+    norms = np.linalg.norm(x.astype(np.float64), axis=1)
+    np.testing.assert_allclose(result.sums["w"], (np.minimum(1, 1 / norms) @ x), rtol=1e-6)
+    assert server.ingest.describe()[0]["alive"]
+
+
+def test_a_region_is_reused_only_after_every_view_of_it_is_gone(tmp_path):
+    arena = ingest.Arena(str(tmp_path), "ingest-3-1", 8 * ingest.HEADER)
+    regions = ingest.SharedRegions(str(tmp_path))
+    first = arena.put(b"a" * 100, wait=0)
+    view = regions.view(*first)
+    array = np.frombuffer(view, np.uint8)[10:20]  # a view of a view keeps the region too
+    del view
+    gc.collect()
+    second = arena.put(b"b" * 100, wait=0)
+    assert second[1] != first[1]
+    with pytest.raises(Exception, match="waited 0 s"):  # 2 x (64 + 128) of 512 bytes in use
+        arena.put(b"c" * 200, wait=0)
+    assert bytes(array) == b"a" * 10  # not overwritten
+    del array
+    gc.collect()
+    third = arena.put(b"c" * 100, wait=0)  # the first region is free again
+    assert third[1] == first[1]
+    assert bytes(regions.view(*third)) == b"c" * 100
+
+
+@pytest.mark.parametrize("bad", [("../etc/passwd", 0, 1), ("ingest-3-1", 1, 1), ("ingest-3-1", 0, 10**9),
+                                 ("ingest-3-1", 128, 1)])
+def test_shared_references_are_checked(tmp_path, bad):
+    arena = ingest.Arena(str(tmp_path), "ingest-3-1", 8 * ingest.HEADER)
+    arena.put(b"x", wait=0)
+    with pytest.raises(ValueError, match="shared chunk"):
+        ingest.SharedRegions(str(tmp_path)).view(*bad)
+
+
+def test_the_module_doctests():
+    for module in (ingest, wire, aggregations):
+        assert doctest.testmod(module).failed == 0, module.__name__
