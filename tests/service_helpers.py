@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import random
 import signal
 import socket
@@ -140,25 +141,30 @@ class ServerProcess:
 
     def start(self) -> None:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", **self.env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", str(self.port),
-             "--data-dir", str(self.data_dir), "--compilation-cache-dir", str(self.cache_dir), *self.args],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
+        # stderr goes to a file: a pipe nobody reads would block the server once 64 KiB of logs are in it.
+        self.log_path = pathlib.Path(str(self.data_dir) + ".log")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", str(self.port),
+                 "--data-dir", str(self.data_dir), "--compilation-cache-dir", str(self.cache_dir), *self.args],
+                env=env, stdout=subprocess.DEVNULL, stderr=log,
+            )
         deadline = time.monotonic() + 90
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             while True:
-                assert self.proc.poll() is None, f"clipd serve exited: {self.proc.stderr.read().decode()[-3000:]}"
+                assert self.proc.poll() is None, f"clipd serve exited: {self.log()[-3000:]}"
                 try:
                     grpc.channel_ready_future(channel).result(timeout=0.5)
                     return
                 except grpc.FutureTimeoutError:
                     assert time.monotonic() < deadline, "clipd serve did not start within 90 s"
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        self.proc.stderr.close()
         self.kills += 1
 
     def stop(self) -> None:
@@ -168,4 +174,4 @@ class ServerProcess:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-            self.proc.stderr.close()
+    

@@ -331,3 +331,49 @@ class TestPostgresStore(StoreContract):
             assert store.get("a") == record("a")  # the next one reconnects
         finally:
             store.close()
+
+
+def test_a_server_on_postgresql_keeps_its_shards_and_tokens_across_a_restart(pg_cluster):
+    """The whole server on the shared store: 2 shards, a restart, the same submit token, an exact sum."""
+    import numpy as np
+
+    from clipd.client import Client
+    from clipd.server.app import create_server
+    from clipd.server.settings import Settings
+    from conftest import TEST_SETTINGS
+
+    settings = Settings(**{**TEST_SETTINGS, "data_dir": pg_cluster.new_database(), "shards": 2,
+                           "admin_token": "admin"})
+    rng = np.random.default_rng(5)
+    batches = {c: rng.standard_normal((2, 6, 3)).astype(np.float32) for c in ("alice", "bob", "carol")}
+    server, port = create_server(settings)
+    try:
+        with Client(f"127.0.0.1:{port}", token="admin") as c:
+            aggregation = c.create_aggregation({"w": (3,)}, l2_norm_clip=1.0, aggregation_id="on-pg")
+            token = c.get_aggregation(aggregation).submit_token
+        with Client(f"127.0.0.1:{port}", token=token) as c:
+            for client, x in batches.items():
+                c.submit(aggregation, {"w": x[0]}, client_id=client)
+    finally:
+        server.stop(1.0)
+    server, port = create_server(settings)  # recovers every shard from PostgreSQL
+    try:
+        with Client(f"127.0.0.1:{port}", token=token) as c:  # the key lives in the database: the token holds
+            for client, x in batches.items():
+                c.submit(aggregation, {"w": x[1]}, client_id=client)
+        with Client(f"127.0.0.1:{port}", token="admin") as c:
+            result = c.finalize(aggregation)
+    finally:
+        server.stop(1.0)
+    x = np.concatenate([b.reshape(-1, 3) for b in batches.values()]).astype(np.float64)
+    expected = np.minimum(1.0, 1.0 / np.linalg.norm(x, axis=1)) @ x
+    assert result.examples == 36
+    np.testing.assert_allclose(result.sums["w"], expected, rtol=1e-6)
+    store = PostgresStore(settings.data_dir)
+    try:
+        shards = [store.load_checkpoint("on-pg", shard=k) for k in range(2)]
+        assert sorted(c for s in shards for c in s.clients) == ["alice", "bob", "carol"]
+        assert all(s.clients for s in shards)  # both shards hold a client (crc32 % 2: alice 1, bob 0, carol 1)
+        assert store.get("on-pg").state == FINALIZED
+    finally:
+        store.close()
