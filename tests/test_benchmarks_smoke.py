@@ -83,3 +83,23 @@ def test_privacy_benchmark_quick_run():
     assert len(rows) == 3  # one Finalize size, two ledger lengths
     for row in rows:
         assert _positive(row[-1])
+
+
+def test_scale_benchmark_quick_run():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    header = next(line for line in lines if line.startswith("mode "))
+    assert [part.split() for part in header.split("|")][1:] == [["wall", "s"], ["GB/s"], ["CPU-s/GB"],
+                                                               ["CPU/GB", "vs", "1", "ingest"]], header
+    rows = {line.split("|")[0].strip(): line for line in lines if "|" in line and not line.startswith("mode")}
+    assert set(rows) == {"loopback TCP (reference)", "one process", "1 ingest process", "2 ingest processes"}, rows
+    for row in rows.values():
+        for value in row.split("|")[1:]:
+            _positive(value)
+    assert float(rows["1 ingest process"].split("|")[4]) == 1.0  # the base of the ratios
+    match = re.fullmatch(r"ingest_cpu_per_gb_ratio_2v1=(\d+\.\d{3})", lines[-1])
+    assert match, out.stdout
+    expected = float(rows["2 ingest processes"].split("|")[3]) / float(rows["1 ingest process"].split("|")[3])
+    assert abs(float(match[1]) - expected) <= 0.01 * expected, out.stdout
