@@ -1,0 +1,221 @@
+"""Shards of an aggregation as Ray actors that checkpoint to a shared store under a fencing epoch.
+
+``pip install 'clipd[ray]'`` (Ray 2.60+) and ``clipd[postgres]`` for the store.
+
+Each shard of an aggregation is owned by one :class:`ShardOwner`: it sums the
+clipped batches sent to that shard (exactly once per client, by sequence
+number) and commits its totals to the store after every batch, under the
+epoch it claimed with :meth:`~clipd.server.store.Store.claim_shard`. A
+:class:`ShardActor` is a ShardOwner in a Ray actor that Ray restarts after a
+crash (``max_restarts=-1``); the restarted actor runs its constructor again:
+it claims a newer epoch and restores the shard from the store's checkpoint.
+
+Exactly once, end to end:
+
+- A batch is acknowledged (``submit`` returns) only once the checkpoint that
+  covers it is committed, so an acknowledged batch survives any crash.
+- A batch that was not acknowledged (the actor died with the call in flight:
+  ``max_task_retries=0``, Ray does not resend it) is resent by the driver
+  (:func:`submit_with_retry`). The restored owner knows, for every client, the
+  highest sequence its totals cover: a resent batch it already summed is a
+  duplicate (a no-op that returns the durable mark), a gap is refused.
+- Fencing: an owner believed dead may still run (a stopped process, a
+  partitioned node). Once a replacement claims the shard, every checkpoint of
+  the old owner is refused by the store (``FencedOut``): nothing it summed
+  after that can land, and it refuses every later call. A fenced actor raises
+  ``FencedOut`` to its callers (``ray.get`` raises an exception that is both a
+  ``RayTaskError`` and a ``FencedOut``); it does not exit, since Ray would
+  restart it and the restart would claim the shard back from its replacement.
+  Kill it with ``ray.kill(actor, no_restart=True)``.
+
+The last owner to claim the shard wins: run one actor per shard (a named,
+detached actor is a good way to make that so), and let Ray's restarts, not a
+second actor, replace it.
+
+Placement: ``ShardActor`` asks for ``num_cpus=0.5`` by default (fine for a test
+cluster and for the CPU backend). On a GPU cluster give each shard a device of
+its own: ``ShardActor.options(num_gpus=1).remote(...)`` or
+``shard_actor(..., num_gpus=1)``; Ray sets ``CUDA_VISIBLE_DEVICES`` for the
+actor and JAX uses that GPU.
+
+Each ``submit`` is one jitted step (one compile per distinct batch row count)
+and one checkpoint commit; grouping batches into fewer commits (as
+``server/worker.py`` does) is not done here.
+
+Example (a driver; see tests/test_ray.py)::
+
+    ray.init(address=...)
+    store = PostgresStore(dsn)
+    store.create(AggregationRecord("agg", spec_json))
+    actor = shard_actor(dsn, "agg", 0, spec_json)
+    for sequence, arrays in enumerate(batches, 1):
+        submit_with_retry(actor, "alice", "writer-1", sequence, arrays)
+    totals = PartialState.from_bytes(ray.get(actor.totals_bytes.remote()))
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+try:
+    import ray
+    import ray.exceptions
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "clipd.server.ray_shards needs Ray: pip install 'clipd[ray]' (ray>=2.60,<3)"
+    ) from e
+
+import jax
+
+from clipd.engine import ClipAccumulator, PartialState
+
+from .codec import spec_from_json, spec_shards
+from .store import FencedOut, Store
+
+__all__ = ["ShardOwner", "ShardActor", "shard_actor", "submit_with_retry", "FencedOut"]
+
+
+class ShardOwner:
+    """One shard of one aggregation: sums its batches exactly once per client, checkpoints every batch.
+
+    ``__init__`` claims the shard (a new epoch: every earlier owner is fenced
+    out from then on), then restores the shard's totals from the store's
+    newest checkpoint (empty if there is none). The aggregation must exist in
+    the store (``KeyError`` otherwise).
+    """
+
+    def __init__(self, store: Store, aggregation_id: str, shard: int, spec_json: str) -> None:
+        layers, policy, _reject_non_finite, _privacy = spec_from_json(spec_json)
+        shards = spec_shards(spec_json)
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard}: the aggregation has {shards} shard(s)")
+        self.store = store
+        self.aggregation_id = aggregation_id
+        self.shard = int(shard)
+        self.layers = layers
+        self.accumulator = ClipAccumulator(layers, policy)
+        self._fenced: FencedOut | None = None
+        # Claim first, then read: no earlier owner can commit after the checkpoint we restore.
+        self.epoch = store.claim_shard(aggregation_id, self.shard)
+        self.totals = store.load_checkpoint(aggregation_id, shard=self.shard) or PartialState.empty(layers)
+
+    # Queries ------------------------------------------------------------------------------
+    def mark(self, client_id: str) -> int:
+        """The highest sequence of ``client_id`` the committed totals cover (0: none)."""
+        return int(self.totals.clients.get(client_id, (0, ""))[0])
+
+    def totals_bytes(self) -> bytes:
+        """The committed totals (``PartialState.to_bytes``)."""
+        return self.totals.to_bytes()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def get_epoch(self) -> int:
+        return self.epoch
+
+    # Ingest -------------------------------------------------------------------------------
+    def submit(self, client_id: str, writer_id: str, sequence: int, arrays: Sequence[np.ndarray]) -> int:
+        """Sums one batch of ``client_id`` and commits; returns the client's durable sequence.
+
+        ``arrays[k]``: shape ``(rows, *layers[k].shape)``. ``sequence <= mark``:
+        a duplicate (nothing summed; the durable mark is returned). A sequence
+        other than ``mark + 1``: ``ValueError`` (a gap). ``FencedOut``: a newer
+        owner claimed the shard; this owner refuses every later call.
+        """
+        self._check_not_fenced()
+        sequence = int(sequence)
+        mark = self.mark(client_id)
+        if sequence <= mark:
+            return mark
+        if sequence != mark + 1:
+            raise ValueError(f"client {client_id!r}: sequence {sequence} after {mark} (a gap; "
+                             f"the next batch must be {mark + 1})")
+        batch = self._batch(arrays)
+        rows = batch[0].shape[0]
+        delta = self.accumulator.update(self.accumulator.init(), batch, np.ones(rows, bool))
+        nbytes = sum(a.nbytes for a in batch)
+        totals = self.totals.absorb(jax.device_get(delta), {client_id: (sequence, writer_id)}, 1, nbytes)
+        try:
+            self.store.save_checkpoint(self.aggregation_id, totals, shard=self.shard, epoch=self.epoch)
+        except FencedOut as e:
+            self._fenced = e
+            raise
+        self.totals = totals
+        return sequence
+
+    def _check_not_fenced(self) -> None:
+        if self._fenced is not None:
+            raise FencedOut(f"aggregation {self.aggregation_id!r} shard {self.shard}: this owner (epoch "
+                            f"{self.epoch}) was fenced out: {self._fenced}")
+
+    def _batch(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if len(arrays) != len(self.layers):
+            raise ValueError(f"{len(arrays)} arrays for {len(self.layers)} layers")
+        batch, rows = [], None
+        for layer, array in zip(self.layers, arrays):
+            array = np.ascontiguousarray(array, dtype=layer.dtype)
+            if array.ndim != 1 + len(layer.shape) or tuple(array.shape[1:]) != tuple(layer.shape):
+                raise ValueError(f"layer {layer.name!r}: shape {array.shape}, expected (rows, *{layer.shape})")
+            if rows is None:
+                rows = array.shape[0]
+            elif array.shape[0] != rows:
+                raise ValueError(f"layer {layer.name!r}: {array.shape[0]} rows, other layers have {rows}")
+            batch.append(array)
+        if not rows:
+            raise ValueError("a batch needs at least one row")
+        return batch
+
+
+class _ShardActor(ShardOwner):
+    """A ShardOwner on a ``PostgresStore(dsn)`` of its own (the actor's process opens it)."""
+
+    def __init__(self, dsn: str, aggregation_id: str, shard: int, spec_json: str) -> None:
+        from .postgres_store import PostgresStore
+
+        super().__init__(PostgresStore(dsn), aggregation_id, shard, spec_json)
+
+
+# Restarted by Ray after a crash (forever); a call in flight when it died is not retried by Ray
+# (max_task_retries=0): the driver resends it (submit_with_retry), and the restored owner recognizes
+# a batch it already committed.
+ShardActor = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.5)(_ShardActor)
+
+
+def shard_actor(dsn: str, aggregation_id: str, shard: int, spec_json: str, *, num_cpus: float = 0.5,
+                num_gpus: float = 0, name: str | None = None, **options):
+    """Starts the actor of one shard. ``num_gpus=1`` on a GPU cluster: the shard gets a device of its own."""
+    if name is not None:
+        options["name"] = name
+    return ShardActor.options(num_cpus=num_cpus, num_gpus=num_gpus, **options).remote(
+        dsn, aggregation_id, shard, spec_json)
+
+
+_RETRIABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def submit_with_retry(actor, client_id: str, writer_id: str, sequence: int, arrays: Sequence[np.ndarray], *,
+                      timeout: float = 120.0, call_timeout: float | None = 60.0, backoff: float = 0.2) -> int:
+    """``actor.submit`` until it is acknowledged: returns the client's durable sequence.
+
+    A call that fails because the actor died or is restarting (``RayActorError``,
+    ``ActorUnavailableError``) is sent again once Ray has restarted it: the new
+    actor restored the shard from the store, so a batch that was committed
+    before the crash comes back as a duplicate and is not summed twice. Any
+    other error (``FencedOut``, ``ValueError`` for a gap) is raised at once.
+    ``TimeoutError`` after ``timeout`` seconds of retrying.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(actor.submit.remote(client_id, writer_id, sequence, arrays), timeout=call_timeout)
+        except _RETRIABLE as e:
+            if time.monotonic() + backoff > deadline:
+                raise TimeoutError(f"submit of {client_id!r} #{sequence}: the actor did not come back "
+                                   f"within {timeout}s: {e}") from e
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 2.0)
