@@ -168,8 +168,14 @@ class ClipdServer:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations, settings.max_total_parameters)
-        self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
-                               settings.warmup_timeout)
+        if settings.ray_address:  # every shard a Ray actor on the cluster, checkpointing to the shared store
+            from .ray_shards import RayShards
+
+            self.devices = RayShards(settings.ray_address, settings.data_dir, self.store, settings.shards,
+                                     settings.ray_gpus_per_shard)
+        else:  # every shard on a local device
+            self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
+                                   settings.warmup_timeout)
         self.ledgers = Ledgers(self.store)
         recover(self.store, self.registry, self.devices, settings, self.ledgers)
         tokens = SubmitTokens(self.store.submit_token_key())

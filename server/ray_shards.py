@@ -55,7 +55,10 @@ Example (a driver; see tests/test_ray.py)::
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
+import threading
 import time
 from collections.abc import Sequence
 
@@ -76,7 +79,7 @@ from clipd.engine import ClipAccumulator, PartialState
 from .codec import spec_from_json, spec_shards
 from .store import FencedOut, Store
 
-__all__ = ["ShardOwner", "ShardActor", "shard_actor", "submit_with_retry", "FencedOut"]
+__all__ = ["ShardOwner", "ShardActor", "shard_actor", "submit_with_retry", "FencedOut", "RayShards"]
 
 
 class ShardOwner:
@@ -219,3 +222,136 @@ def submit_with_retry(actor, client_id: str, writer_id: str, sequence: int, arra
                                    f"within {timeout}s: {e}") from e
             time.sleep(backoff)
             backoff = min(2 * backoff, 2.0)
+
+
+# The server's side: clipd serve --ray ADDRESS ---------------------------------------------------
+class _ShardLink:
+    """The server's link to one shard actor: sends the shard's batches in order and acknowledges them."""
+
+    def __init__(self, aggregation, shard: int, actor, store: Store) -> None:
+        self.aggregation, self.shard, self.actor, self.store = aggregation, shard, actor, store
+        self.batches = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._send, name=f"clipd-ray-{aggregation.id}-{shard}", daemon=True)
+        self._thread.start()
+
+    def put(self, client: str, writer: str, batch) -> None:
+        self._queue.put((client, writer, batch))
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _send(self) -> None:
+        """Sends one batch at a time (Ray restarts a dead actor; :func:`submit_with_retry` resends)."""
+        while (item := self._queue.get()) is not None:
+            client, writer, batch = item
+            if self.aggregation.state.value in ("cancelled", "failed"):
+                batch.release()
+                self.aggregation.drop(1)
+                continue
+            try:
+                durable = submit_with_retry(self.actor, client, writer, batch.sequence, batch.layers)
+            except Exception as e:  # FencedOut, a gap, the actor gone for good: the aggregation fails
+                batch.release()
+                self.aggregation.drop(1)
+                reason = f"shard {self.shard}: {type(e).__name__}: {e}"
+                if self.aggregation.fail(reason):
+                    with contextlib.suppress(Exception):
+                        self.store.set_state(self.aggregation.id, "failed", reason=reason, finished=time.time())
+                continue
+            batch.release()
+            self.batches += 1
+            self.aggregation.record([(client, writer, batch.sequence, batch.rows, batch.nbytes)], None, self.shard)
+            self.aggregation.mark_durable({client: (durable, writer)})
+
+
+class RayShards:
+    """Every shard of every aggregation as a :class:`ShardActor` on a Ray cluster (``clipd serve --ray ADDRESS``).
+
+    The same calls as :class:`clipd.server.shards.Devices`, so the servicer is
+    the same: a batch goes to its client's shard actor, which sums it and
+    commits the shard's checkpoint to the shared store (PostgreSQL) before the
+    stream acknowledges it. Ray restarts a dead actor, which restores its
+    shard from the store; the link resends what was not acknowledged. Finalize
+    reads every shard's committed totals and merges them. ``gpus_per_shard=1``
+    places each shard actor on a GPU of its own.
+    """
+
+    def __init__(self, address: str, dsn: str, store: Store, shards: int = 0, gpus_per_shard: float = 0) -> None:
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+        self.dsn, self.store, self.gpus_per_shard = dsn, store, gpus_per_shard
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        self.shards = shards or (gpus if gpus_per_shard and gpus else max(1, len(ray.nodes())))
+        self._links: dict = {}  # aggregation -> [_ShardLink per shard]
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.shards
+
+    def warm_up(self, aggregation) -> None:
+        """Starts the aggregation's shard actors (each claims its shard and restores it), then opens it."""
+        from .codec import spec_to_json
+
+        spec = spec_to_json(aggregation.layers, aggregation.policy, aggregation.reject_non_finite,
+                            aggregation.privacy, aggregation.shards)
+        actors = [shard_actor(self.dsn, aggregation.id, s, spec, num_gpus=self.gpus_per_shard)
+                  for s in range(aggregation.shards)]
+        with self._lock:
+            self._links[aggregation] = [_ShardLink(aggregation, s, a, self.store) for s, a in enumerate(actors)]
+        aggregation.mark_open()
+
+    def submit(self, aggregation, client: str, writer: str, batch) -> None:
+        with self._lock:
+            links = self._links[aggregation]
+        links[aggregation.shard_of(client)].put(client, writer, batch)
+
+    def commit_final(self, aggregation, timeout: float | None = None) -> list[PartialState]:
+        """Every shard's committed totals (every accepted batch is in: the caller waited for them)."""
+        with self._lock:
+            links = self._links.pop(aggregation)
+        refs = [link.actor.totals_bytes.remote() for link in links]
+        totals = [PartialState.from_bytes(blob) for blob in ray.get(refs, timeout=timeout)]
+        for link in links:
+            link.close()
+            ray.kill(link.actor, no_restart=True)
+        return totals
+
+    def forget(self, aggregation) -> None:
+        with self._lock:
+            links = self._links.pop(aggregation, [])
+        for link in links:
+            link.close()
+            ray.kill(link.actor, no_restart=True)
+
+    @property
+    def ready(self) -> bool:
+        return ray.is_initialized()
+
+    @property
+    def queue_depth(self) -> int:
+        with self._lock:
+            return sum(link.depth for links in self._links.values() for link in links)
+
+    queued_bytes = 0  # batches wait in the links' queues; their bytes are in the server's buffer budget
+
+    @property
+    def device_kind(self) -> str:
+        return "ray"
+
+    def describe(self) -> list[dict]:
+        """Each open aggregation's shard actors and the batches each has summed."""
+        with self._lock:
+            links = [link for links in self._links.values() for link in links]
+        return [{"id": f"{link.aggregation.id}/{link.shard}", "kind": "ray-shard-actor", "platform": "ray",
+                 "steps": link.batches} for link in links]
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self._lock:
+            links = [link for links in self._links.values() for link in links]
+        for link in links:
+            link.close()

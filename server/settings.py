@@ -60,6 +60,8 @@ class Settings:
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
     shards: int = 0  # shards of each new aggregation (client id -> shard); 0 = one per local JAX device
     processes: int = 0  # ingest processes on the gRPC port (receive, parse); 0 = this process does it all
+    ray_address: str = ""  # a Ray cluster (HOST:PORT): shards run as Ray actors there; needs a postgresql:// data_dir
+    ray_gpus_per_shard: float = 0.0  # with ray_address: GPUs each shard actor asks for (1 = a GPU per shard)
     # Durability: aggregations, checkpoints and results live here ("memory": nothing survives a restart).
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
     checkpoint_interval: float = 0.01  # seconds between checkpoint starts (the acknowledgement latency)
@@ -80,6 +82,11 @@ class Settings:
                       "warmup_timeout", "stream_idle_timeout", "shutdown_grace"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
+        if self.ray_address and not self.data_dir.startswith(("postgresql://", "postgres://")):
+            raise ValueError("Settings.ray_address: shard actors on other machines need the shared store;"
+                             " set data_dir to a postgresql:// URL")
+        if self.ray_gpus_per_shard < 0:
+            raise ValueError(f"Settings.ray_gpus_per_shard must be >= 0, got {self.ray_gpus_per_shard}")
         if self.processes < 0:
             raise ValueError(f"Settings.processes must be >= 0 (0: one process), got {self.processes}")
         if self.shards < 0:

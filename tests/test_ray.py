@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'clipd[ray]'")
+import ray  # noqa: E402  (the [test] extra installs it: a missing Ray fails, it is not skipped)
 import ray.cluster_utils  # noqa: E402
 
 from clipd.engine import LayerSpec, PartialState  # noqa: E402
@@ -248,3 +248,62 @@ def test_stopped_owner_is_fenced_out_by_its_replacement(pg, ray_cluster):
         ray.kill(a, no_restart=True)
         if b is not None:
             ray.kill(b, no_restart=True)
+
+
+# 4. The whole server on the cluster: clipd serve --ray ------------------------------------------
+def test_a_server_on_ray_sums_through_shard_actors_one_killed_mid_stream(pg, ray_cluster):
+    """``Settings(ray_address=...)``: 4 clients over 2 shard actors; one actor SIGKILLed while streams run."""
+    import threading
+
+    from clipd.client import Client
+    from clipd.server.app import create_server
+    from clipd.server.settings import Settings
+    from conftest import TEST_SETTINGS
+
+    settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
+                           "shards": 2})
+    server, port = create_server(settings)
+    target = f"127.0.0.1:{port}"
+    clients = {f"client-{i}": [batch(1000 * i + j) for j in range(6)] for i in range(4)}
+    started, errors = threading.Semaphore(0), []
+    try:
+        with Client(target) as c:
+            aggregation = c.create_aggregation({layer.name: layer.shape for layer in LAYERS}, l2_norm_clip=CLIP,
+                                               aggregation_id="on-ray")
+
+        def updates(name: str):
+            for j, arrays in enumerate(clients[name]):
+                yield {layer.name: a for layer, a in zip(LAYERS, arrays)}
+                if j == 1:
+                    started.release()
+                time.sleep(0.05)
+
+        def run(name: str) -> None:
+            try:
+                with Client(target, retry_delay=0.05, message_bytes=1 << 10) as c:
+                    assert c.submit(aggregation, updates(name), client_id=name).examples == 6 * ROWS
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(name,)) for name in clients]
+        for t in threads:
+            t.start()
+        for _ in clients:
+            assert started.acquire(timeout=60)
+        (actor_entry,) = [d for d in server.devices.describe() if d["id"] == "on-ray/0"]
+        assert actor_entry["kind"] == "ray-shard-actor"
+        link = server.devices._links[server.registry.get("on-ray")][0]
+        os.kill(get(link.actor.pid.remote()), signal.SIGKILL)  # Ray restarts it; it restores shard 0
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert get(link.actor.get_epoch.remote()) == 2
+        with Client(target) as c:
+            result = c.finalize(aggregation)
+    finally:
+        server.stop(1.0)
+    sums, examples, clipped = reference([arrays for batches in clients.values() for arrays in batches])
+    assert result.examples == examples == 4 * 6 * ROWS
+    assert result.clip_counts == {"w": clipped, "b": clipped}
+    for layer, want in zip(LAYERS, sums):
+        np.testing.assert_allclose(result.sums[layer.name], want, rtol=1e-5, atol=1e-5)
