@@ -12,6 +12,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     CLIPD_COMPILATION_CACHE_DIR=/var/cache/clipd/jax \
     CLIPD_DATA_DIR=/var/lib/clipd
 
+# The extras to install: server alone (one host), or server,postgres,ray to scale out (deploy/).
+ARG CLIPD_EXTRAS=server
+
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY clipd ./clipd
@@ -19,7 +22,7 @@ COPY proto ./proto
 COPY engine ./engine
 COPY server ./server
 COPY client ./client
-RUN pip install --no-cache-dir ".[server]" && useradd --system --create-home clipd \
+RUN pip install --no-cache-dir ".[${CLIPD_EXTRAS}]" && useradd --system --create-home clipd \
     && mkdir -p /var/cache/clipd/jax /var/lib/clipd && chown clipd /var/cache/clipd/jax /var/lib/clipd
 USER clipd
 

@@ -77,7 +77,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> list[str]:
     from clipd.server.settings import Settings, field_kind
 
     comments = _field_comments()
-    aliases = {"admin_token": ["--token"]}
+    aliases = {"admin_token": ["--token"], "ray_address": ["--ray"]}
     names = []
     for field in dataclasses.fields(Settings):
         kind = field_kind(field)

@@ -285,6 +285,13 @@ def test_serve_has_one_flag_per_setting_with_the_old_spellings():
     defaults = parser.parse_args(["serve"])
     assert all(getattr(defaults, name) is None for name in defaults.setting_names)  # not given: not a flag
     assert parser.parse_args(["serve", "--admin-token", "u"]).admin_token == "u"
+    scaled = parser.parse_args(["serve", "--ray", "head:6379", "--processes", "4", "--shards", "8"])
+    assert (scaled.ray_address, scaled.processes, scaled.shards) == ("head:6379", 4, 8)
+    with pytest.raises(SettingsError, match="ray_address.*postgresql://"):  # actors elsewhere need the shared store
+        Settings.load({"ray_address": "head:6379", "data_dir": "/tmp/x"}, environ={})
+    for field in ("processes", "shards", "ray_gpus_per_shard"):
+        with pytest.raises(SettingsError, match=f"{field} must be >= 0"):
+            Settings.load({field: -1}, environ={})
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--log-level", "loud"])
 

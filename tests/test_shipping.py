@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import tomllib
 
 import pytest
 import yaml
@@ -51,3 +52,42 @@ def test_the_image_and_compose_keep_state_on_a_volume():
     assert any(v.endswith(f":{data_dir}") for v in service["volumes"])
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert f"CLIPD_DATA_DIR={data_dir}" in dockerfile and f"VOLUME {data_dir}" in dockerfile
+
+
+def _settings_from(env: dict[str, str]) -> Settings:
+    """Settings from a deployment's environment (placeholders filled in), refusing names that are no setting."""
+    names = {f"CLIPD_{f.upper()}" for f in Settings.__dataclass_fields__}
+    unknown = sorted(k for k in env if k.startswith("CLIPD_") and k not in names)
+    assert not unknown, f"not settings: {unknown}"
+    filled = {k: re.sub(r"\$\{[^}]*\}", "x", v) for k, v in env.items()}
+    return Settings.from_env(filled)
+
+
+def test_scale_out_compose_runs_the_server_on_postgres_and_ray():
+    compose = yaml.safe_load((ROOT / "deploy" / "compose.scale.yml").read_text())
+    services = compose["services"]
+    assert {"postgres", "ray-head", "ray-worker", "clipd"} <= set(services)
+    settings = _settings_from(services["clipd"]["environment"])
+    assert settings.data_dir.startswith("postgresql://") and "@postgres:5432/" in settings.data_dir
+    assert settings.ray_address == "ray-head:6379" and settings.processes >= 2
+    assert services["ray-worker"]["command"][:2] == ["ray", "start"] and "--address=ray-head:6379" in \
+        services["ray-worker"]["command"]
+    extras = set(services["clipd"]["build"]["args"]["CLIPD_EXTRAS"].split(","))
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    assert extras == {"server", "postgres", "ray"} and extras <= declared
+    assert "ARG CLIPD_EXTRAS=server" in (ROOT / "Dockerfile").read_text()
+
+
+def test_kuberay_example_runs_the_server_beside_the_ray_head():
+    cluster, service = yaml.safe_load_all((ROOT / "deploy" / "kuberay-raycluster.yaml").read_text())
+    assert (cluster["apiVersion"], cluster["kind"], service["kind"]) == ("ray.io/v1", "RayCluster", "Service")
+    containers = {c["name"]: c for c in cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]}
+    clipd = containers["clipd"]
+    env = {e["name"]: e.get("value", "${secret}") for e in clipd["env"]}
+    env["CLIPD_DATA_DIR"] = "postgresql://clipd@db/clipd"  # from a Secret in the cluster
+    settings = _settings_from(env)
+    assert settings.ray_address == "127.0.0.1:6379" and settings.ray_gpus_per_shard == 1
+    workers = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    ports = {p["containerPort"] for p in clipd["ports"]}
+    assert ports == {settings.grpc_port, settings.admin_port} == {p["targetPort"] for p in service["spec"]["ports"]}
