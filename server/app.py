@@ -240,6 +240,10 @@ class ClipdServer:
         self.grpc.start()
         if self.settings.processes:
             self.ingest = IngestProcesses(self.settings, self.port, self.internal_address, self._arena_dir).start()
+        elif self.settings.ray_ingest_actors:  # endpoints on the cluster's nodes, forwarding to this port
+            from .ray_shards import RayIngest, cluster_address
+
+            self.ingest = RayIngest(self.settings, f"{cluster_address(self.settings.host)}:{self.port}")
         self._janitor.start()
         self._trimmer.start()
         for name in ("", SERVICE_NAME):

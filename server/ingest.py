@@ -219,9 +219,13 @@ def _timeout(context) -> float | None:
 
 
 class IngestServer:
-    """One ingest process's gRPC server: Submit moved to shared memory, every other RPC passed through."""
+    """One ingest process's gRPC server: Submit moved to shared memory, every other RPC passed through.
 
-    def __init__(self, settings: Settings, port: int, owner: str, arena_dir: str, index: int,
+    ``arena_dir`` None: no shared memory (an ingest endpoint on another host, see
+    :class:`clipd.server.ray_shards.IngestActor`): Submit is passed through too.
+    """
+
+    def __init__(self, settings: Settings, port: int, owner: str, arena_dir: str | None, index: int,
                  generation: int) -> None:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -231,7 +235,7 @@ class IngestServer:
         self.settings, self.index = settings, index
         arena_bytes = max(4 * settings.max_message_bytes,
                           min(256 << 20, settings.max_buffered_bytes // max(1, settings.processes)))
-        self.arena = Arena(arena_dir, f"ingest-{index}-{generation}", arena_bytes)
+        self.arena = Arena(arena_dir, f"ingest-{index}-{generation}", arena_bytes) if arena_dir else None
         limit = settings.max_message_bytes + (1 << 16)
         self.channel = grpc.insecure_channel(owner, options=[("grpc.max_receive_message_length", limit),
                                                              ("grpc.max_send_message_length", limit)])
@@ -251,8 +255,9 @@ class IngestServer:
         credentials = grpc_server_credentials(settings)
         bound = (self.server.add_secure_port(address, credentials) if credentials is not None
                  else self.server.add_insecure_port(address))
-        if bound != port:
+        if port and bound != port:
             raise RuntimeError(f"ingest {index}: bound port {bound}, not {port}")
+        self.port = bound
         self._serving = health_pb2.HealthCheckResponse.SERVING
 
     def _handlers(self) -> grpc.GenericRpcHandler:
@@ -316,6 +321,9 @@ class IngestServer:
     def _to_shared(self, messages, refused: list):
         """The client's messages, each chunk's data moved into the arena (a message that does not parse as is)."""
         wait = self.settings.buffer_wait
+        if self.arena is None:
+            yield from messages
+            return
         try:
             for raw in messages:
                 try:
@@ -342,7 +350,8 @@ class IngestServer:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait(grace + 1.0)
         self.channel.close()
-        self.arena.close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 def main() -> None:

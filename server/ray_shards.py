@@ -67,6 +67,7 @@ import numpy as np
 try:
     import ray
     import ray.exceptions
+    import ray.util
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "clipd.server.ray_shards needs Ray: pip install 'clipd[ray]' (ray>=2.60,<3)"
@@ -355,3 +356,60 @@ class RayShards:
             links = [link for links in self._links.values() for link in links]
         for link in links:
             link.close()
+
+
+# Ingest endpoints on the cluster ------------------------------------------------------------------
+class _IngestActor:
+    """An ingest endpoint on a Ray node: clients connect to it, it forwards every RPC to the clipd server.
+
+    The same :class:`clipd.server.ingest.IngestServer` as ``--processes`` uses,
+    without shared memory (the server is on another host): it terminates the
+    clients' connections (and TLS) on this node and passes each call through.
+    Several on one node share the port (SO_REUSEPORT).
+    """
+
+    def __init__(self, settings: dict, owner: str, index: int) -> None:
+        from .ingest import IngestServer
+        from .settings import Settings
+
+        self.server = IngestServer(Settings(**settings), settings["ray_ingest_port"], owner, None, index, 0).start()
+
+    def address(self) -> str:
+        return f"{ray.util.get_node_ip_address()}:{self.server.port}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+IngestActor = ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0.25)(_IngestActor)
+
+
+def cluster_address(host: str) -> str:
+    """How the cluster's nodes reach this host: ``host``, or this node's address when it is a wildcard."""
+    return ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]", "") else host
+
+
+class RayIngest:
+    """The server's ingest actors, spread over the cluster's nodes (``--ray-ingest-actors N``)."""
+
+    def __init__(self, settings, owner: str) -> None:
+        import dataclasses
+
+        fields = dataclasses.asdict(settings)
+        self.actors = [IngestActor.options(scheduling_strategy="SPREAD").remote(fields, owner, i)
+                       for i in range(settings.ray_ingest_actors)]
+        self.addresses = ray.get([a.address.remote() for a in self.actors], timeout=120)
+
+    def describe(self) -> list[dict]:
+        out = []
+        for index, (actor, address) in enumerate(zip(self.actors, self.addresses)):
+            try:
+                pid, alive = ray.get(actor.pid.remote(), timeout=5), True
+            except Exception:  # dead, or being restarted by Ray
+                pid, alive = None, False
+            out.append({"index": index, "pid": pid, "alive": alive, "address": address})
+        return out
+
+    def stop(self, grace: float) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)

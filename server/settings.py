@@ -62,6 +62,8 @@ class Settings:
     processes: int = 0  # ingest processes on the gRPC port (receive, parse); 0 = this process does it all
     ray_address: str = ""  # a Ray cluster (HOST:PORT): shards run as Ray actors there; needs a postgresql:// data_dir
     ray_gpus_per_shard: float = 0.0  # with ray_address: GPUs each shard actor asks for (1 = a GPU per shard)
+    ray_ingest_actors: int = 0  # with ray_address: ingest endpoints spread over the cluster's nodes
+    ray_ingest_port: int = 50052  # the port of the ingest endpoints on their nodes (shared: SO_REUSEPORT)
     # Durability: aggregations, checkpoints and results live here ("memory": nothing survives a restart).
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
     checkpoint_interval: float = 0.01  # seconds between checkpoint starts (the acknowledgement latency)
@@ -85,6 +87,13 @@ class Settings:
         if self.ray_address and not self.data_dir.startswith(("postgresql://", "postgres://")):
             raise ValueError("Settings.ray_address: shard actors on other machines need the shared store;"
                              " set data_dir to a postgresql:// URL")
+        if self.ray_ingest_actors < 0:
+            raise ValueError(f"Settings.ray_ingest_actors must be >= 0, got {self.ray_ingest_actors}")
+        if self.ray_ingest_actors and not self.ray_address:
+            raise ValueError("Settings.ray_ingest_actors: ingest actors run on a Ray cluster; set ray_address")
+        if self.ray_ingest_actors and self.tls_cert_file:
+            raise ValueError("Settings.ray_ingest_actors: not with TLS yet (the ingest actors reach the server"
+                             " over plaintext gRPC); use --processes on the server's host")
         if self.ray_gpus_per_shard < 0:
             raise ValueError(f"Settings.ray_gpus_per_shard must be >= 0, got {self.ray_gpus_per_shard}")
         if self.processes < 0:

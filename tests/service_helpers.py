@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import random
@@ -11,6 +12,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+import zlib
 
 import grpc
 
@@ -175,3 +179,40 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
     
+
+def random_batch(client: str, index: int, layers: dict[str, tuple[int, ...]], rows: int) -> dict[str, np.ndarray]:
+    """Batch ``index`` of ``client``: float32, deterministic, example norms spread around 1 (about half clipped at 1)."""
+    rng = np.random.default_rng([zlib.crc32(client.encode()), index])
+    size = sum(int(np.prod(shape)) for shape in layers.values())
+    scale = np.exp(rng.uniform(-1.5, 1.5, rows)) / np.sqrt(size)
+    return {name: (rng.standard_normal((rows, *shape)) * scale.reshape((-1,) + (1,) * len(shape))).astype(np.float32)
+            for name, shape in layers.items()}
+
+
+def global_clip_reference(batches, clip: float) -> tuple[dict[str, np.ndarray], int, int]:
+    """Global-L2 clipped sums in float64 numpy (sum of min(1, C / ||x||) * x), the clipped and the example counts."""
+    sums: dict[str, np.ndarray] = {}
+    clipped = examples = 0
+    for batch in batches:
+        rows = len(next(iter(batch.values())))
+        x = {name: values.astype(np.float64).reshape(rows, -1) for name, values in batch.items()}
+        norms = np.sqrt(sum((v**2).sum(axis=1) for v in x.values()))
+        factor = np.minimum(1.0, clip / norms)
+        clipped += int((norms > clip).sum())
+        examples += rows
+        for name, values in batch.items():
+            sums[name] = sums.get(name, 0.0) + (factor @ x[name]).reshape(values.shape[1:])
+    return sums, clipped, examples
+
+
+def get_json(url: str, wait: float = 30.0) -> dict:
+    """GET ``url`` as JSON, waiting up to ``wait`` s for the server to answer (the admin API starts after gRPC)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                return json.load(response)
+        except urllib.error.URLError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

@@ -7,24 +7,21 @@ batches, the server is killed with SIGKILL and restarted on the same data
 directory, and the clients append the other half. Each shard must come back
 from its own checkpoint (what was acknowledged is in, nothing twice), every
 device must step, and the result must equal a float64 numpy reference
-computed here. The shard of a client is recomputed here from its definition
-(CRC-32 of the id modulo the shard count), not taken from clipd.
+(``service_helpers.global_clip_reference``, not clipd's code). The shard of a
+client is recomputed here from its definition (CRC-32 of the id modulo the
+shard count), not taken from clipd.
 """
 
 from __future__ import annotations
 
-import json
 import threading
-import time
-import urllib.error
-import urllib.request
 import zlib
 
 import numpy as np
 
 from clipd.client import Client
 from clipd.server.sqlite_store import SQLiteStore
-from service_helpers import ServerProcess, free_port
+from service_helpers import ServerProcess, free_port, get_json, global_clip_reference, random_batch
 
 DEVICES = 4
 LAYERS = {"w": (32, 8), "b": (8,)}
@@ -43,35 +40,14 @@ def _clients() -> list[str]:
     return [c for k in range(DEVICES) for c in chosen[k]]
 
 
-def _batch(client: str, index: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng([zlib.crc32(client.encode()), index])
-    scale = np.exp(rng.uniform(-1.5, 1.5, ROWS)) / np.sqrt(264)
-    return {name: (rng.standard_normal((ROWS, *shape)) * scale.reshape((-1,) + (1,) * len(shape))).astype(np.float32)
-            for name, shape in LAYERS.items()}
-
-
-def _reference(batches) -> tuple[dict[str, np.ndarray], int, int]:
-    """Global-norm clipped sums in float64 numpy, the clip count and the example count."""
-    sums = {name: np.zeros(shape) for name, shape in LAYERS.items()}
-    clipped = examples = 0
-    for batch in batches:
-        x = {name: batch[name].astype(np.float64).reshape(ROWS, -1) for name in LAYERS}
-        norms = np.sqrt(sum((v**2).sum(axis=1) for v in x.values()))
-        factor = np.minimum(1.0, CLIP / norms)
-        clipped += int((norms > CLIP).sum())
-        examples += ROWS
-        for name, shape in LAYERS.items():
-            sums[name] += (factor @ x[name]).reshape(shape)
-    return sums, clipped, examples
-
-
 def _submit_all(target: str, aggregation: str, clients: list[str], indices: range) -> None:
     errors = []
 
     def run(client: str) -> None:
         try:
             with Client(target, retry_delay=0.05) as c:
-                report = c.submit(aggregation, [_batch(client, i) for i in indices], client_id=client)
+                updates = [random_batch(client, i, LAYERS, ROWS) for i in indices]
+                report = c.submit(aggregation, updates, client_id=client)
                 assert report.examples == ROWS * len(indices)
         except Exception as e:  # reported below
             errors.append(e)
@@ -82,19 +58,6 @@ def _submit_all(target: str, aggregation: str, clients: list[str], indices: rang
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-
-
-def _get_json(url: str) -> dict:
-    """GET ``url``, waiting up to 30 s for the admin API (it starts after the gRPC port)."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response:
-                return json.load(response)
-        except urllib.error.URLError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def test_four_devices_each_sum_a_shard_and_each_shard_recovers_on_its_own(tmp_path):
@@ -113,13 +76,14 @@ def test_four_devices_each_sum_a_shard_and_each_shard_recovers_on_its_own(tmp_pa
         server.start()
         _submit_all(target, aggregation, clients, range(3, BATCHES))
 
-        devices = _get_json(f"http://127.0.0.1:{admin_port}/api/v1/server")["devices"]
+        devices = get_json(f"http://127.0.0.1:{admin_port}/api/v1/server")["devices"]
         assert sorted(d["id"] for d in devices) == list(range(DEVICES))
         assert all(d["steps"] > 0 and d["platform"] == "cpu" for d in devices), devices  # since the restart
 
         with Client(target) as admin:
             result = admin.finalize(aggregation)
-        sums, clipped, examples = _reference(_batch(c, i) for c in clients for i in range(BATCHES))
+        sums, clipped, examples = global_clip_reference(
+            [random_batch(c, i, LAYERS, ROWS) for c in clients for i in range(BATCHES)], CLIP)
         assert result.examples == examples == len(clients) * BATCHES * ROWS
         assert result.clip_counts == {"w": clipped, "b": clipped}
         for name in LAYERS:

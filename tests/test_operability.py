@@ -289,7 +289,12 @@ def test_serve_has_one_flag_per_setting_with_the_old_spellings():
     assert (scaled.ray_address, scaled.processes, scaled.shards) == ("head:6379", 4, 8)
     with pytest.raises(SettingsError, match="ray_address.*postgresql://"):  # actors elsewhere need the shared store
         Settings.load({"ray_address": "head:6379", "data_dir": "/tmp/x"}, environ={})
-    for field in ("processes", "shards", "ray_gpus_per_shard"):
+    with pytest.raises(SettingsError, match="ray_ingest_actors.*set ray_address"):
+        Settings.load({"ray_ingest_actors": 2}, environ={})
+    with pytest.raises(SettingsError, match="ray_ingest_actors: not with TLS yet"):
+        Settings.load({"ray_ingest_actors": 2, "ray_address": "h:1", "data_dir": "postgresql://h/db",
+                       "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}, environ={})
+    for field in ("processes", "shards", "ray_gpus_per_shard", "ray_ingest_actors"):
         with pytest.raises(SettingsError, match=f"{field} must be >= 0"):
             Settings.load({field: -1}, environ={})
     with pytest.raises(SystemExit):

@@ -3,7 +3,7 @@
 - 8 clients through ``--processes 2`` (a real ``clipd serve`` process), one ingest
   process killed with SIGKILL mid-stream: the clients reconnect, the server
   restarts the ingest process, and the result equals a float64 numpy reference
-  computed here (nothing lost, nothing twice); both ingest processes forwarded calls.
+  (``service_helpers``) (nothing lost, nothing twice); both ingest processes forwarded calls.
 - Behind one ingest process, every refusal is the single-process one: bad bytes,
   a missing or wrong token, an unknown aggregation; auth still holds.
 - The shared-memory ring: a region is reused only once the server has dropped
@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import doctest
 import gc
-import json
 import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
-import zlib
 
 import grpc
 import numpy as np
@@ -34,47 +30,13 @@ from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from conftest import TEST_SETTINGS
-from service_helpers import ServerProcess, free_port
+from service_helpers import ServerProcess, free_port, get_json, global_clip_reference, random_batch
 
 LAYERS = {"w": (64, 16), "b": (16,)}
 CLIP = 1.0
 ROWS = 32
 BATCHES = 8
 CLIENTS = [f"client-{i}" for i in range(8)]
-
-
-def _batch(client: str, index: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng([zlib.crc32(client.encode()), index])
-    scale = np.exp(rng.uniform(-1.5, 1.5, ROWS)) / np.sqrt(1040)
-    return {name: (rng.standard_normal((ROWS, *shape)) * scale.reshape((-1,) + (1,) * len(shape))).astype(np.float32)
-            for name, shape in LAYERS.items()}
-
-
-def _reference(batches):
-    """Global-norm clipped sums in float64 numpy, the clip count and the example count."""
-    sums = {name: np.zeros(shape) for name, shape in LAYERS.items()}
-    clipped = examples = 0
-    for batch in batches:
-        x = {name: batch[name].astype(np.float64).reshape(ROWS, -1) for name in LAYERS}
-        norms = np.sqrt(sum((v**2).sum(axis=1) for v in x.values()))
-        factor = np.minimum(1.0, CLIP / norms)
-        clipped += int((norms > CLIP).sum())
-        examples += ROWS
-        for name, shape in LAYERS.items():
-            sums[name] += (factor @ x[name]).reshape(shape)
-    return sums, clipped, examples
-
-
-def _get_json(url: str) -> dict:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response:
-                return json.load(response)
-        except urllib.error.URLError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def test_eight_clients_through_two_ingest_processes_one_killed_mid_stream(tmp_path):
@@ -90,7 +52,7 @@ def test_eight_clients_through_two_ingest_processes_one_killed_mid_stream(tmp_pa
 
         def updates(client: str):
             for index in range(BATCHES):
-                yield _batch(client, index)
+                yield random_batch(client, index, LAYERS, ROWS)
                 if index == 1:
                     acknowledged.release()
                 time.sleep(0.05)  # streams stay open while an ingest process is killed
@@ -108,7 +70,7 @@ def test_eight_clients_through_two_ingest_processes_one_killed_mid_stream(tmp_pa
             t.start()
         for _ in range(4):
             assert acknowledged.acquire(timeout=60)
-        victim = _get_json(admin)["ingest_processes"][0]
+        victim = get_json(admin)["ingest_processes"][0]
         os.kill(victim["pid"], signal.SIGKILL)  # streams through it break: their clients reconnect
         for t in threads:
             t.join(timeout=120)
@@ -116,24 +78,25 @@ def test_eight_clients_through_two_ingest_processes_one_killed_mid_stream(tmp_pa
 
         with Client(target) as c:
             result = c.finalize(aggregation)
-        sums, clipped, examples = _reference(_batch(c, i) for c in CLIENTS for i in range(BATCHES))
+        sums, clipped, examples = global_clip_reference(
+            [random_batch(c, i, LAYERS, ROWS) for c in CLIENTS for i in range(BATCHES)], CLIP)
         assert result.examples == examples == len(CLIENTS) * BATCHES * ROWS
         assert result.clip_counts == {"w": clipped, "b": clipped}
         for name in LAYERS:
             np.testing.assert_allclose(result.sums[name], sums[name], rtol=1e-5, atol=1e-5 * np.abs(sums[name]).max())
 
         deadline = time.monotonic() + 60  # the server notices within 0.2 s; a new interpreter takes seconds
-        while [p["restarts"] for p in _get_json(admin)["ingest_processes"]] != [1, 0]:
-            assert time.monotonic() < deadline, (_get_json(admin), server.log()[-3000:])
+        while [p["restarts"] for p in get_json(admin)["ingest_processes"]] != [1, 0]:
+            assert time.monotonic() < deadline, (get_json(admin), server.log()[-3000:])
             time.sleep(0.2)
-        processes = _get_json(admin)["ingest_processes"]
+        processes = get_json(admin)["ingest_processes"]
         assert all(p["alive"] for p in processes) and processes[0]["pid"] != victim["pid"]
         for _ in range(64):  # each new connection lands on either process; both must forward
-            if all(p["calls"] > 0 for p in _get_json(admin)["ingest_processes"]):
+            if all(p["calls"] > 0 for p in get_json(admin)["ingest_processes"]):
                 break
             with grpc.insecure_channel(target) as channel:
                 pb_grpc.ClipdStub(channel).ListAggregations(pb.ListAggregationsRequest(), timeout=30)
-        assert all(p["calls"] > 0 for p in _get_json(admin)["ingest_processes"])
+        assert all(p["calls"] > 0 for p in get_json(admin)["ingest_processes"])
     finally:
         server.stop()
 

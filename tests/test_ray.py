@@ -31,7 +31,7 @@ from clipd.server.postgres_store import PostgresStore  # noqa: E402
 from clipd.server.ray_shards import FencedOut, ShardOwner, shard_actor, submit_with_retry  # noqa: E402
 from clipd.server.store import AggregationRecord, MemoryStore  # noqa: E402
 
-from test_postgres_store import Cluster  # noqa: E402
+from test_postgres_store import pg_cluster  # noqa: E402,F401  (a fixture)
 
 CLIP = 1.0
 LAYERS = (LayerSpec("w", (4, 3), "float32"), LayerSpec("b", (5,), "float32"))
@@ -45,13 +45,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:Runtime
 
 # Fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def pg():
-    cluster = Cluster()
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
+def pg(pg_cluster):
+    """The throwaway PostgreSQL of tests/test_postgres_store.py."""
+    return pg_cluster
 
 
 @pytest.fixture(scope="module")
@@ -251,8 +247,12 @@ def test_stopped_owner_is_fenced_out_by_its_replacement(pg, ray_cluster):
 
 
 # 4. The whole server on the cluster: clipd serve --ray ------------------------------------------
-def test_a_server_on_ray_sums_through_shard_actors_one_killed_mid_stream(pg, ray_cluster):
-    """``Settings(ray_address=...)``: 4 clients over 2 shard actors; one actor SIGKILLed while streams run."""
+def test_a_server_on_ray_sums_through_ingest_and_shard_actors_while_actors_are_killed(pg, ray_cluster):
+    """``Settings(ray_address=...)``: 4 clients through 2 ingest actors (one port, any node) into 2 shard actors.
+
+    While the streams run, one ingest actor and one shard actor are SIGKILLed: Ray restarts both,
+    the clients reconnect (to either ingest actor) and resume, the shard restores from the store.
+    """
     import threading
 
     from clipd.client import Client
@@ -260,10 +260,12 @@ def test_a_server_on_ray_sums_through_shard_actors_one_killed_mid_stream(pg, ray
     from clipd.server.settings import Settings
     from conftest import TEST_SETTINGS
 
+    from service_helpers import free_port
+
     settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
-                           "shards": 2})
-    server, port = create_server(settings)
-    target = f"127.0.0.1:{port}"
+                           "shards": 2, "ray_ingest_actors": 2, "ray_ingest_port": free_port()})
+    server, _ = create_server(settings)
+    target = f"127.0.0.1:{settings.ray_ingest_port}"  # the ingest actors', not the server's port
     clients = {f"client-{i}": [batch(1000 * i + j) for j in range(6)] for i in range(4)}
     started, errors = threading.Semaphore(0), []
     try:
@@ -292,6 +294,10 @@ def test_a_server_on_ray_sums_through_shard_actors_one_killed_mid_stream(pg, ray
             assert started.acquire(timeout=60)
         (actor_entry,) = [d for d in server.devices.describe() if d["id"] == "on-ray/0"]
         assert actor_entry["kind"] == "ray-shard-actor"
+        ingest = server.ingest.describe()
+        assert [p["alive"] for p in ingest] == [True, True]
+        assert {p["address"].rsplit(":", 1)[1] for p in ingest} == {str(settings.ray_ingest_port)}
+        os.kill(ingest[0]["pid"], signal.SIGKILL)  # its streams break; Ray restarts it on the same port
         link = server.devices._links[server.registry.get("on-ray")][0]
         os.kill(get(link.actor.pid.remote()), signal.SIGKILL)  # Ray restarts it; it restores shard 0
         for t in threads:
@@ -300,6 +306,9 @@ def test_a_server_on_ray_sums_through_shard_actors_one_killed_mid_stream(pg, ray
         assert get(link.actor.get_epoch.remote()) == 2
         with Client(target) as c:
             result = c.finalize(aggregation)
+        restarted = server.ingest.describe()[0]
+        assert restarted["alive"] and restarted["pid"] != ingest[0]["pid"]
+        assert sum(server.guard.forwarded.values()) > 0 and not server.guard.forwarded.keys() - {"0", "1"}
     finally:
         server.stop(1.0)
     sums, examples, clipped = reference([arrays for batches in clients.values() for arrays in batches])
