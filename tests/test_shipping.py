@@ -79,7 +79,7 @@ def test_scale_out_compose_runs_the_server_on_postgres_and_ray():
 
 
 def test_kuberay_example_runs_the_server_beside_the_ray_head():
-    cluster, service = yaml.safe_load_all((ROOT / "deploy" / "kuberay-raycluster.yaml").read_text())
+    cluster, service, ingest = yaml.safe_load_all((ROOT / "deploy" / "kuberay-raycluster.yaml").read_text())
     assert (cluster["apiVersion"], cluster["kind"], service["kind"]) == ("ray.io/v1", "RayCluster", "Service")
     containers = {c["name"]: c for c in cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]}
     clipd = containers["clipd"]
@@ -89,5 +89,8 @@ def test_kuberay_example_runs_the_server_beside_the_ray_head():
     assert settings.ray_address == "127.0.0.1:6379" and settings.ray_gpus_per_shard == 1
     workers = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert settings.ray_ingest_actors == 2
+    assert [p["containerPort"] for p in workers["ports"]] == [settings.ray_ingest_port] == \
+        [p["targetPort"] for p in ingest["spec"]["ports"]]
     ports = {p["containerPort"] for p in clipd["ports"]}
     assert ports == {settings.grpc_port, settings.admin_port} == {p["targetPort"] for p in service["spec"]["ports"]}
