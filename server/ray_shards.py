@@ -55,6 +55,7 @@ Example (a driver; see tests/test_ray.py)::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -227,10 +228,17 @@ def submit_with_retry(actor, client_id: str, writer_id: str, sequence: int, arra
 
 # The server's side: clipd serve --ray ADDRESS ---------------------------------------------------
 class _ShardLink:
-    """The server's link to one shard actor: sends the shard's batches in order and acknowledges them."""
+    """The server's link to one shard actor: sends the shard's batches in order and acknowledges them.
 
-    def __init__(self, aggregation, shard: int, actor, store: Store) -> None:
+    Up to ``window`` batches are in flight at once (Ray runs the calls of one
+    caller on one actor in order). If the actor dies, Ray restarts it (it
+    restores the shard from the store) and every batch still in flight is sent
+    again, in order: those it had already committed come back as duplicates.
+    """
+
+    def __init__(self, aggregation, shard: int, actor, store: Store, window: int = 8) -> None:
         self.aggregation, self.shard, self.actor, self.store = aggregation, shard, actor, store
+        self.window = window
         self.batches = 0
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._send, name=f"clipd-ray-{aggregation.id}-{shard}", daemon=True)
@@ -246,28 +254,58 @@ class _ShardLink:
     def close(self) -> None:
         self._queue.put(None)
 
+    def _call(self, item):
+        client, writer, batch = item
+        return self.actor.submit.remote(client, writer, batch.sequence, batch.layers)
+
     def _send(self) -> None:
-        """Sends one batch at a time (Ray restarts a dead actor; :func:`submit_with_retry` resends)."""
-        while (item := self._queue.get()) is not None:
-            client, writer, batch = item
-            if self.aggregation.state.value in ("cancelled", "failed"):
-                batch.release()
-                self.aggregation.drop(1)
+        inflight: collections.deque = collections.deque()  # (item, ObjectRef), oldest first
+        closed = False
+        while not closed or inflight:
+            while not closed and len(inflight) < self.window:  # fill the window
+                try:
+                    item = self._queue.get(block=not inflight)
+                except queue.Empty:
+                    break
+                if item is None:
+                    closed = True
+                elif self.aggregation.state.value in ("cancelled", "failed"):
+                    self._drop([item])
+                else:
+                    inflight.append((item, self._call(item)))
+            if not inflight:
                 continue
+            item, ref = inflight.popleft()
             try:
-                durable = submit_with_retry(self.actor, client, writer, batch.sequence, batch.layers)
+                try:
+                    durable = ray.get(ref, timeout=120)
+                except _RETRIABLE:  # the actor died: this batch again (until it is back), then the rest
+                    client, writer, batch = item
+                    durable = submit_with_retry(self.actor, client, writer, batch.sequence, batch.layers)
+                    inflight = collections.deque((it, self._call(it)) for it, _ in inflight)
             except Exception as e:  # FencedOut, a gap, the actor gone for good: the aggregation fails
-                batch.release()
-                self.aggregation.drop(1)
-                reason = f"shard {self.shard}: {type(e).__name__}: {e}"
-                if self.aggregation.fail(reason):
-                    with contextlib.suppress(Exception):
-                        self.store.set_state(self.aggregation.id, "failed", reason=reason, finished=time.time())
+                self._drop([item, *(it for it, _ in inflight)])
+                inflight.clear()
+                self._fail(f"shard {self.shard}: {type(e).__name__}: {e}")
                 continue
+            self._acknowledge(item, durable)
+
+    def _acknowledge(self, item, durable: int) -> None:
+        client, writer, batch = item
+        batch.release()
+        self.batches += 1
+        self.aggregation.record([(client, writer, batch.sequence, batch.rows, batch.nbytes)], None, self.shard)
+        self.aggregation.mark_durable({client: (durable, writer)})
+
+    def _drop(self, items) -> None:
+        for _, _, batch in items:
             batch.release()
-            self.batches += 1
-            self.aggregation.record([(client, writer, batch.sequence, batch.rows, batch.nbytes)], None, self.shard)
-            self.aggregation.mark_durable({client: (durable, writer)})
+            self.aggregation.drop(1)
+
+    def _fail(self, reason: str) -> None:
+        if self.aggregation.fail(reason):
+            with contextlib.suppress(Exception):  # the store may be what failed
+                self.store.set_state(self.aggregation.id, "failed", reason=reason, finished=time.time())
 
 
 class RayShards:
