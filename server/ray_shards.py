@@ -38,9 +38,9 @@ its own: ``ShardActor.options(num_gpus=1).remote(...)`` or
 ``shard_actor(..., num_gpus=1)``; Ray sets ``CUDA_VISIBLE_DEVICES`` for the
 actor and JAX uses that GPU.
 
-Each ``submit`` is one jitted step (one compile per distinct batch row count)
-and one checkpoint commit; grouping batches into fewer commits (as
-``server/worker.py`` does) is not done here.
+Each batch is one jitted step (one compile per distinct batch row count);
+``submit_many`` sums several batches and commits them as one checkpoint (the
+server's link sends every batch waiting in one call: group commit).
 
 Example (a driver; see tests/test_ray.py)::
 
@@ -132,26 +132,37 @@ class ShardOwner:
         other than ``mark + 1``: ``ValueError`` (a gap). ``FencedOut``: a newer
         owner claimed the shard; this owner refuses every later call.
         """
+        return self.submit_many([(client_id, writer_id, sequence, arrays)])[0]
+
+    def submit_many(self, batches: Sequence[tuple[str, str, int, Sequence[np.ndarray]]]) -> list[int]:
+        """:meth:`submit` for several ``(client_id, writer_id, sequence, arrays)`` batches, with one commit.
+
+        Returns each batch's client's durable sequence. A gap anywhere commits nothing (``ValueError``).
+        """
         self._check_not_fenced()
-        sequence = int(sequence)
-        mark = self.mark(client_id)
-        if sequence <= mark:
-            return mark
-        if sequence != mark + 1:
-            raise ValueError(f"client {client_id!r}: sequence {sequence} after {mark} (a gap; "
-                             f"the next batch must be {mark + 1})")
-        batch = self._batch(arrays)
-        rows = batch[0].shape[0]
-        delta = self.accumulator.update(self.accumulator.init(), batch, np.ones(rows, bool))
-        nbytes = sum(a.nbytes for a in batch)
-        totals = self.totals.absorb(jax.device_get(delta), {client_id: (sequence, writer_id)}, 1, nbytes)
-        try:
-            self.store.save_checkpoint(self.aggregation_id, totals, shard=self.shard, epoch=self.epoch)
-        except FencedOut as e:
-            self._fenced = e
-            raise
-        self.totals = totals
-        return sequence
+        totals, durable = self.totals, []
+        for client_id, writer_id, sequence, arrays in batches:
+            sequence = int(sequence)
+            mark = int(totals.clients.get(client_id, (0, ""))[0])
+            if sequence <= mark:
+                durable.append(mark)
+                continue
+            if sequence != mark + 1:
+                raise ValueError(f"client {client_id!r}: sequence {sequence} after {mark} (a gap; "
+                                 f"the next batch must be {mark + 1})")
+            batch = self._batch(arrays)
+            delta = self.accumulator.update(self.accumulator.init(), batch, np.ones(batch[0].shape[0], bool))
+            totals = totals.absorb(jax.device_get(delta), {client_id: (sequence, writer_id)}, 1,
+                                   sum(a.nbytes for a in batch))
+            durable.append(sequence)
+        if totals is not self.totals:
+            try:
+                self.store.save_checkpoint(self.aggregation_id, totals, shard=self.shard, epoch=self.epoch)
+            except FencedOut as e:
+                self._fenced = e
+                raise
+            self.totals = totals
+        return durable
 
     def _check_not_fenced(self) -> None:
         if self._fenced is not None:
@@ -203,42 +214,48 @@ def shard_actor(dsn: str, aggregation_id: str, shard: int, spec_json: str, *, nu
 _RETRIABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
-def submit_with_retry(actor, client_id: str, writer_id: str, sequence: int, arrays: Sequence[np.ndarray], *,
-                      timeout: float = 120.0, call_timeout: float | None = 60.0, backoff: float = 0.2) -> int:
-    """``actor.submit`` until it is acknowledged: returns the client's durable sequence.
+def call_until_answered(call, *, timeout: float = 120.0, call_timeout: float | None = 60.0,
+                        backoff: float = 0.2):
+    """``ray.get(call())``, made again while the actor is dead or restarting; ``TimeoutError`` after ``timeout`` s.
 
     A call that fails because the actor died or is restarting (``RayActorError``,
-    ``ActorUnavailableError``) is sent again once Ray has restarted it: the new
+    ``ActorUnavailableError``) is made again once Ray has restarted it: the new
     actor restored the shard from the store, so a batch that was committed
     before the crash comes back as a duplicate and is not summed twice. Any
     other error (``FencedOut``, ``ValueError`` for a gap) is raised at once.
-    ``TimeoutError`` after ``timeout`` seconds of retrying.
     """
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return ray.get(actor.submit.remote(client_id, writer_id, sequence, arrays), timeout=call_timeout)
+            return ray.get(call(), timeout=call_timeout)
         except _RETRIABLE as e:
             if time.monotonic() + backoff > deadline:
-                raise TimeoutError(f"submit of {client_id!r} #{sequence}: the actor did not come back "
-                                   f"within {timeout}s: {e}") from e
+                raise TimeoutError(f"the actor did not come back within {timeout:g} s: {e}") from e
             time.sleep(backoff)
             backoff = min(2 * backoff, 2.0)
+
+
+def submit_with_retry(actor, client_id: str, writer_id: str, sequence: int, arrays: Sequence[np.ndarray],
+                      **retry) -> int:
+    """``actor.submit`` until it is acknowledged (:func:`call_until_answered`): the client's durable sequence."""
+    return call_until_answered(lambda: actor.submit.remote(client_id, writer_id, sequence, arrays), **retry)
 
 
 # The server's side: clipd serve --ray ADDRESS ---------------------------------------------------
 class _ShardLink:
     """The server's link to one shard actor: sends the shard's batches in order and acknowledges them.
 
-    Up to ``window`` batches are in flight at once (Ray runs the calls of one
-    caller on one actor in order). If the actor dies, Ray restarts it (it
-    restores the shard from the store) and every batch still in flight is sent
-    again, in order: those it had already committed come back as duplicates.
+    Each call carries every batch waiting (up to ``group``), summed and
+    committed by the actor as one checkpoint (group commit); up to ``window``
+    calls are in flight at once (Ray runs one caller's calls on an actor in
+    order). If the actor dies, Ray restarts it (it restores the shard from the
+    store) and every call in flight is sent again, in order: batches it had
+    already committed come back as duplicates.
     """
 
-    def __init__(self, aggregation, shard: int, actor, store: Store, window: int = 8) -> None:
+    def __init__(self, aggregation, shard: int, actor, store: Store, window: int, group: int) -> None:
         self.aggregation, self.shard, self.actor, self.store = aggregation, shard, actor, store
-        self.window = window
+        self.window, self.group = window, group
         self.batches = 0
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._send, name=f"clipd-ray-{aggregation.id}-{shard}", daemon=True)
@@ -254,48 +271,56 @@ class _ShardLink:
     def close(self) -> None:
         self._queue.put(None)
 
-    def _call(self, item):
-        client, writer, batch = item
-        return self.actor.submit.remote(client, writer, batch.sequence, batch.layers)
+    def _call(self, items):
+        return self.actor.submit_many.remote([(c, w, b.sequence, b.layers) for c, w, b in items])
+
+    def _take(self, block: bool) -> tuple[list, bool]:
+        """The batches waiting (at most ``group``; waits for one if ``block``), and whether the link is closed."""
+        items: list = []
+        while len(items) < self.group:
+            try:
+                item = self._queue.get(block=block and not items)
+            except queue.Empty:
+                break
+            if item is None:
+                return items, True
+            if self.aggregation.state.value in ("cancelled", "failed"):
+                self._drop([item])
+            else:
+                items.append(item)
+        return items, False
 
     def _send(self) -> None:
-        inflight: collections.deque = collections.deque()  # (item, ObjectRef), oldest first
+        inflight: collections.deque = collections.deque()  # (items, ObjectRef), oldest first
         closed = False
         while not closed or inflight:
             while not closed and len(inflight) < self.window:  # fill the window
-                try:
-                    item = self._queue.get(block=not inflight)
-                except queue.Empty:
+                items, closed = self._take(block=not inflight)
+                if not items:
                     break
-                if item is None:
-                    closed = True
-                elif self.aggregation.state.value in ("cancelled", "failed"):
-                    self._drop([item])
-                else:
-                    inflight.append((item, self._call(item)))
+                inflight.append((items, self._call(items)))
             if not inflight:
                 continue
-            item, ref = inflight.popleft()
+            items, ref = inflight.popleft()
             try:
                 try:
                     durable = ray.get(ref, timeout=120)
-                except _RETRIABLE:  # the actor died: this batch again (until it is back), then the rest
-                    client, writer, batch = item
-                    durable = submit_with_retry(self.actor, client, writer, batch.sequence, batch.layers)
-                    inflight = collections.deque((it, self._call(it)) for it, _ in inflight)
+                except _RETRIABLE:  # the actor died: these again (until it is back), then every later call
+                    durable = call_until_answered(lambda: self._call(items))
+                    inflight = collections.deque((later, self._call(later)) for later, _ in inflight)
             except Exception as e:  # FencedOut, a gap, the actor gone for good: the aggregation fails
-                self._drop([item, *(it for it, _ in inflight)])
+                self._drop([*items, *(it for later, _ in inflight for it in later)])
                 inflight.clear()
                 self._fail(f"shard {self.shard}: {type(e).__name__}: {e}")
                 continue
-            self._acknowledge(item, durable)
+            self._acknowledge(items, durable)
 
-    def _acknowledge(self, item, durable: int) -> None:
-        client, writer, batch = item
-        batch.release()
-        self.batches += 1
-        self.aggregation.record([(client, writer, batch.sequence, batch.rows, batch.nbytes)], None, self.shard)
-        self.aggregation.mark_durable({client: (durable, writer)})
+    def _acknowledge(self, items, durable: list[int]) -> None:
+        for (client, writer, batch), mark in zip(items, durable):
+            batch.release()
+            self.batches += 1
+            self.aggregation.record([(client, writer, batch.sequence, batch.rows, batch.nbytes)], None, self.shard)
+            self.aggregation.mark_durable({client: (mark, writer)})
 
     def _drop(self, items) -> None:
         for _, _, batch in items:
@@ -320,6 +345,9 @@ class RayShards:
     places each shard actor on a GPU of its own.
     """
 
+    link_window = 4  # calls in flight per shard actor
+    link_group = 64  # batches per call at most (one checkpoint commit in the actor)
+
     def __init__(self, address: str, dsn: str, store: Store, shards: int = 0, gpus_per_shard: float = 0) -> None:
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False)
@@ -341,7 +369,8 @@ class RayShards:
         actors = [shard_actor(self.dsn, aggregation.id, s, spec, num_gpus=self.gpus_per_shard)
                   for s in range(aggregation.shards)]
         with self._lock:
-            self._links[aggregation] = [_ShardLink(aggregation, s, a, self.store) for s, a in enumerate(actors)]
+            self._links[aggregation] = [_ShardLink(aggregation, s, a, self.store, self.link_window, self.link_group)
+                                        for s, a in enumerate(actors)]
         aggregation.mark_open()
 
     def submit(self, aggregation, client: str, writer: str, batch) -> None:

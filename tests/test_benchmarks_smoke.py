@@ -103,3 +103,16 @@ def test_scale_benchmark_quick_run():
     assert match, out.stdout
     expected = float(rows["2 ingest processes"].split("|")[3]) / float(rows["1 ingest process"].split("|")[3])
     assert abs(float(match[1]) - expected) <= 0.01 * expected, out.stdout
+
+
+def test_ray_shards_benchmark_quick_run():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ray_shards.py"), "--repeats", "1", "--batches",
+                          "8"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and "server" not in line}
+    assert set(rows) == {"devices", "ray 1x1", "ray 4x64"}, out.stdout
+    rates = {mode: _positive(rate) for mode, (rate, _) in rows.items()}
+    assert float(rows["devices"][1]) == 1.0
+    match = re.fullmatch(r"ray_vs_devices_ratio=(\d+\.\d{3})", lines[-1])
+    assert match and abs(float(match[1]) - rates["ray 4x64"] / rates["devices"]) <= 0.01 * float(match[1]) + 0.002

@@ -171,6 +171,19 @@ def test_owner_exactly_once_restore_and_fencing_without_ray(pg):
                                              ("alice", 3, 3)], {"alice": "a1", "bob": "b1"})
 
 
+def test_submit_many_commits_a_group_at_once_and_a_gap_commits_nothing(pg):
+    store = new_aggregation(pg.new_database(), "grouped")
+    owner = ShardOwner(store, "grouped", 0, SPEC)
+    assert owner.submit_many([("alice", "w", 1, batch(1)), ("bob", "w", 1, batch(2)),
+                              ("alice", "w", 2, batch(3)), ("alice", "w", 1, batch(1))]) == [1, 1, 2, 2]
+    assert store.load_checkpoint("grouped", shard=0) == owner.totals  # one commit holds the group
+    before = owner.totals
+    with pytest.raises(ValueError, match="gap"):  # bob 2 is fine, bob 4 is not: neither is committed
+        owner.submit_many([("bob", "w", 2, batch(4)), ("bob", "w", 4, batch(5))])
+    assert owner.totals == before and store.load_checkpoint("grouped", shard=0) == before
+    assert_matches_reference(owner.totals, [batch(1), batch(2), batch(3)])
+
+
 # 2. A shard actor killed mid-stream -------------------------------------------------------------
 def test_killed_actor_is_restarted_restores_and_counts_every_batch_once(pg, ray_cluster):
     dsn = pg.new_database()
