@@ -123,6 +123,9 @@ class Aggregation:
         if len(recovered) != shards:
             raise ValueError(f"aggregation {aggregation_id}: {len(recovered)} recovered shards, not {shards}")
         self.shards = shards
+        # Each shard's epoch (Store.claim_shard) when the store is shared: checkpoints of an owner that was
+        # replaced (another server took over) are refused. None: no claim (one server owns the store).
+        self.epochs: list[int | None] = [None] * shards
         # Each shard's totals as of its last flush.
         self.shard_totals = [r if r is not None else PartialState.empty(layers) for r in recovered]
         totals = self.totals
@@ -240,7 +243,7 @@ class Aggregation:
                 self._examples += rows
                 self._bytes += nbytes
                 self._batches += 1
-                self.pending -= 1
+                self.pending = max(0, self.pending - 1)  # a failure on another shard already set it to 0
             if device_stats is not None:
                 self._device_stats[shard] = device_stats
             self._updated = now
@@ -265,7 +268,7 @@ class Aggregation:
     def drop(self, count: int) -> None:
         """Forgets ``count`` accepted batches that will never be summed (cancelled or failed)."""
         with self.cond:
-            self.pending -= count
+            self.pending = max(0, self.pending - count)  # a failure already set it to 0
             self.cond.notify_all()
 
     def mark_open(self) -> None:

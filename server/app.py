@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import json
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ from .credentials import SubmitTokens, bearer_token, same
 from .errors import ClipdError, PermissionDenied, Unauthenticated
 from .limits import StreamSlots, trim_heap
 from .logs import event
-from .ingest import INGEST_METADATA, IngestProcesses, SharedRegions, reserve_port, shared_memory_dir
+from .ingest import INGEST_METADATA, RELEASE_METHOD, IngestProcesses, SharedRegions, reserve_port, shared_memory_dir
 from .privacy import Ledgers, Release
 from .service import ClipdServicer, lenient
 from .settings import Settings
@@ -59,16 +60,19 @@ class _Guard(grpc.ServerInterceptor):
         self._admin_token = admin_token
         self._servicer = servicer
         self.forwarded: collections.Counter = collections.Counter()  # calls per ingest process (--processes)
+        self.ingest_indexes: frozenset[str] = frozenset()  # the values INGEST_METADATA may have
         self._other_streams = StreamSlots(OTHER_STREAMS, "health-watch and reflection stream")
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == INGEST_METADATA:
+            if key == INGEST_METADATA and value in self.ingest_indexes:  # set by our ingest processes only
                 self.forwarded[value] += 1
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        if method == RELEASE_METHOD:  # registered on the private socket of --processes only
+            return handler
         if method.startswith(OPEN_METHODS):
             return self._limited(handler, method) if handler.response_streaming else handler
         if not self._admin_token:
@@ -123,7 +127,7 @@ def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: Cl
     return _with_behavior(handler, refuse_streaming if handler.response_streaming else refuse)
 
 
-def _clipd_handlers(servicer, regions=None) -> grpc.GenericRpcHandler:
+def _clipd_handlers(servicer, regions=None) -> list[grpc.GenericRpcHandler]:
     """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies).
 
     ``regions``: the internal socket of ``--processes``: chunk data may be in the ingest processes' shared memory.
@@ -146,7 +150,16 @@ def _clipd_handlers(servicer, regions=None) -> grpc.GenericRpcHandler:
             request_deserializer=parse,
             response_serializer=getattr(clipd_pb2, method.output_type.name).SerializeToString,
         )
-    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+    generic = [grpc.method_handlers_generic_handler(service.full_name, handlers)]
+    if regions is not None:  # the ingest processes give back the regions of calls that ended unread
+        def release(request: bytes, context) -> bytes:
+            regions.release(tuple(ref) for ref in json.loads(request))
+            return b""
+
+        service_name, method_name = RELEASE_METHOD.strip("/").split("/")
+        generic.append(grpc.method_handlers_generic_handler(
+            service_name, {method_name: grpc.unary_unary_rpc_method_handler(release)}))
+    return generic
 
 
 class ClipdServer:
@@ -191,8 +204,8 @@ class ClipdServer:
             options=server_options(settings),
             interceptors=[self.guard],
         )
-        self.grpc.add_generic_rpc_handlers((_clipd_handlers(
-            self.servicer, SharedRegions(self._arena_dir) if settings.processes else None),))
+        self.regions = SharedRegions(self._arena_dir) if settings.processes else None
+        self.grpc.add_generic_rpc_handlers(_clipd_handlers(self.servicer, self.regions))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
         from .tls import grpc_server_credentials
@@ -238,8 +251,11 @@ class ClipdServer:
 
     def start(self) -> ClipdServer:
         self.grpc.start()
+        self.guard.ingest_indexes = frozenset(str(i) for i in range(self.settings.processes
+                                                                   or self.settings.ray_ingest_actors))
         if self.settings.processes:
-            self.ingest = IngestProcesses(self.settings, self.port, self.internal_address, self._arena_dir).start()
+            self.ingest = IngestProcesses(self.settings, self.port, self.internal_address, self._arena_dir,
+                                          on_restart=self.regions.forget).start()
         elif self.settings.ray_ingest_actors:  # endpoints on the cluster's nodes, forwarding to this port
             from .ray_shards import RayIngest, cluster_address
 
@@ -307,12 +323,15 @@ def recover(store: Store, registry: Registry, devices: Devices, settings: Settin
         layers, policy, reject, privacy = codec.spec_from_json(record.spec)
         shards = codec.spec_shards(record.spec)
         finalized = record.state == FINALIZED
-        release = None
+        release, epochs = None, None
         if privacy is not None and finalized:
             blob = store.load_release(record.aggregation_id)
             release = Release.from_bytes(blob) if blob is not None else None
             totals = None
         else:
+            if store.shared and not settings.ray_address and record.state not in (FINALIZED, FAILED):
+                # Claim before reading: no earlier owner can commit after the checkpoints read here.
+                epochs = [store.claim_shard(record.aggregation_id, k) for k in range(shards)]
             totals = [store.load_checkpoint(record.aggregation_id, shard=k, newest_only=finalized)
                       for k in range(shards)]
             if finalized and None in totals:
@@ -321,6 +340,8 @@ def recover(store: Store, registry: Registry, devices: Devices, settings: Settin
         aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
                                   settings.staging_bytes, recovered=totals, created=record.created,
                                   max_clients=settings.max_clients, privacy=privacy, plan=plan, shards=shards)
+        if epochs is not None:
+            aggregation.epochs = epochs
         if finalized and (totals is not None or release is not None):
             aggregation.restore_result(record.finished, release)
         elif finalized:

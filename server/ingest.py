@@ -17,14 +17,21 @@ metadata (the bearer token) included. So sequence numbers, acknowledgements,
 auth and limits stay in one place, the server process, and are exactly those
 of a single process.
 
-The arena is a ring of regions (:class:`Arena`), each with a 64-byte header
-whose first word says IN_USE or FREE. The ingest process allocates at the head
-and reclaims from the tail; the server process frees a region (one aligned
-8-byte store) when the last view of its data is gone (:class:`SharedRegions`:
-a ``weakref.finalize`` on the array the views come from), i.e. once the device
-worker has copied the batch, or at once for a batch reassembled from several
-chunks, or a refused one. A full arena makes the ingest process wait (back-pressure)
-for up to ``buffer_wait`` seconds, then refuse the batch (RESOURCE_EXHAUSTED).
+The arena is a ring of regions (:class:`Arena`), each with a 64-byte header:
+its state, its size and a random 64-bit tag that the reference carries too.
+The ingest process allocates at the head (FREE -> IN_USE) and reclaims from
+the tail (FREE regions only). Every other transition is the server process's,
+under one lock (:class:`SharedRegions`): reading a region (IN_USE -> READ, only
+with the right tag), freeing it when the last view of its data is gone
+(READ -> FREE, a ``weakref.finalize`` on the array the views come from: once
+the device worker has copied the batch, at once for a batch reassembled from
+several chunks or a refused one), and giving back the regions of a call that
+ended before the server read them (IN_USE -> FREE: when a Submit call ends,
+the ingest process sends their references to the internal ``Release``
+method). So no region stays in use for good, and no reference (a stale one, a
+forged one) can make the server read a region that holds other data. A full
+arena makes the ingest process wait (back-pressure) for up to
+``buffer_wait`` seconds, then refuse the batch (RESOURCE_EXHAUSTED).
 
 The server process starts the ingest processes, restarts one that dies, and
 they exit when it does (they watch their parent).
@@ -40,6 +47,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import signal
 import socket
 import struct
@@ -55,14 +63,15 @@ import numpy as np
 from clipd.v1 import clipd_pb2
 
 from . import wire
-from .errors import ClipdError, ResourceExhausted
+from .errors import ClipdError, InvalidArgument, ResourceExhausted
 from .settings import Settings
 
 log = logging.getLogger(__name__)
 
 HEADER = 64  # bytes before each region's data; regions start on 64-byte boundaries
-FREE, IN_USE, SKIP = 0, 1, 2  # a region's state: the header's first 8 bytes
-_HEAD = struct.Struct("<QQ")  # state, region size (header included)
+FREE, IN_USE, SKIP, READ = 0, 1, 2, 3  # a region's state: the header's first 8 bytes
+_HEAD = struct.Struct("<QQQ")  # state, region size (header included), tag
+RELEASE_METHOD = "/clipd.internal.Ingest/Release"  # the server's internal socket only
 SEGMENT_NAME = re.compile(r"ingest-[0-9]+-[0-9]+")
 INGEST_METADATA = "x-clipd-ingest"  # which ingest process forwarded a call (counted by the server)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
@@ -78,20 +87,22 @@ class Arena:
     >>> import tempfile
     >>> arena = Arena(tempfile.mkdtemp(), "ingest-0-0", 4 * HEADER)
     >>> a = arena.put(b"x" * 10, wait=0)       # header + 64 bytes
-    >>> a, bytes(arena.map[a[1] + HEADER : a[1] + HEADER + 10])
+    >>> a[:3], bytes(arena.map[a[1] + HEADER : a[1] + HEADER + 10])
     (('ingest-0-0', 0, 10), b'xxxxxxxxxx')
     >>> arena.put(b"y" * 100, wait=0)          # header + 128: no room until the first is freed
     Traceback (most recent call last):
     ...
     clipd.server.errors.ResourceExhausted: ingest: a chunk of 100 bytes waited 0 s for room in the shared buffer of 256 bytes; retry later
-    >>> free(arena.map, a[1]); arena.put(b"y" * 100, wait=0)
+    >>> SharedRegions(arena.directory).release([a])  # never read: given back
+    1
+    >>> arena.put(b"y" * 100, wait=0)[:3]
     ('ingest-0-0', 0, 100)
     """
 
     def __init__(self, directory: str, name: str, size: int) -> None:
         if not SEGMENT_NAME.fullmatch(name):
             raise ValueError(f"arena name {name!r}")
-        self.name, self.size = name, _round_up(size)
+        self.name, self.size, self.directory = name, _round_up(size), directory
         self.path = os.path.join(directory, name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -102,8 +113,8 @@ class Arena:
         self._head = self._tail = 0  # byte counters; positions are modulo size
         self._lock = threading.Lock()
 
-    def put(self, data, wait: float) -> tuple[str, int, int]:
-        """Copies ``data`` into a new region: ``(segment, header offset, length)`` for the server to read."""
+    def put(self, data, wait: float) -> tuple[str, int, int, int]:
+        """Copies ``data`` into a new region: ``(segment, header offset, length, tag)`` for the server to read."""
         length = len(data) if not isinstance(data, memoryview) else data.nbytes
         need = HEADER + _round_up(max(length, 1))
         deadline = time.monotonic() + wait
@@ -120,7 +131,9 @@ class Arena:
                     self._lock.acquire()
             at = (self._head - need) % self.size
             self.map[at + HEADER : at + HEADER + length] = data
-            return self.name, at, length
+            tag = secrets.randbits(64)
+            _HEAD.pack_into(self.map, at, IN_USE, need, tag)  # the data first: the server reads after this
+            return self.name, at, length, tag
 
     def _reserve(self, need: int) -> bool:
         """Advances the head over a region of ``need`` bytes (and a SKIP to the start first if it does not fit)."""
@@ -132,19 +145,28 @@ class Arena:
         if self._head + skip + need - self._tail > self.size:
             return False
         if skip:
-            _HEAD.pack_into(self.map, at, SKIP, skip)
+            _HEAD.pack_into(self.map, at, SKIP, skip, 0)
             self._head += skip
-        _HEAD.pack_into(self.map, self._head % self.size, IN_USE, need)
+        _HEAD.pack_into(self.map, self._head % self.size, IN_USE, need, 0)  # tag 0: no reference matches yet
         self._head += need
         return True
 
     def _reclaim(self) -> None:
         """Moves the tail over regions the server has freed (and wrap markers), oldest first."""
         while self._tail < self._head:
-            state, size = _HEAD.unpack_from(self.map, self._tail % self.size)
-            if state == IN_USE:
+            state, size, _ = _HEAD.unpack_from(self.map, self._tail % self.size)
+            if state in (IN_USE, READ):
                 return
             self._tail += size
+
+    def unread(self, refs) -> list:
+        """The references among ``refs`` whose region the server has not read (nor freed) yet."""
+        unread = []
+        for ref in refs:
+            state, _, tag = _HEAD.unpack_from(self.map, ref[1])
+            if state == IN_USE and tag == ref[3]:
+                unread.append(ref)
+        return unread
 
     @property
     def used(self) -> int:
@@ -159,13 +181,16 @@ class Arena:
             os.unlink(self.path)
 
 
-def free(mapping, offset: int) -> None:
-    """Marks the region at ``offset`` FREE (the server process, once nothing reads it any more)."""
+def _free(mapping, offset: int) -> None:
+    """Marks the region at ``offset`` FREE (READ -> FREE: the last view of its data is gone)."""
     struct.pack_into("<Q", mapping, offset, FREE)
 
 
 class SharedRegions:
-    """The server side: maps the ingest processes' segments and hands out views that free their region when gone."""
+    """The server side: maps the ingest processes' segments and hands out views that free their region when gone.
+
+    Every transition of a region's state but the ingest's FREE -> IN_USE happens here, under one lock.
+    """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -173,32 +198,58 @@ class SharedRegions:
         self._lock = threading.Lock()
 
     def _map(self, segment: str) -> mmap.mmap:
-        with self._lock:
-            mapping = self._maps.get(segment)
-            if mapping is None:
-                if not SEGMENT_NAME.fullmatch(segment):
-                    raise ValueError(f"shared chunk: no segment {segment!r}")
-                with open(os.path.join(self.directory, segment), "r+b") as f:
-                    mapping = self._maps[segment] = mmap.mmap(f.fileno(), 0)
-            return mapping
+        """The segment's mapping (caller holds ``_lock``)."""
+        mapping = self._maps.get(segment)
+        if mapping is None:
+            if not SEGMENT_NAME.fullmatch(segment):
+                raise ValueError(f"shared chunk: no segment {segment!r}")
+            with open(os.path.join(self.directory, segment), "r+b") as f:
+                mapping = self._maps[segment] = mmap.mmap(f.fileno(), 0)
+        return mapping
 
-    def view(self, segment: str, offset: int, length: int) -> memoryview:
-        """The data of a region; the region is FREE again once this view and every view of it are gone."""
+    def _region(self, segment: str, offset: int, length: int, tag: int):
+        """The mapping if the reference names a region IN_USE with this tag (caller holds ``_lock``), else None."""
         mapping = self._map(segment)
         if offset % HEADER or offset + HEADER + length > len(mapping):
             raise ValueError(f"shared chunk: region {offset}+{length} is outside segment {segment!r}")
-        state, size = _HEAD.unpack_from(mapping, offset)
-        if state != IN_USE or size < HEADER + length:
-            raise ValueError(f"shared chunk: region {offset} of {segment!r} is not in use")
+        state, size, current = _HEAD.unpack_from(mapping, offset)
+        return mapping if state == IN_USE and current == tag and size >= HEADER + length else None
+
+    def view(self, segment: str, offset: int, length: int, tag: int) -> memoryview:
+        """The data of a region (IN_USE -> READ); it is FREE again once this view and every view of it are gone."""
+        with self._lock:
+            mapping = self._region(segment, offset, length, tag)
+            if mapping is None:
+                raise ValueError(f"shared chunk: region {offset} of {segment!r} is not in use by this reference")
+            struct.pack_into("<Q", mapping, offset, READ)
         data = np.frombuffer(mapping, np.uint8, count=length, offset=offset + HEADER)
-        weakref.finalize(data, free, mapping, offset)
+        weakref.finalize(data, _free, mapping, offset)
         return memoryview(data)
+
+    def release(self, refs) -> int:
+        """Frees the regions of ``(segment, offset, length, tag)`` references never read (IN_USE -> FREE); how many."""
+        freed = 0
+        with self._lock:
+            for segment, offset, length, tag in refs:
+                with contextlib.suppress(ValueError, OSError):  # a gone segment, a bad reference: nothing to do
+                    mapping = self._region(segment, offset, length, tag)
+                    if mapping is not None:
+                        struct.pack_into("<Q", mapping, offset, FREE)
+                        freed += 1
+        return freed
+
+    def forget(self, prefix: str) -> None:
+        """Drops the mappings of a dead ingest process's segments (views still alive keep theirs)."""
+        with self._lock:
+            for segment in [s for s in self._maps if s.startswith(prefix)]:
+                del self._maps[segment]
 
 
 # The ingest process -------------------------------------------------------------------------
 def _forwarded_metadata(context, index: int) -> list[tuple[str, str]]:
-    """The caller's metadata (its bearer token), and which ingest process forwards it."""
-    keep = [(k, v) for k, v in context.invocation_metadata() if not k.startswith((":", "grpc-")) and k != "user-agent"]
+    """The caller's metadata (its bearer token), and which ingest process forwards it (the caller's own dropped)."""
+    keep = [(k, v) for k, v in context.invocation_metadata()
+            if not k.startswith((":", "grpc-")) and k not in ("user-agent", INGEST_METADATA)]
     return [*keep, (INGEST_METADATA, str(index))]
 
 
@@ -301,10 +352,12 @@ class IngestServer:
 
     def _submit_handler(self, path: str):
         call = self.channel.stream_stream(path)
+        release = self.channel.unary_unary(RELEASE_METHOD)
 
         def forward(request_iterator, context):
             refused: list[ClipdError] = []
-            responses = call(self._to_shared(request_iterator, refused),
+            shared: list = []  # every region this call put in the arena
+            responses = call(self._to_shared(request_iterator, refused, shared),
                              metadata=_forwarded_metadata(context, self.index))
             context.add_callback(responses.cancel)
             try:
@@ -312,14 +365,18 @@ class IngestServer:
             except grpc.RpcError as e:
                 if not refused:
                     _relay(context, e)
-            if refused:  # this process refused a batch (its arena stayed full): the stream was cut short
+            finally:  # the server reads no more of this call: the regions it never read go back
+                if shared and (unread := self.arena.unread(shared)):
+                    with contextlib.suppress(grpc.RpcError):
+                        release(json.dumps(unread).encode(), timeout=30)
+            if refused:  # this process refused a message: the stream was cut short
                 context.set_trailing_metadata(refused[0].trailing_metadata())
                 context.abort(refused[0].code, str(refused[0]))
 
         return forward
 
-    def _to_shared(self, messages, refused: list):
-        """The client's messages, each chunk's data moved into the arena (a message that does not parse as is)."""
+    def _to_shared(self, messages, refused: list, shared: list):
+        """The client's messages, each chunk's data moved into the arena (``shared`` collects the references)."""
         wait = self.settings.buffer_wait
         if self.arena is None:
             yield from messages
@@ -328,14 +385,16 @@ class IngestServer:
             for raw in messages:
                 try:
                     message = wire.parse_submit_request(raw)
-                except ValueError:
-                    yield raw  # the server process refuses it, with the same status as in one process
-                    continue
-                if not message.chunks:
-                    yield raw
-                    continue
-                refs = [self.arena.put(chunk.data, wait) for chunk in message.chunks]
+                except ValueError as e:  # refused here: raw bytes never go on (they could name regions)
+                    raise InvalidArgument(f"malformed SubmitRequest: {type(e).__name__}: {e}") from None
                 del raw
+                if not message.chunks:
+                    yield wire.encode_shared(message, [])
+                    continue
+                refs = []
+                for chunk in message.chunks:
+                    refs.append(self.arena.put(chunk.data, wait))
+                    shared.append(refs[-1])
                 yield wire.encode_shared(message, refs)
         except ClipdError as e:
             refused.append(e)  # ends the forwarded stream; the handler answers the client with it
@@ -400,8 +459,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
 class IngestProcesses:
     """The server process's side: starts ``settings.processes`` ingest processes and restarts any that dies."""
 
-    def __init__(self, settings: Settings, port: int, owner: str, arena_dir: str) -> None:
+    def __init__(self, settings: Settings, port: int, owner: str, arena_dir: str, on_restart=None) -> None:
         self.settings, self.port, self.owner, self.arena_dir = settings, port, owner, arena_dir
+        self.on_restart = on_restart  # called with a dead process's segment prefix (the server unmaps them)
         self._processes: list[subprocess.Popen | None] = [None] * settings.processes
         self.restarts = [0] * settings.processes
         self._generation = 0
@@ -445,6 +505,8 @@ class IngestProcesses:
                         log.warning("ingest process %d (pid %d) exited with %s; starting another",
                                     index, process.pid, process.returncode, extra={"event": "ingest.restarted"})
                         self._remove_segments(index)
+                        if self.on_restart is not None:
+                            self.on_restart(f"ingest-{index}-")
                         self.restarts[index] += 1
                         try:
                             self._spawn(index)

@@ -116,6 +116,7 @@ class PostgresStore(Store):
     """Aggregations, checkpoints, releases and ledgers in the PostgreSQL database at ``dsn``."""
 
     durable = True
+    shared = True  # several servers, Ray actors: every shard owner claims an epoch
 
     def __init__(self, dsn: str, *, connect_timeout: float = 10.0) -> None:
         self.dsn = dsn

@@ -79,6 +79,7 @@ import jax
 from clipd.engine import ClipAccumulator, PartialState
 
 from .codec import spec_from_json, spec_shards
+from .errors import DeadlineExceeded, FailedPrecondition
 from .store import FencedOut, Store
 
 __all__ = ["ShardOwner", "ShardActor", "shard_actor", "submit_with_retry", "FencedOut", "RayShards"]
@@ -314,6 +315,7 @@ class _ShardLink:
                 self._fail(f"shard {self.shard}: {type(e).__name__}: {e}")
                 continue
             self._acknowledge(items, durable)
+            del items, durable  # the batches' buffers (shared memory under --processes) go now, not at the next
 
     def _acknowledge(self, items, durable: list[int]) -> None:
         for (client, writer, batch), mark in zip(items, durable):
@@ -374,19 +376,30 @@ class RayShards:
         aggregation.mark_open()
 
     def submit(self, aggregation, client: str, writer: str, batch) -> None:
-        with self._lock:
-            links = self._links[aggregation]
-        links[aggregation.shard_of(client)].put(client, writer, batch)
+        with self._lock:  # under the lock: a batch can't slip in behind a closed link (forget)
+            links = self._links.get(aggregation)
+            if links is None:
+                raise FailedPrecondition(f"aggregation {aggregation.id} takes no more batches")
+            links[aggregation.shard_of(client)].put(client, writer, batch)
 
     def commit_final(self, aggregation, timeout: float | None = None) -> list[PartialState]:
-        """Every shard's committed totals (every accepted batch is in: the caller waited for them)."""
+        """Every shard's committed totals (every accepted batch is in: the caller waited for them).
+
+        Each is committed again as the shard's final checkpoint, so a shard that
+        never had a batch (no checkpoint of its actor) has one too: a restarted
+        server finds every shard of a finalized aggregation.
+        """
         with self._lock:
-            links = self._links.pop(aggregation)
-        refs = [link.actor.totals_bytes.remote() for link in links]
-        totals = [PartialState.from_bytes(blob) for blob in ray.get(refs, timeout=timeout)]
-        for link in links:
-            link.close()
-            ray.kill(link.actor, no_restart=True)
+            links = list(self._links[aggregation])
+        try:
+            blobs = ray.get([link.actor.totals_bytes.remote() for link in links], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise DeadlineExceeded(f"aggregation {aggregation.id}: the shard actors did not answer within"
+                                   f" {timeout:g} s") from None
+        totals = [PartialState.from_bytes(blob) for blob in blobs]
+        self.forget(aggregation)  # the actors go: nothing more is summed, so the claims need not hold
+        for shard, state in enumerate(totals):
+            self.store.save_checkpoint(aggregation.id, state, shard=shard)
         return totals
 
     def forget(self, aggregation) -> None:
@@ -462,7 +475,10 @@ class RayIngest:
     def __init__(self, settings, owner: str) -> None:
         import dataclasses
 
-        fields = dataclasses.asdict(settings)
+        # What an endpoint needs (limits, TLS, the ports), not the admin credential nor the store's URL.
+        fields = dataclasses.asdict(dataclasses.replace(settings, admin_token="", insecure=True, data_dir="memory",
+                                                        ray_address="", ray_ingest_actors=0))
+        fields["ray_ingest_port"] = settings.ray_ingest_port
         self.actors = [IngestActor.options(scheduling_strategy="SPREAD").remote(fields, owner, i)
                        for i in range(settings.ray_ingest_actors)]
         self.addresses = ray.get([a.address.remote() for a in self.actors], timeout=120)

@@ -157,6 +157,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
                 create()
             else:
                 aggregation.planned_epsilon = self.ledgers.admit(aggregation, privacy, plan, create)
+            claim_shards(self.store, aggregation, self.settings)
             self.devices.warm_up(aggregation)
 
         aggregation, created = self.registry.create(requested, make, publish)
@@ -471,6 +472,18 @@ def _same_request(aggregation: Aggregation, layers, policy, reject, privacy) -> 
         policy = dataclasses.replace(policy, l2_norm_clip=aggregation.policy.l2_norm_clip)
     return (aggregation.layers, aggregation.policy, aggregation.reject_non_finite, aggregation.privacy) == (
         layers, policy, reject, privacy)
+
+
+def claim_shards(store: Store, aggregation: Aggregation, settings: Settings) -> None:
+    """On a shared store, this server becomes the owner of the aggregation's shards (a new epoch each).
+
+    Another server that later claims them (it took over: a rolling update, a
+    failover) fences this one out: its checkpoints are refused from then on,
+    so two servers never both acknowledge batches of one shard. With Ray, the
+    shard actors claim for themselves.
+    """
+    if store.shared and not settings.ray_address:
+        aggregation.epochs = [store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)]
 
 
 def check_limits(layers, settings: Settings) -> None:

@@ -26,6 +26,7 @@ from clipd.engine import PartialState
 
 from .aggregations import Aggregation
 from .batches import Batch
+from .errors import DeadlineExceeded
 from .store import Store
 from .worker import DeviceWorker
 
@@ -40,6 +41,13 @@ class Devices:
             raise ValueError("Devices: no JAX device")
         self.workers = [DeviceWorker(store, checkpoint_interval, checkpoint_max_duty, warmup_timeout, device=d)
                         for d in devices]
+        for worker in self.workers:
+            worker.on_failed = self._failed
+
+    def _failed(self, aggregation: Aggregation) -> None:
+        """A worker failed an aggregation: every worker drops its shards of it (on its own thread)."""
+        for worker in self.workers:
+            worker.call_soon(lambda worker=worker: worker.drop_failed(aggregation))
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -72,7 +80,8 @@ class Devices:
         try:
             return [f.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for f in futures]
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"aggregation {aggregation.id}: the final checkpoints took over {timeout:g} s") from None
+            raise DeadlineExceeded(f"aggregation {aggregation.id}: the final checkpoints took over {timeout:g} s"
+                                   ) from None
 
     def forget(self, aggregation: Aggregation) -> None:
         for worker in self.workers:

@@ -76,6 +76,7 @@ class Store(abc.ABC):
     """The durable half of the server. Every method is thread-safe; every write is durable on return."""
 
     durable: bool = True  # False for MemoryStore: nothing survives the process
+    shared: bool = False  # True where several servers may open it at once: shard owners then claim epochs
 
     @abc.abstractmethod
     def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:

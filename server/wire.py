@@ -10,9 +10,11 @@ parse error). Unknown fields are skipped, as protobuf does.
 Between an ingest process and the server process (``clipd serve --processes N``,
 see :mod:`clipd.server.ingest`), a chunk carries its data in shared memory: a
 field that no public message has, ``TensorChunk`` field 15, names the region
-(``SharedRef``: segment, offset, length). Only the parser of the internal
-socket resolves it (``regions``); the public one skips it as any unknown field,
-so a client can never make the server read shared memory.
+(``SharedRef``: segment, offset, length, and the region's random tag). Only
+the parser of the internal socket resolves it (``regions``); the public one
+skips it as any unknown field, and the ingest process re-encodes every message
+it forwards (a client's own field 15 is dropped), so a client can't name a
+region; a stale reference is refused by its tag.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ def _fields(buf: memoryview, pos: int, end: int):
 SHARED_REF_FIELD = 15  # TensorChunk field of the internal link: the data is in shared memory
 
 
-def _shared_ref(buf: memoryview, start: int, end: int) -> tuple[str, int, int]:
-    segment, offset, length = "", 0, 0
+def _shared_ref(buf: memoryview, start: int, end: int) -> tuple[str, int, int, int]:
+    segment, offset, length, tag = "", 0, 0, 0
     for field, wire_type, value in _fields(buf, start, end):
         if field == 1 and wire_type == 2:
             segment = str(buf[value[0] : value[1]], "ascii")
@@ -85,7 +87,9 @@ def _shared_ref(buf: memoryview, start: int, end: int) -> tuple[str, int, int]:
             offset = value
         elif field == 3 and wire_type == 0:
             length = value
-    return segment, offset, length
+        elif field == 4 and wire_type == 0:
+            tag = value
+    return segment, offset, length, tag
 
 
 def _chunk(buf: memoryview, start: int, end: int, regions=None) -> Chunk:
@@ -163,15 +167,15 @@ def _put_int(out: bytearray, field: int, value: int) -> None:
     _put_varint(out, value)
 
 
-def encode_shared(message: SubmitMessage, refs: list[tuple[str, int, int]]) -> bytes:
+def encode_shared(message: SubmitMessage, refs: list[tuple[str, int, int, int]]) -> bytes:
     """A SubmitRequest equal to ``message`` but for each chunk's data, which is the shared region ``refs[i]``.
 
     >>> chunk = Chunk(1, 2, (3, 4), 0, memoryview(b"x" * 48))
-    >>> forwarded = encode_shared(SubmitMessage("agg", "c", 7, [chunk], "w"), [("seg", 64, 48)])
+    >>> forwarded = encode_shared(SubmitMessage("agg", "c", 7, [chunk], "w"), [("seg", 64, 48, 99)])
     >>> class Regions:
-    ...     def view(self, segment, offset, length): return (segment, offset, length)
+    ...     def view(self, segment, offset, length, tag): return (segment, offset, length, tag)
     >>> parse_submit_request(forwarded, Regions())
-    SubmitMessage(aggregation_id='agg', client_id='c', sequence=7, chunks=[Chunk(layer=1, dtype=2, shape=(3, 4), offset=0, data=('seg', 64, 48))], writer_id='w')
+    SubmitMessage(aggregation_id='agg', client_id='c', sequence=7, chunks=[Chunk(layer=1, dtype=2, shape=(3, 4), offset=0, data=('seg', 64, 48, 99))], writer_id='w')
     >>> parse_submit_request(forwarded).chunks[0].data.nbytes  # the public parser skips the reference
     0
     """
@@ -179,7 +183,7 @@ def encode_shared(message: SubmitMessage, refs: list[tuple[str, int, int]]) -> b
     _put_bytes(out, 1, message.aggregation_id.encode())
     _put_bytes(out, 2, message.client_id.encode())
     _put_int(out, 3, message.sequence)
-    for chunk, (segment, offset, length) in zip(message.chunks, refs, strict=True):
+    for chunk, (segment, offset, length, tag) in zip(message.chunks, refs, strict=True):
         body = bytearray()
         _put_int(body, 1, chunk.layer)
         _put_int(body, 2, chunk.dtype)
@@ -192,6 +196,7 @@ def encode_shared(message: SubmitMessage, refs: list[tuple[str, int, int]]) -> b
         _put_bytes(ref, 1, segment.encode())
         _put_int(ref, 2, offset)
         _put_int(ref, 3, length)
+        _put_int(ref, 4, tag)
         _put_bytes(body, SHARED_REF_FIELD, bytes(ref))
         _put_bytes(out, 4, bytes(body))
     _put_bytes(out, 5, message.writer_id.encode())

@@ -154,6 +154,7 @@ class DeviceWorker:
         self.device_kind = self.device.device_kind
         self.steps = 0  # clip-and-sum steps dispatched, over every aggregation
         self.ready = threading.Event()  # set once the device has run a first program
+        self.on_failed: Callable[[Aggregation], Any] | None = None  # told when this worker fails an aggregation
         self._thread = threading.Thread(target=self._run, name=f"clipd-device-worker-{self.device.id}", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name="clipd-committer", daemon=True)
         self._thread.start()
@@ -332,7 +333,7 @@ class DeviceWorker:
                 else:
                     self._finish_inflight()
                     for (aggregation, shard), slot in list(self._slots.items()):  # stopping: a last checkpoint
-                        if slot.dirty or slot.steps:
+                        if (slot.dirty or slot.steps) and (aggregation, shard) in self._slots:
                             self._checkpoint(aggregation, shard)
                     return
                 self._checkpoint_due()
@@ -352,15 +353,22 @@ class DeviceWorker:
     def _fail(self, aggregation: Aggregation, reason: str) -> None:
         """Fails an aggregation: its device state and queued batches are dropped, the store says FAILED."""
         event(log, "aggregation.failed", logging.ERROR, aggregation=aggregation.id, reason=reason)
-        self._drop_slots(aggregation)
-        if self._inflight is not None and self._inflight.aggregation is aggregation:
-            self._inflight = None
-        self._drop_parked(aggregation)
-        if aggregation.fail(reason):
+        failed_here = aggregation.fail(reason)
+        if failed_here:
             try:
                 self.store.set_state(aggregation.id, "failed", reason=reason, finished=time.time())
             except Exception:  # the store itself may be what failed
                 log.exception("could not record the failure of aggregation %s", aggregation.id)
+        self.drop_failed(aggregation)
+        if failed_here and self.on_failed is not None:
+            self.on_failed(aggregation)  # the workers of its other shards drop theirs
+
+    def drop_failed(self, aggregation: Aggregation) -> None:
+        """On the worker thread: drops a failed aggregation's device state, parked and queued batches here."""
+        self._drop_slots(aggregation)
+        if self._inflight is not None and self._inflight.aggregation is aggregation:
+            self._inflight = None
+        self._drop_parked(aggregation)
         with self._cond:
             mine = [w for w in self._queue if isinstance(w, _Work) and w.aggregation is aggregation]
             for work in mine:
@@ -469,8 +477,10 @@ class DeviceWorker:
 
     def _checkpoint(self, aggregation: Aggregation, shard: int) -> None:
         """Flushes and hands the shard's totals to the committer (group commit)."""
-        slot = self._slots[(aggregation, shard)]
+        slot = self._slots.get((aggregation, shard))
         totals = self._flush(aggregation, shard)
+        if slot is None or (aggregation, shard) not in self._slots:
+            return  # the aggregation failed (or was dropped) meanwhile: nothing to commit
         with self._cond:
             slot.committing, slot.dirty = True, False
         self._commits.put((aggregation, shard, totals, None))
@@ -491,7 +501,7 @@ class DeviceWorker:
             aggregation, shard, totals, final = item
             started = time.monotonic()
             try:
-                self.store.save_checkpoint(aggregation.id, totals, shard=shard)
+                self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epochs[shard])
             except Exception as e:
                 log.exception("checkpoint of aggregation %s failed", aggregation.id)
                 if final is not None:

@@ -291,6 +291,9 @@ def test_serve_has_one_flag_per_setting_with_the_old_spellings():
         Settings.load({"ray_address": "head:6379", "data_dir": "/tmp/x"}, environ={})
     with pytest.raises(SettingsError, match="ray_ingest_actors.*set ray_address"):
         Settings.load({"ray_ingest_actors": 2}, environ={})
+    with pytest.raises(SettingsError, match="ray_ingest_actors or processes, not both"):
+        Settings.load({"ray_ingest_actors": 2, "processes": 2, "ray_address": "h:1", "data_dir": "postgresql://h/d"},
+                      environ={})
     with pytest.raises(SettingsError, match="ray_ingest_actors: not with TLS yet"):
         Settings.load({"ray_ingest_actors": 2, "ray_address": "h:1", "data_dir": "postgresql://h/db",
                        "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}, environ={})

@@ -377,3 +377,38 @@ def test_a_server_on_postgresql_keeps_its_shards_and_tokens_across_a_restart(pg_
         assert store.get("on-pg").state == FINALIZED
     finally:
         store.close()
+
+
+def test_a_second_server_on_the_same_database_fences_the_first_out(pg_cluster):
+    """A takeover (a rolling update): B claims every open shard; A's next checkpoint is refused, A's
+    aggregation fails, and B holds everything A acknowledged, nothing twice."""
+    import numpy as np
+
+    from clipd.client import Client, ClipdError
+    from clipd.server.app import create_server
+    from clipd.server.settings import Settings
+    from conftest import TEST_SETTINGS
+
+    settings = Settings(**{**TEST_SETTINGS, "data_dir": pg_cluster.new_database(), "shards": 2})
+    x = np.random.default_rng(9).standard_normal((3, 5, 4)).astype(np.float32)
+    first, first_port = create_server(settings)
+    try:
+        with Client(f"127.0.0.1:{first_port}") as c:
+            c.create_aggregation({"w": (4,)}, l2_norm_clip=1.0, aggregation_id="taken-over")
+            c.submit("taken-over", {"w": x[0]}, client_id="alice")  # acknowledged by A
+        second, second_port = create_server(settings)  # B recovers the aggregation and claims its shards
+        try:
+            with Client(f"127.0.0.1:{first_port}", retry_timeout=5) as c:
+                with pytest.raises(ClipdError, match="FencedOut|failed"):  # A may no longer commit
+                    c.submit("taken-over", {"w": x[1]}, client_id="bob")
+            with Client(f"127.0.0.1:{second_port}") as c:
+                c.submit("taken-over", {"w": x[2]}, client_id="carol")
+                result = c.finalize("taken-over")
+        finally:
+            second.stop(1.0)
+    finally:
+        first.stop(1.0)
+    kept = np.concatenate([x[0], x[2]]).astype(np.float64)  # A's acknowledged batch and B's; not A's refused one
+    np.testing.assert_allclose(result.sums["w"], np.minimum(1.0, 1.0 / np.linalg.norm(kept, axis=1)) @ kept,
+                               rtol=1e-6)
+    assert result.examples == 10

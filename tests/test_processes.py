@@ -162,13 +162,78 @@ def test_a_region_is_reused_only_after_every_view_of_it_is_gone(tmp_path):
     assert bytes(regions.view(*third)) == b"c" * 100
 
 
-@pytest.mark.parametrize("bad", [("../etc/passwd", 0, 1), ("ingest-3-1", 1, 1), ("ingest-3-1", 0, 10**9),
-                                 ("ingest-3-1", 128, 1)])
-def test_shared_references_are_checked(tmp_path, bad):
+def test_references_are_checked_and_a_stale_or_forged_one_reads_nothing(tmp_path):
     arena = ingest.Arena(str(tmp_path), "ingest-3-1", 8 * ingest.HEADER)
-    arena.put(b"x", wait=0)
-    with pytest.raises(ValueError, match="shared chunk"):
-        ingest.SharedRegions(str(tmp_path)).view(*bad)
+    regions = ingest.SharedRegions(str(tmp_path))
+    segment, offset, length, tag = arena.put(b"x" * 8, wait=0)
+    for bad in [("../etc/passwd", 0, 1, tag), (segment, 1, 1, tag), (segment, 0, 10**9, tag),
+                (segment, 128, 1, tag), (segment, offset, length, tag ^ 1)]:  # the last: the wrong tag
+        with pytest.raises(ValueError, match="shared chunk"):
+            regions.view(*bad)
+    view = regions.view(segment, offset, length, tag)
+    with pytest.raises(ValueError, match="not in use by this reference"):  # read once only
+        regions.view(segment, offset, length, tag)
+    assert regions.release([(segment, offset, length, tag)]) == 0  # read: not the release's to free
+    assert bytes(view) == b"x" * 8
+    del view
+    gc.collect()
+    again = arena.put(b"y" * 8, wait=0)  # the same place, a new tag: the old reference is stale
+    assert again[1] == offset and again[3] != tag
+    with pytest.raises(ValueError, match="not in use by this reference"):
+        regions.view(segment, offset, length, tag)
+
+
+def test_regions_of_a_call_the_server_never_read_come_back(tmp_path):
+    arena = ingest.Arena(str(tmp_path), "ingest-3-1", 4 * ingest.HEADER)
+    regions = ingest.SharedRegions(str(tmp_path))
+    read, unread = arena.put(b"a", wait=0), arena.put(b"b", wait=0)
+    view = regions.view(*read)
+    assert arena.unread([read, unread]) == [unread]
+    assert regions.release(arena.unread([read, unread])) == 1
+    del view
+    gc.collect()
+    assert arena.used == 0  # both free: the ring is empty
+
+
+def test_streams_the_server_cut_short_leave_no_region_in_use(behind_ingest):
+    """A gap, a malformed message and a finalized aggregation end calls early: every region comes back."""
+    server, target = behind_ingest
+    with Client(target, token="admin-secret") as c:
+        c.create_aggregation({"w": (1024,)}, l2_norm_clip=1.0, aggregation_id="cut-short")
+        token = c.get_aggregation("cut-short").submit_token
+    x = np.ones((4, 1024), np.float32).tobytes()
+
+    def message(sequence: int) -> bytes:
+        return pb.SubmitRequest(aggregation_id="cut-short", client_id="a", sequence=sequence, chunks=[
+            pb.TensorChunk(layer=0, dtype=pb.FLOAT32, shape=[4, 1024], data=x)]).SerializeToString()
+
+    with grpc.insecure_channel(target) as channel:
+        raw = channel.stream_stream("/clipd.v1.Clipd/Submit")
+        metadata = [("authorization", f"Bearer {token}")]
+        with pytest.raises(grpc.RpcError) as e:  # 1, then a gap: the server stops reading what follows
+            list(raw(iter([message(1), message(3)] + [message(4 + k) for k in range(20)]), metadata=metadata,
+                     timeout=30))
+        assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "after 1" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw(iter([message(2), b"\x0a\xff"]), metadata=metadata, timeout=30))
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    (segment,) = [f for f in os.listdir(server._arena_dir) if f.startswith("ingest-")]
+    deadline = time.monotonic() + 10
+    while True:
+        with open(os.path.join(server._arena_dir, segment), "rb") as f:
+            ring = f.read()
+        states, offset = [], 0
+        while offset < len(ring):  # walk the regions from the start
+            state, size, _ = ingest._HEAD.unpack_from(ring, offset)
+            if size == 0:
+                break
+            states.append(state)
+            offset += size
+        if not {ingest.IN_USE, ingest.READ} & set(states):
+            break
+        assert time.monotonic() < deadline, states
+        gc.collect()
+        time.sleep(0.1)
 
 
 def test_the_module_doctests():
