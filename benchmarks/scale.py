@@ -21,7 +21,7 @@ process and its ingest processes (``/proc/<pid>/stat``) over that window.
 
 Columns: GB/s (payload bytes / wall seconds; 1 GB = 1e9 bytes), server CPU-s per
 GB, and the ratio of each mode's CPU per GB to that of 1 ingest process. Every
-mode runs ``--repeats`` times interleaved (mode order reversed every other
+mode runs ``--repeats`` times (5) interleaved (mode order reversed every other
 repeat); the table shows medians. The last line is
 ``ingest_cpu_per_gb_ratio_2v1=<x>``: CPU per GB with 2 ingest processes over 1.
 On 2 cores no speed-up can show (the clients need CPU too); what must hold is
@@ -182,10 +182,12 @@ def measure_clipd(processes: int, clients: int, examples: int, workdir: str, see
         with Client(server.target) as c:
             aggregation = c.create_aggregation(LAYERS, l2_norm_clip=1.0)
             c.submit(aggregation, _updates(999, 8), client_id="warm-up")  # waits for the warm-up
-        cpu0 = _cpu_seconds(server.pids)
+        main0, ingest0 = _cpu_seconds(server.pids[:1]), _cpu_seconds(server.pids[1:])
         wall = _run_clients(ctx, _client, clients,
                             lambda i: (server.target, aggregation, seed * 1000 + i, examples))
-        cpu = _cpu_seconds(server.pids) - cpu0
+        main, ingest = _cpu_seconds(server.pids[:1]) - main0, _cpu_seconds(server.pids[1:]) - ingest0
+        print(f"      server process {main:.2f} CPU-s, ingest processes {ingest:.2f}", flush=True)
+        cpu = main + ingest
         with Client(server.target) as c:
             result = c.finalize(aggregation)
         assert result.examples == clients * examples + 8, result.examples
@@ -228,7 +230,7 @@ def main() -> None:
                         help="modes: 0 = one process, N = N ingest processes (must include 1 and 2)")
     parser.add_argument("--clients", type=int, default=4, help="client processes at once")
     parser.add_argument("--examples", type=int, default=192, help="examples (1 MiB each) per client")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iperf3", action="store_true", help="loopback reference by iperf3 (where installed)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 clients x 16 examples, 1 repeat")
     args = parser.parse_args()

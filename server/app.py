@@ -255,7 +255,7 @@ class ClipdServer:
                                                                    or self.settings.ray_ingest_actors))
         if self.settings.processes:
             self.ingest = IngestProcesses(self.settings, self.port, self.internal_address, self._arena_dir,
-                                          on_restart=self.regions.forget).start()
+                                          on_restart=self.regions.forget, on_start=self.regions.open).start()
         elif self.settings.ray_ingest_actors:  # endpoints on the cluster's nodes, forwarding to this port
             from .ray_shards import RayIngest, cluster_address
 

@@ -72,6 +72,7 @@ HEADER = 64  # bytes before each region's data; regions start on 64-byte boundar
 FREE, IN_USE, SKIP, READ = 0, 1, 2, 3  # a region's state: the header's first 8 bytes
 _HEAD = struct.Struct("<QQQ")  # state, region size (header included), tag
 RELEASE_METHOD = "/clipd.internal.Ingest/Release"  # the server's internal socket only
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in at once
 SEGMENT_NAME = re.compile(r"ingest-[0-9]+-[0-9]+")
 INGEST_METADATA = "x-clipd-ingest"  # which ingest process forwarded a call (counted by the server)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
@@ -107,26 +108,30 @@ class Arena:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)
-            self.map = mmap.mmap(fd, self.size)
+            # Pages allocated and mapped now, at start-up, not one fault at a time under load.
+            self.map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
         finally:
             os.close(fd)
         self._head = self._tail = 0  # byte counters; positions are modulo size
         self._lock = threading.Lock()
+        self.waits = 0  # times a put found the ring full and waited
 
     def put(self, data, wait: float) -> tuple[str, int, int, int]:
         """Copies ``data`` into a new region: ``(segment, header offset, length, tag)`` for the server to read."""
         length = len(data) if not isinstance(data, memoryview) else data.nbytes
         need = HEADER + _round_up(max(length, 1))
-        deadline = time.monotonic() + wait
+        deadline, pause = time.monotonic() + wait, 0.0002
         with self._lock:
             while not self._reserve(need):
                 if need > self.size or time.monotonic() >= deadline:
                     raise ResourceExhausted(
                         f"ingest: a chunk of {length} bytes waited {wait:g} s for room in the shared buffer of"
                         f" {self.size} bytes; retry later", retry_after=0.5)
+                self.waits += 1
                 self._lock.release()
-                try:
-                    time.sleep(0.0005)
+                try:  # the server frees regions as its device catches up: poll, less often the longer it takes
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.01)
                 finally:
                     self._lock.acquire()
             at = (self._head - need) % self.size
@@ -204,8 +209,13 @@ class SharedRegions:
             if not SEGMENT_NAME.fullmatch(segment):
                 raise ValueError(f"shared chunk: no segment {segment!r}")
             with open(os.path.join(self.directory, segment), "r+b") as f:
-                mapping = self._maps[segment] = mmap.mmap(f.fileno(), 0)
+                mapping = self._maps[segment] = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE)
         return mapping
+
+    def open(self, segment: str) -> None:
+        """Maps a new ingest process's segment now (at its start), rather than at its first batch."""
+        with self._lock:
+            self._map(segment)
 
     def _region(self, segment: str, offset: int, length: int, tag: int):
         """The mapping if the reference names a region IN_USE with this tag (caller holds ``_lock``), else None."""
@@ -459,9 +469,11 @@ def reserve_port(host: str, port: int) -> socket.socket:
 class IngestProcesses:
     """The server process's side: starts ``settings.processes`` ingest processes and restarts any that dies."""
 
-    def __init__(self, settings: Settings, port: int, owner: str, arena_dir: str, on_restart=None) -> None:
+    def __init__(self, settings: Settings, port: int, owner: str, arena_dir: str, on_restart=None,
+                 on_start=None) -> None:
         self.settings, self.port, self.owner, self.arena_dir = settings, port, owner, arena_dir
         self.on_restart = on_restart  # called with a dead process's segment prefix (the server unmaps them)
+        self.on_start = on_start  # called with a new process's segment name (the server maps it)
         self._processes: list[subprocess.Popen | None] = [None] * settings.processes
         self.restarts = [0] * settings.processes
         self._generation = 0
@@ -489,6 +501,8 @@ class IngestProcesses:
                                f" (exit status {process.returncode})")
         process.stdout.close()
         self._processes[index] = process
+        if self.on_start is not None:
+            self.on_start(f"ingest-{index}-{self._generation}")
 
     def start(self) -> IngestProcesses:
         with self._lock:
