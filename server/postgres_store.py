@@ -48,7 +48,7 @@ from psycopg import errors as pg_errors
 from clipd.engine import CorruptStateError, PartialState
 
 from .store import (FINALIZED, STATES, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
-                    Store)
+                    Store, newest_intact)
 
 log = logging.getLogger(__name__)
 
@@ -258,17 +258,10 @@ class PostgresStore(Store):
             "SELECT c.generation, c.nbytes, c.crc32, c.blob FROM checkpoints c"
             " JOIN aggregations a ON a.key = c.aggregation WHERE a.id = %s AND c.shard = %s"
             " ORDER BY c.generation DESC", (aggregation_id, shard))
-        for generation, nbytes, crc, blob in rows:
-            try:
-                return PartialState.from_bytes(_checked(bytes(blob), nbytes, crc, f"generation {generation}"))
-            except CorruptStateError as e:
-                if newest_only:
-                    log.error("store: the newest checkpoint (%d) of aggregation %r is unusable (%s)",
-                              generation, aggregation_id, e)
-                    return None
-                log.warning("store: checkpoint generation %d of aggregation %r is unusable (%s); "
-                            "trying an older one", generation, aggregation_id, e)
-        return None
+        return newest_intact(aggregation_id, [(g, g, n, c, b) for g, n, c, b in rows],
+                             lambda generation, nbytes, crc, blob: PartialState.from_bytes(
+                                 _checked(bytes(blob), nbytes, crc, f"generation {generation}")),
+                             newest_only, log)
 
     def claim_shard(self, aggregation_id: str, shard: int) -> int:
         """The shard's next epoch, committed; the row lock orders it against every concurrent save."""

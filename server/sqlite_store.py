@@ -49,7 +49,7 @@ from clipd.engine import CorruptStateError, PartialState
 
 from .credentials import load_key
 from .store import (FINALIZED, STATES, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
-                    Store)
+                    Store, newest_intact)
 
 log = logging.getLogger(__name__)
 
@@ -354,17 +354,9 @@ class SQLiteStore(Store):
                 return None
             rows = self._query("SELECT generation, file, nbytes, crc32 FROM checkpoints"
                                " WHERE aggregation = ? AND shard = ? ORDER BY generation DESC", (key, shard))
-            for generation, name, nbytes, crc in rows:
-                try:
-                    return self._read_checkpoint(key, name, nbytes, crc)
-                except (OSError, CorruptStateError) as e:
-                    if newest_only:
-                        log.error("store: the newest checkpoint (%d) of aggregation %r is unusable (%s)",
-                                  generation, aggregation_id, e)
-                        return None
-                    log.warning("store: checkpoint generation %d of aggregation %r is unusable (%s); "
-                                "trying an older one", generation, aggregation_id, e)
-            return None
+            return newest_intact(aggregation_id, rows,
+                                 lambda name, nbytes, crc: self._read_checkpoint(key, name, nbytes, crc),
+                                 newest_only, log, errors=(OSError, CorruptStateError))
 
     def claim_shard(self, aggregation_id: str, shard: int) -> int:
         """The shard's next epoch, committed: checkpoints of every earlier epoch are refused from now on."""

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import secrets
 import threading
 
-from clipd.engine import PartialState
+from clipd.engine import CorruptStateError, PartialState
 
 OPEN, FINALIZED, FAILED = "open", "finalized", "failed"
 STATES = (OPEN, FINALIZED, FAILED)
@@ -276,6 +277,28 @@ class MemoryStore(Store):
     def load_release(self, aggregation_id: str) -> bytes | None:
         with self._lock:
             return self._releases.get(aggregation_id)
+
+
+def newest_intact(aggregation_id: str, rows, read, newest_only: bool, log: logging.Logger,
+                  errors: tuple[type[Exception], ...] = (CorruptStateError,)) -> PartialState | None:
+    """The checkpoint of the first of ``rows`` that reads back intact: how every durable store loads one.
+
+    ``rows``: ``(generation, *where)``, newest first; ``read(*where)`` returns
+    the state or raises one of ``errors``. A damaged one is logged (on the
+    store's ``log``) and the next older one tried, unless ``newest_only``
+    (a final result must be the final state: then None).
+    """
+    for generation, *where in rows:
+        try:
+            return read(*where)
+        except errors as e:
+            if newest_only:
+                log.error("store: the newest checkpoint (%d) of aggregation %r is unusable (%s)",
+                          generation, aggregation_id, e)
+                return None
+            log.warning("store: checkpoint generation %d of aggregation %r is unusable (%s); "
+                        "trying an older one", generation, aggregation_id, e)
+    return None
 
 
 def open_store(data_dir: str) -> Store:
