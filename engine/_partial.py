@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import struct
 import zlib
@@ -174,6 +175,19 @@ class PartialState:
             example_histogram=other.example_histogram, norm_sum=other.norm_sum, norm_max=other.norm_max,
             clients=other.clients, batches=other.batches, nbytes=other.bytes,
         )
+
+    @staticmethod
+    def merge_all(states: Sequence[PartialState]) -> PartialState:
+        """The merge of one or more partial states (the shards of an aggregation), in order.
+
+        >>> layers = [LayerSpec("w", (1,))]
+        >>> shards = [PartialState.empty(layers).absorb_totals(sums=[[float(k)]], clients={f"c{k}": (1, "")})
+        ...           for k in range(3)]
+        >>> merged = PartialState.merge_all(shards)
+        >>> merged.sums[0], sorted(merged.clients)
+        (array([3.]), ['c0', 'c1', 'c2'])
+        """
+        return functools.reduce(PartialState.merge, states)
 
     # Serialize ----------------------------------------------------------------------------
     def _arrays(self) -> list[tuple[str, np.ndarray]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import functools
 import threading
 import time
 import uuid
@@ -97,7 +96,7 @@ class Aggregation:
 
     def __init__(self, aggregation_id: str, layers: tuple[LayerSpec, ...], policy: ClipPolicy,
                  reject_non_finite: bool, max_device_rows: int, staging_bytes: int,
-                 recovered: list[PartialState | None] | PartialState | None = None, created: float | None = None,
+                 recovered: list[PartialState | None] | None = None, created: float | None = None,
                  max_clients: int | None = None, privacy=None, plan=None, shards: int = 1) -> None:
         self.id = aggregation_id
         self.privacy = privacy  # engine PrivacyPolicy, or None: the sum is released as is
@@ -118,8 +117,7 @@ class Aggregation:
         self.failure_reason = ""
         self.finished: float | None = None  # unix time it was finalized or failed
         self.pending = 0  # batches accepted and not yet summed
-        if not isinstance(recovered, list):
-            recovered = [recovered] + [None] * (shards - 1)
+        recovered = [None] * shards if recovered is None else recovered  # one checkpoint (or None) per shard
         if len(recovered) != shards:
             raise ValueError(f"aggregation {aggregation_id}: {len(recovered)} recovered shards, not {shards}")
         self.shards = shards
@@ -146,7 +144,7 @@ class Aggregation:
     @property
     def totals(self) -> PartialState:
         """Every shard's totals merged (as of each shard's last flush)."""
-        return functools.reduce(PartialState.merge, self.shard_totals)
+        return PartialState.merge_all(self.shard_totals)
 
     def shard_of(self, client_id: str) -> int:
         return shard_of(client_id, self.shards)
@@ -328,7 +326,7 @@ class Aggregation:
             with self.cond:
                 self._check_not_ended()
             shard_totals = commit_final()
-            totals = functools.reduce(PartialState.merge, shard_totals)
+            totals = PartialState.merge_all(shard_totals)
             released = None
             if release is not None:
                 try:
@@ -401,9 +399,8 @@ class Aggregation:
                      privacy_notice=notice, release=self.release)
 
     def _raw_stats_locked(self) -> Stats:
-        t = functools.reduce(PartialState.merge, (
-            totals if stats is None else totals.absorb(stats)
-            for totals, stats in zip(self.shard_totals, self._device_stats)))
+        t = PartialState.merge_all([totals if stats is None else totals.absorb(stats)
+                                    for totals, stats in zip(self.shard_totals, self._device_stats)])
         counted = t.layer_histograms.sum(axis=1)
         bounds = self._layer_bounds()
         layers = tuple(

@@ -45,10 +45,9 @@ def same(given: str | None, expected: str) -> bool:
 def load_key(data_dir: str) -> bytes:
     """The server's submit-token key: ``<data_dir>/submit-token.key`` (0600), made on first use.
 
-    ``data_dir == "memory"``: a fresh key per process (tokens die with it, as the aggregations do).
+    The embedded store's (``SQLiteStore.submit_token_key``); the memory store
+    makes one per process, PostgreSQL keeps it in the database.
     """
-    if data_dir == "memory":
-        return secrets.token_bytes(32)
     path = pathlib.Path(data_dir) / KEY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

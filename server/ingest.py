@@ -114,7 +114,6 @@ class Arena:
             os.close(fd)
         self._head = self._tail = 0  # byte counters; positions are modulo size
         self._lock = threading.Lock()
-        self.waits = 0  # times a put found the ring full and waited
 
     def put(self, data, wait: float) -> tuple[str, int, int, int]:
         """Copies ``data`` into a new region: ``(segment, header offset, length, tag)`` for the server to read."""
@@ -127,7 +126,6 @@ class Arena:
                     raise ResourceExhausted(
                         f"ingest: a chunk of {length} bytes waited {wait:g} s for room in the shared buffer of"
                         f" {self.size} bytes; retry later", retry_after=0.5)
-                self.waits += 1
                 self._lock.release()
                 try:  # the server frees regions as its device catches up: poll, less often the longer it takes
                     time.sleep(pause)

@@ -47,8 +47,8 @@ from psycopg import errors as pg_errors
 
 from clipd.engine import CorruptStateError, PartialState
 
-from .store import (FINALIZED, STATES, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
-                    Store, newest_intact)
+from .store import (FINALIZED, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
+                    Store, check_state, newest_intact)
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class PostgresStore(Store):
 
     # Aggregations -------------------------------------------------------------------------
     def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:
-        _check_state(record.state)
+        check_state(record.state)
         with self._transaction() as conn:
             cursor = conn.execute(
                 "INSERT INTO aggregations (id, spec, state, created, finished, reason)"
@@ -213,7 +213,7 @@ class PostgresStore(Store):
 
     def set_state(self, aggregation_id: str, state: str, *, reason: str = "",
                   finished: float | None = None) -> None:
-        _check_state(state)
+        check_state(state)
         with self._transaction() as conn:
             cursor = conn.execute("UPDATE aggregations SET state = %s, reason = %s, finished = %s WHERE id = %s",
                                   (state, reason, finished, aggregation_id))
@@ -382,7 +382,3 @@ def _checked(blob: bytes, nbytes: int, crc: int, what: str) -> bytes:
         raise CorruptStateError(f"{what}: CRC-32 differs from the row's")
     return blob
 
-
-def _check_state(state: str) -> None:
-    if state not in STATES:
-        raise ValueError(f"unknown state {state!r} (one of {STATES})")

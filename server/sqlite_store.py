@@ -48,8 +48,8 @@ from collections.abc import Iterator
 from clipd.engine import CorruptStateError, PartialState
 
 from .credentials import load_key
-from .store import (FINALIZED, STATES, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
-                    Store, newest_intact)
+from .store import (FINALIZED, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
+                    Store, check_state, newest_intact)
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class SQLiteStore(Store):
     # Aggregations -------------------------------------------------------------------------
     def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:
         """Adds an aggregation (and a ledger entry, same commit); False (nothing changes) if its id exists."""
-        _check_state(record.state)
+        check_state(record.state)
         with self._transaction() as conn:
             cursor = conn.execute(
                 "INSERT INTO aggregations (id, spec, state, created, finished, reason) VALUES (?, ?, ?, ?, ?, ?)"
@@ -257,7 +257,7 @@ class SQLiteStore(Store):
     def set_state(self, aggregation_id: str, state: str, *, reason: str = "",
                   finished: float | None = None) -> None:
         """Moves an aggregation to ``state`` (``ValueError`` if unknown; ``KeyError`` if the id is)."""
-        _check_state(state)
+        check_state(state)
         with self._transaction() as conn:
             cursor = conn.execute("UPDATE aggregations SET state = ?, reason = ?, finished = ? WHERE id = ?",
                                   (state, reason, finished, aggregation_id))
@@ -477,10 +477,6 @@ def _record(row: tuple) -> AggregationRecord:
     aggregation_id, spec, state, created, finished, reason = row
     return AggregationRecord(aggregation_id, spec, state, created, finished, reason)
 
-
-def _check_state(state: str) -> None:
-    if state not in STATES:
-        raise ValueError(f"unknown state {state!r} (one of {STATES})")
 
 
 def _fsync_dir(path: str) -> None:

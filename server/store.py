@@ -73,6 +73,12 @@ class FencedOut(Exception):
     """
 
 
+def check_state(state: str) -> None:
+    """``ValueError`` unless ``state`` is one of :data:`STATES`."""
+    if state not in STATES:
+        raise ValueError(f"unknown state {state!r} (one of {STATES})")
+
+
 class Store(abc.ABC):
     """The durable half of the server. Every method is thread-safe; every write is durable on return."""
 
@@ -205,8 +211,7 @@ class MemoryStore(Store):
 
     def set_state(self, aggregation_id: str, state: str, *, reason: str = "",
                   finished: float | None = None) -> None:
-        if state not in STATES:
-            raise ValueError(f"unknown state {state!r}")
+        check_state(state)
         with self._lock:
             record = self._records[aggregation_id]
             self._records[aggregation_id] = dataclasses.replace(record, state=state, reason=reason,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -216,3 +217,32 @@ def get_json(url: str, wait: float = 30.0) -> dict:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def submitting(target: str, aggregation: str, clients, updates, examples: int, **client_options):
+    """Each of ``clients`` submits ``updates(client)`` in a thread of its own while the block runs (faults go there).
+
+    When the block ends, every submission must have returned with ``examples`` acknowledged examples.
+    """
+    from clipd.client import Client
+
+    errors: list[Exception] = []
+
+    def run(client: str) -> None:
+        try:
+            with Client(target, **client_options) as c:
+                report = c.submit(aggregation, updates(client), client_id=client)
+            assert report.examples == examples, (client, report)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(client,)) for client in clients]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors

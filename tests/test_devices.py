@@ -14,14 +14,13 @@ shard count), not taken from clipd.
 
 from __future__ import annotations
 
-import threading
 import zlib
 
 import numpy as np
 
 from clipd.client import Client
 from clipd.server.sqlite_store import SQLiteStore
-from service_helpers import ServerProcess, free_port, get_json, global_clip_reference, random_batch
+from service_helpers import ServerProcess, free_port, get_json, global_clip_reference, random_batch, submitting
 
 DEVICES = 4
 LAYERS = {"w": (32, 8), "b": (8,)}
@@ -41,23 +40,9 @@ def _clients() -> list[str]:
 
 
 def _submit_all(target: str, aggregation: str, clients: list[str], indices: range) -> None:
-    errors = []
-
-    def run(client: str) -> None:
-        try:
-            with Client(target, retry_delay=0.05) as c:
-                updates = [random_batch(client, i, LAYERS, ROWS) for i in indices]
-                report = c.submit(aggregation, updates, client_id=client)
-                assert report.examples == ROWS * len(indices)
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(c,)) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    with submitting(target, aggregation, clients, lambda c: [random_batch(c, i, LAYERS, ROWS) for i in indices],
+                    ROWS * len(indices), retry_delay=0.05):
+        pass
 
 
 def test_four_devices_each_sum_a_shard_and_each_shard_recovers_on_its_own(tmp_path):

@@ -30,7 +30,7 @@ from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from conftest import TEST_SETTINGS
-from service_helpers import ServerProcess, free_port, get_json, global_clip_reference, random_batch
+from service_helpers import ServerProcess, free_port, get_json, global_clip_reference, random_batch, submitting
 
 LAYERS = {"w": (64, 16), "b": (16,)}
 CLIP = 1.0
@@ -45,7 +45,7 @@ def test_eight_clients_through_two_ingest_processes_one_killed_mid_stream(tmp_pa
                            args=("--admin-port", str(admin_port), "--processes", "2", "--max-device-rows", "256"))
     server.start()
     target, admin = f"127.0.0.1:{server.port}", f"http://127.0.0.1:{admin_port}/api/v1/server"
-    errors, acknowledged = [], threading.Semaphore(0)
+    acknowledged = threading.Semaphore(0)
     try:
         with Client(target) as c:
             aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP, aggregation_id="processes")
@@ -57,24 +57,12 @@ def test_eight_clients_through_two_ingest_processes_one_killed_mid_stream(tmp_pa
                     acknowledged.release()
                 time.sleep(0.05)  # streams stay open while an ingest process is killed
 
-        def run(client: str) -> None:
-            try:
-                with Client(target, retry_delay=0.05, message_bytes=64 << 10) as c:
-                    report = c.submit(aggregation, updates(client), client_id=client)
-                    assert report.examples == BATCHES * ROWS
-            except Exception as e:  # reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(c,)) for c in CLIENTS]
-        for t in threads:
-            t.start()
-        for _ in range(4):
-            assert acknowledged.acquire(timeout=60)
-        victim = get_json(admin)["ingest_processes"][0]
-        os.kill(victim["pid"], signal.SIGKILL)  # streams through it break: their clients reconnect
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors, errors
+        with submitting(target, aggregation, CLIENTS, updates, BATCHES * ROWS, retry_delay=0.05,
+                        message_bytes=64 << 10):
+            for _ in range(4):
+                assert acknowledged.acquire(timeout=60)
+            victim = get_json(admin)["ingest_processes"][0]
+            os.kill(victim["pid"], signal.SIGKILL)  # streams through it break: their clients reconnect
 
         with Client(target) as c:
             result = c.finalize(aggregation)

@@ -273,14 +273,14 @@ def test_a_server_on_ray_sums_through_ingest_and_shard_actors_while_actors_are_k
     from clipd.server.settings import Settings
     from conftest import TEST_SETTINGS
 
-    from service_helpers import free_port
+    from service_helpers import free_port, submitting
 
     settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
                            "shards": 2, "ray_ingest_actors": 2, "ray_ingest_port": free_port()})
     server, _ = create_server(settings)
     target = f"127.0.0.1:{settings.ray_ingest_port}"  # the ingest actors', not the server's port
     clients = {f"client-{i}": [batch(1000 * i + j) for j in range(6)] for i in range(4)}
-    started, errors = threading.Semaphore(0), []
+    started = threading.Semaphore(0)
     try:
         with Client(target) as c:
             aggregation = c.create_aggregation({layer.name: layer.shape for layer in LAYERS}, l2_norm_clip=CLIP,
@@ -293,29 +293,17 @@ def test_a_server_on_ray_sums_through_ingest_and_shard_actors_while_actors_are_k
                     started.release()
                 time.sleep(0.05)
 
-        def run(name: str) -> None:
-            try:
-                with Client(target, retry_delay=0.05, message_bytes=1 << 10) as c:
-                    assert c.submit(aggregation, updates(name), client_id=name).examples == 6 * ROWS
-            except Exception as e:  # reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(name,)) for name in clients]
-        for t in threads:
-            t.start()
-        for _ in clients:
-            assert started.acquire(timeout=60)
-        (actor_entry,) = [d for d in server.devices.describe() if d["id"] == "on-ray/0"]
-        assert actor_entry["kind"] == "ray-shard-actor"
-        ingest = server.ingest.describe()
-        assert [p["alive"] for p in ingest] == [True, True]
-        assert {p["address"].rsplit(":", 1)[1] for p in ingest} == {str(settings.ray_ingest_port)}
-        os.kill(ingest[0]["pid"], signal.SIGKILL)  # its streams break; Ray restarts it on the same port
-        link = server.devices._links[server.registry.get("on-ray")][0]
-        os.kill(get(link.actor.pid.remote()), signal.SIGKILL)  # Ray restarts it; it restores shard 0
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors, errors
+        with submitting(target, aggregation, clients, updates, 6 * ROWS, retry_delay=0.05, message_bytes=1 << 10):
+            for _ in clients:
+                assert started.acquire(timeout=60)
+            (actor_entry,) = [d for d in server.devices.describe() if d["id"] == "on-ray/0"]
+            assert actor_entry["kind"] == "ray-shard-actor"
+            ingest = server.ingest.describe()
+            assert [p["alive"] for p in ingest] == [True, True]
+            assert {p["address"].rsplit(":", 1)[1] for p in ingest} == {str(settings.ray_ingest_port)}
+            os.kill(ingest[0]["pid"], signal.SIGKILL)  # its streams break; Ray restarts it on the same port
+            link = server.devices._links[server.registry.get("on-ray")][0]
+            os.kill(get(link.actor.pid.remote()), signal.SIGKILL)  # Ray restarts it; it restores shard 0
         assert get(link.actor.get_epoch.remote()) == 2
         with Client(target) as c:
             result = c.finalize(aggregation)
