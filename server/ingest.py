@@ -253,6 +253,36 @@ class SharedRegions:
                 del self._maps[segment]
 
 
+class _CallEnded(Exception):
+    """The Submit call is over: its request stream puts nothing more in the arena."""
+
+
+class _CallRegions:
+    """The regions one Submit call put in the arena; once the call ends, the ones the server never read.
+
+    ``put`` (gRPC's request thread) and ``close`` (the handler, when the call
+    ends) take one lock, so no region can be put after the call's unread ones
+    were counted: it would be IN_USE for good, and the ring stuck behind it.
+    """
+
+    def __init__(self, arena: Arena | None) -> None:
+        self.arena, self.refs, self.closed = arena, [], False
+        self._lock = threading.Lock()
+
+    def put(self, data, wait: float) -> tuple[str, int, int, int]:
+        with self._lock:
+            if self.closed:
+                raise _CallEnded()
+            self.refs.append(self.arena.put(data, wait))
+            return self.refs[-1]
+
+    def close(self) -> list:
+        """Ends the call's puts; the references whose region the server never read."""
+        with self._lock:
+            self.closed = True
+            return self.arena.unread(self.refs) if self.arena is not None and self.refs else []
+
+
 # The ingest process -------------------------------------------------------------------------
 def _forwarded_metadata(context, index: int) -> list[tuple[str, str]]:
     """The caller's metadata (its bearer token), and which ingest process forwards it (the caller's own dropped)."""
@@ -364,7 +394,7 @@ class IngestServer:
 
         def forward(request_iterator, context):
             refused: list[ClipdError] = []
-            shared: list = []  # every region this call put in the arena
+            shared = _CallRegions(self.arena)
             responses = call(self._to_shared(request_iterator, refused, shared),
                              metadata=_forwarded_metadata(context, self.index))
             context.add_callback(responses.cancel)
@@ -374,7 +404,7 @@ class IngestServer:
                 if not refused:
                     _relay(context, e)
             finally:  # the server reads no more of this call: the regions it never read go back
-                if shared and (unread := self.arena.unread(shared)):
+                if unread := shared.close():
                     with contextlib.suppress(grpc.RpcError):
                         release(json.dumps(unread).encode(), timeout=30)
             if refused:  # this process refused a message: the stream was cut short
@@ -383,8 +413,8 @@ class IngestServer:
 
         return forward
 
-    def _to_shared(self, messages, refused: list, shared: list):
-        """The client's messages, each chunk's data moved into the arena (``shared`` collects the references)."""
+    def _to_shared(self, messages, refused: list, shared: _CallRegions | None):
+        """The client's messages, each chunk's data moved into the arena (``shared`` keeps the references)."""
         wait = self.settings.buffer_wait
         if self.arena is None:
             yield from messages
@@ -399,11 +429,10 @@ class IngestServer:
                 if not message.chunks:
                     yield wire.encode_shared(message, [])
                     continue
-                refs = []
-                for chunk in message.chunks:
-                    refs.append(self.arena.put(chunk.data, wait))
-                    shared.append(refs[-1])
+                refs = [shared.put(chunk.data, wait) for chunk in message.chunks]
                 yield wire.encode_shared(message, refs)
+        except _CallEnded:
+            return
         except ClipdError as e:
             refused.append(e)  # ends the forwarded stream; the handler answers the client with it
 
