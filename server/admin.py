@@ -346,11 +346,16 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
 
     @app.get("/api/v1/server")
     def server_view(_: Reader) -> dict[str, Any]:
-        """The devices in use (a device worker each) and the clip-and-sum steps each has run; the ingest processes."""
+        """The devices in use (a device worker each) and the clip-and-sum steps each has run; the shard processes
+        (``--processes``) or Ray ingest actors, with the calls each forwarded to this process; the Submit payload
+        bytes this process received itself (0 under ``--processes``: the shard processes receive them)."""
         ingest = server.ingest.describe() if server.ingest is not None else []
-        for process in ingest:
+        shard_processes = server.devices.describe_processes() if server.settings.processes else []
+        for process in ingest + shard_processes:
             process["calls"] = server.guard.forwarded.get(str(process["index"]), 0)
-        return {"devices": server.devices.describe(), "ingest_processes": ingest}
+        return {"devices": server.devices.describe(), "ingest_processes": ingest,
+                "shard_processes": shard_processes, "payload_bytes_received": server.servicer.payload_bytes,
+                "shard_payload_bytes": getattr(server.devices, "payload_bytes", None)}
 
     @app.get("/api/v1/ledgers")
     def list_ledgers(_: Reader) -> dict[str, Any]:

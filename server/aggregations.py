@@ -72,12 +72,26 @@ class Result:
     sums: tuple[np.ndarray, ...]
 
 
+SPREAD_MARK = "~"  # "alice~2": the third stream of client alice's submission spread over the shards
+
+
 def shard_of(client_id: str, shards: int) -> int:
     """The shard that sums a client's batches: a fixed function of the id, the same in every process.
 
+    A client whose submission is spread over the shards streams as ``id``,
+    ``id~1``, ``id~2``, ...: each its own client, with its own sequence numbers,
+    on the next shard along. So stream 0 of a spread submission is the plain id
+    (a client of one batch is placed as before), and ``shards`` streams of one
+    client reach every shard once.
+
     >>> shard_of("alice", 1), shard_of("alice", 4), shard_of("bob", 4)  # crc32 of "alice" is 663,665,735
     (0, 3, 0)
+    >>> [shard_of(f"alice~{k}" if k else "alice", 4) for k in range(4)]
+    [3, 0, 1, 2]
     """
+    base, mark, stream = client_id.rpartition(SPREAD_MARK)
+    if mark and stream.isdigit():
+        return (zlib.crc32(base.encode()) + int(stream)) % shards
     return zlib.crc32(client_id.encode()) % shards
 
 
@@ -255,6 +269,20 @@ class Aggregation:
             self.shard_totals[shard] = totals
             self._device_stats[shard] = None
 
+    def observe(self, states: dict[int, PartialState]) -> None:
+        """The control process of shard processes: their shards' totals as of now (for the statistics)."""
+        with self.cond:
+            if self.state not in (*TAKES_BATCHES, State.FINALIZING):
+                return
+            for shard, state in states.items():
+                self.shard_totals[shard] = state
+            totals = self.totals
+            self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
+            now = self._updated = time.time()
+            if not self._rates or now - self._rates[-1][0] >= 0.25:
+                self._rates.append((now, self._examples))
+            self.cond.notify_all()
+
     def mark_durable(self, clients) -> None:
         """A checkpoint holding these client marks was committed: acknowledge up to them."""
         with self.cond:
@@ -341,6 +369,7 @@ class Aggregation:
                 self.state = State.FINALIZED
                 self.finished = time.time()
                 self.shard_totals = list(shard_totals)
+                self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
                 self._device_stats = [None] * self.shards
                 self.mark_durable(totals.clients)
                 self.result = self._result_locked()

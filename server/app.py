@@ -28,11 +28,11 @@ from .credentials import SubmitTokens, bearer_token, same
 from .errors import ClipdError, PermissionDenied, Unauthenticated
 from .limits import StreamSlots, trim_heap
 from .logs import event
-from .ingest import INGEST_METADATA, RELEASE_METHOD, IngestProcesses, SharedRegions, reserve_port, shared_memory_dir
+from .ingest import INGEST_METADATA, reserve_port
 from .privacy import Ledgers, Release
 from .service import ClipdServicer, lenient
 from .settings import Settings
-from .store import FAILED, FINALIZED, Store, open_store
+from .store import CLOSING, FAILED, FINALIZED, Store, open_store
 from .shards import Devices
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 # Methods a submit token may call: the handler checks the token against the aggregation.
-SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", f"/{SERVICE_NAME}/GetAggregation")
+SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", f"/{SERVICE_NAME}/GetAggregation", f"/{SERVICE_NAME}/GetPlacement")
 OTHER_STREAMS = 16  # Health/Watch and reflection streams at once (beside max_streams Submit streams)
 
 
@@ -59,7 +59,7 @@ class _Guard(grpc.ServerInterceptor):
     def __init__(self, admin_token: str, servicer: ClipdServicer) -> None:
         self._admin_token = admin_token
         self._servicer = servicer
-        self.forwarded: collections.Counter = collections.Counter()  # calls per ingest process (--processes)
+        self.forwarded: collections.Counter = collections.Counter()  # calls per shard process or ingest actor
         self.ingest_indexes: frozenset[str] = frozenset()  # the values INGEST_METADATA may have
         self._other_streams = StreamSlots(OTHER_STREAMS, "health-watch and reflection stream")
 
@@ -71,8 +71,6 @@ class _Guard(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        if method == RELEASE_METHOD:  # registered on the private socket of --processes only
-            return handler
         if method.startswith(OPEN_METHODS):
             return self._limited(handler, method) if handler.response_streaming else handler
         if not self._admin_token:
@@ -127,11 +125,8 @@ def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: Cl
     return _with_behavior(handler, refuse_streaming if handler.response_streaming else refuse)
 
 
-def _clipd_handlers(servicer, regions=None) -> list[grpc.GenericRpcHandler]:
-    """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies).
-
-    ``regions``: the internal socket of ``--processes``: chunk data may be in the ingest processes' shared memory.
-    """
+def _clipd_handlers(servicer) -> list[grpc.GenericRpcHandler]:
+    """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies)."""
     service = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -143,37 +138,27 @@ def _clipd_handlers(servicer, regions=None) -> list[grpc.GenericRpcHandler]:
     for method in service.methods:
         parse = getattr(clipd_pb2, method.input_type.name).FromString
         if method.name == "Submit":
-            parse = functools.partial(wire.parse_submit_request, regions=regions)
+            parse = wire.parse_submit_request
         parse = lenient(parse)  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
         handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
             request_deserializer=parse,
             response_serializer=getattr(clipd_pb2, method.output_type.name).SerializeToString,
         )
-    generic = [grpc.method_handlers_generic_handler(service.full_name, handlers)]
-    if regions is not None:  # the ingest processes give back the regions of calls that ended unread
-        def release(request: bytes, context) -> bytes:
-            regions.release(tuple(ref) for ref in json.loads(request))
-            return b""
-
-        service_name, method_name = RELEASE_METHOD.strip("/").split("/")
-        generic.append(grpc.method_handlers_generic_handler(
-            service_name, {method_name: grpc.unary_unary_rpc_method_handler(release)}))
-    return generic
+    return [grpc.method_handlers_generic_handler(service.full_name, handlers)]
 
 
 class ClipdServer:
     """The running service: gRPC server, device workers, registry, and (optionally) the admin API.
 
-    With ``settings.processes`` = N > 0, this process serves gRPC on a private
-    unix socket only, and N ingest processes (:mod:`clipd.server.ingest`) listen on
-    the gRPC port and forward to it.
+    With ``settings.processes`` = N > 0, this is the control process: it serves gRPC on a private
+    unix socket only, and N shard processes (:mod:`clipd.server.shard_process`) listen on the gRPC
+    port (and each on its own), receive, clip and sum, and forward every other call to it.
     """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.ingest: IngestProcesses | None = None
-        self._arena_dir = tempfile.mkdtemp(prefix="clipd-ingest-", dir=shared_memory_dir()) if settings.processes else ""
+        self.ingest = None  # Ray ingest actors
         if settings.compilation_cache_dir:
             import jax
 
@@ -181,7 +166,13 @@ class ClipdServer:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations, settings.max_total_parameters)
-        if settings.ray_address:  # every shard a Ray actor on the cluster, checkpointing to the shared store
+        if settings.processes:  # the port is held here, bound (not listening) until the shard processes take it
+            from .shard_process import ShardProcesses
+
+            self._port_holder = reserve_port(settings.host, settings.grpc_port)
+            self.port = self._port_holder.getsockname()[1]
+            self.devices = ShardProcesses(settings, self.store, self.port)
+        elif settings.ray_address:  # every shard a Ray actor on the cluster, checkpointing to the shared store
             from .ray_shards import RayShards
 
             self.devices = RayShards(settings.ray_address, settings.data_dir, self.store, settings.shards,
@@ -204,17 +195,13 @@ class ClipdServer:
             options=server_options(settings),
             interceptors=[self.guard],
         )
-        self.regions = SharedRegions(self._arena_dir) if settings.processes else None
-        self.grpc.add_generic_rpc_handlers(_clipd_handlers(self.servicer, self.regions))
+        self.grpc.add_generic_rpc_handlers(_clipd_handlers(self.servicer))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
         from .tls import grpc_server_credentials
 
-        if settings.processes:  # the ingest processes listen on the port (and terminate TLS)
-            self.internal_address = f"unix:{os.path.join(self._arena_dir, 'server.sock')}"
-            self.grpc.add_insecure_port(self.internal_address)
-            self._port_holder = reserve_port(settings.host, settings.grpc_port)
-            self.port = self._port_holder.getsockname()[1]
+        if settings.processes:  # the shard processes listen on the port (and terminate TLS)
+            self.grpc.add_insecure_port(f"unix:{os.path.join(self.devices.private_dir, 'control.sock')}")
         else:
             address = f"{settings.host}:{settings.grpc_port}"
             credentials = grpc_server_credentials(settings)  # TLS, or mutual TLS with tls_client_ca_file
@@ -253,9 +240,8 @@ class ClipdServer:
         self.grpc.start()
         self.guard.ingest_indexes = frozenset(str(i) for i in range(self.settings.processes
                                                                    or self.settings.ray_ingest_actors))
-        if self.settings.processes:
-            self.ingest = IngestProcesses(self.settings, self.port, self.internal_address, self._arena_dir,
-                                          on_restart=self.regions.forget, on_start=self.regions.open).start()
+        if self.settings.processes:  # returns once every shard process is ready
+            self.devices.start(self.registry)
         elif self.settings.ray_ingest_actors:  # endpoints on the cluster's nodes, forwarding to this port
             from .ray_shards import RayIngest, cluster_address
 
@@ -286,13 +272,14 @@ class ClipdServer:
         self.health.enter_graceful_shutdown()
         if self.ingest is not None:
             self.ingest.stop(grace)  # their streams drain into this process first
+        if self.settings.processes:
+            self.devices.stop(timeout=grace)  # they finish their streams (and may still call this process)
         self.grpc.stop(grace).wait(grace + 1.0)
-        self.devices.stop(timeout=grace)
+        if not self.settings.processes:
+            self.devices.stop(timeout=grace)
         self.store.close()
         if self.admin is not None:
             self.admin.stop()
-        if self._arena_dir:
-            shutil.rmtree(self._arena_dir, ignore_errors=True)
 
 
 def server_options(settings: Settings) -> list[tuple[str, int]]:
@@ -329,7 +316,8 @@ def recover(store: Store, registry: Registry, devices: Devices, settings: Settin
             release = Release.from_bytes(blob) if blob is not None else None
             totals = None
         else:
-            if store.shared and not settings.ray_address and record.state not in (FINALIZED, FAILED):
+            if store.shared and not (settings.ray_address or settings.processes) \
+                    and record.state not in (FINALIZED, FAILED):
                 # Claim before reading: no earlier owner can commit after the checkpoints read here.
                 epochs = [store.claim_shard(record.aggregation_id, k) for k in range(shards)]
             totals = [store.load_checkpoint(record.aggregation_id, shard=k, newest_only=finalized)
@@ -353,6 +341,8 @@ def recover(store: Store, registry: Registry, devices: Devices, settings: Settin
             if privacy is not None:
                 ledgers.reserve(aggregation, privacy, plan)
             devices.warm_up(aggregation)
+            if record.state == CLOSING:  # a finalize was under way: it takes no more batches
+                aggregation.close()
         registry.add(aggregation)
         event(log, "aggregation.recovered", aggregation=record.aggregation_id, state=aggregation.state.value,
               examples=aggregation.examples)

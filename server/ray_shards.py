@@ -359,6 +359,10 @@ class RayShards:
         self._links: dict = {}  # aggregation -> [_ShardLink per shard]
         self._lock = threading.Lock()
 
+    def endpoints(self) -> list[str]:
+        """Clients reach the shard actors through this server's port (or its ingest actors)."""
+        return []
+
     def __len__(self) -> int:
         return self.shards
 

@@ -97,6 +97,14 @@ def _check_id(value: str, what: str) -> str:
     return value
 
 
+def check_client_id(value: str) -> str:
+    """A client id, or one stream of a spread submission: ``<client id>~<stream number>`` (``alice~3``)."""
+    base, mark, stream = value.rpartition("~")
+    if mark and stream.isdigit() and len(stream) <= 6 and codec.ID_PATTERN.match(base) and stream[0] != "0":
+        return value
+    return _check_id(value, "client_id")
+
+
 class ClipdServicer(pb_grpc.ClipdServicer):
     def __init__(self, settings: Settings, registry: Registry, devices: Devices, store: Store,
                  submit_tokens: SubmitTokens, ledgers: Ledgers | None = None) -> None:
@@ -109,6 +117,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.budget = ByteBudget(settings.max_buffered_bytes)
         self.stream_slots = StreamSlots(settings.max_streams, "Submit stream")
         self.rejections: dict[str, int] = {}  # gRPC status name -> count
+        self.payload_bytes = 0  # tensor bytes of the batches that Submit streams delivered to this process
         self._lock = threading.Lock()
 
     @property
@@ -284,6 +293,16 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             raise NotFound(f"no ledger {request.ledger_id!r}")
         return codec.ledger_to_proto(ledger)
 
+    @_status_on_error
+    def GetPlacement(self, request: pb.GetPlacementRequest, context) -> pb.Placement:
+        """Where each shard is summed (the admin, or a holder of the aggregation's submit token)."""
+        aggregation = self.check_submitter(bearer_token(context.invocation_metadata()), request.aggregation_id,
+                                           "submit to")
+        endpoints = self.devices.endpoints()
+        return pb.Placement(aggregation_id=aggregation.id, shards=aggregation.shards,
+                            endpoints=[endpoints[k % len(endpoints)] for k in range(aggregation.shards)]
+                            if endpoints else [])
+
     # Streaming ----------------------------------------------------------------------
     def Submit(self, request_iterator, context):
         try:
@@ -382,6 +401,7 @@ class _SubmitSession:
 
     def _take(self, batch) -> None:
         """Hands a whole batch on (or lets go of it: a duplicate, or refused)."""
+        self.servicer.payload_bytes += batch.nbytes  # one reader thread per stream: a rare lost += is harmless
         try:
             if self.aggregation.reject_non_finite:
                 _check_finite(batch, self.aggregation)
@@ -399,7 +419,7 @@ class _SubmitSession:
 
     def _bind(self, message) -> None:
         aggregation = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
-        self.client = _check_id(message.client_id, "client_id")
+        self.client = check_client_id(message.client_id)
         self.writer = message.writer_id
         durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
         self.greeting = pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=accepted,
@@ -482,7 +502,7 @@ def claim_shards(store: Store, aggregation: Aggregation, settings: Settings) -> 
     so two servers never both acknowledge batches of one shard. With Ray, the
     shard actors claim for themselves.
     """
-    if store.shared and not settings.ray_address:
+    if store.shared and not (settings.ray_address or settings.processes):  # else the shard owners claim
         aggregation.epochs = [store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)]
 
 

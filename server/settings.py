@@ -59,7 +59,9 @@ class Settings:
     tls_client_ca_file: str = ""  # PEM CA bundle: gRPC requires client certificates it signed (mutual TLS)
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
     shards: int = 0  # shards of each new aggregation (client id -> shard); 0 = one per local JAX device
-    processes: int = 0  # ingest processes on the gRPC port (receive, parse); 0 = this process does it all
+    processes: int = 0  # shard processes on the gRPC port (receive, parse, clip, sum); 0 = this process does it all
+    advertise_host: str = ""  # the host name clients reach the shard processes' own ports by ("": host)
+    shard_ports: int = 0  # the first of `processes` consecutive ports of the shard processes (0: free ports)
     ray_address: str = ""  # a Ray cluster (HOST:PORT): shards run as Ray actors there; needs a postgresql:// data_dir
     ray_gpus_per_shard: float = 0.0  # with ray_address: GPUs each shard actor asks for (1 = a GPU per shard)
     ray_ingest_actors: int = 0  # with ray_address: ingest endpoints spread over the cluster's nodes
@@ -101,6 +103,9 @@ class Settings:
             raise ValueError(f"Settings.ray_gpus_per_shard must be >= 0, got {self.ray_gpus_per_shard}")
         if self.processes < 0:
             raise ValueError(f"Settings.processes must be >= 0 (0: one process), got {self.processes}")
+        if self.processes and self.data_dir == "memory":
+            raise ValueError("Settings.processes: shard processes commit their checkpoints to a store the control"
+                             " process reads at finalize; set data_dir to a directory or a postgresql:// URL")
         if self.shards < 0:
             raise ValueError(f"Settings.shards must be >= 0 (0: one per device), got {self.shards}")
         if not 0 < self.checkpoint_max_duty <= 1:

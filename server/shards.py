@@ -26,23 +26,31 @@ from clipd.engine import PartialState
 
 from .aggregations import Aggregation
 from .batches import Batch
-from .errors import DeadlineExceeded
+from .errors import DeadlineExceeded, Unavailable
 from .store import Store
 from .worker import DeviceWorker
 
 
 class Devices:
-    """The device workers of one server: where each shard runs, and the calls that span every shard."""
+    """The device workers of one server: where each shard runs, and the calls that span every shard.
+
+    ``process=(i, n)``: this is shard process ``i`` of ``n`` (``clipd serve --processes n``); it sums
+    the shards ``s`` with ``s % n == i``, shard ``s`` on its device ``(s // n) % D``.
+    """
 
     def __init__(self, store: Store, checkpoint_interval: float = 0.05, checkpoint_max_duty: float = 0.25,
-                 warmup_timeout: float = 300.0, devices: list | None = None) -> None:
+                 warmup_timeout: float = 300.0, devices: list | None = None,
+                 process: tuple[int, int] = (0, 1)) -> None:
         devices = list(jax.local_devices() if devices is None else devices)
         if not devices:
             raise ValueError("Devices: no JAX device")
+        self.index, self.processes = process
         self.workers = [DeviceWorker(store, checkpoint_interval, checkpoint_max_duty, warmup_timeout, device=d)
                         for d in devices]
         for worker in self.workers:
             worker.on_failed = self._failed
+            # A shard process leaves the aggregation's state in the store to the control process.
+            worker.records_failures = self.processes == 1
 
     def _failed(self, aggregation: Aggregation) -> None:
         """A worker failed an aggregation: every worker drops its shards of it (on its own thread)."""
@@ -52,17 +60,30 @@ class Devices:
     def __len__(self) -> int:
         return len(self.workers)
 
+    def owns(self, shard: int) -> bool:
+        return shard % self.processes == self.index
+
+    def owned(self, shards: int) -> tuple[int, ...]:
+        """The shards of an aggregation of ``shards`` shards that this process sums."""
+        return tuple(range(self.index, shards, self.processes))
+
     def worker_of(self, shard: int) -> DeviceWorker:
-        return self.workers[shard % len(self.workers)]
+        return self.workers[(shard // self.processes) % len(self.workers)]
 
     def shards_on(self, worker_index: int, shards: int) -> tuple[int, ...]:
         """The shards of an aggregation of ``shards`` shards that the ``worker_index``-th worker sums."""
-        return tuple(range(worker_index, shards, len(self.workers)))
+        return tuple(s for s in self.owned(shards) if self.worker_of(s) is self.workers[worker_index])
+
+    def endpoints(self) -> list[str]:
+        """Every shard is summed here: clients need no other address."""
+        return []
 
     # Per batch ------------------------------------------------------------------------------
     def submit(self, aggregation: Aggregation, client: str, writer: str, batch: Batch) -> None:
         """Queues an accepted batch on the worker of its client's shard."""
         shard = aggregation.shard_of(client)
+        if not self.owns(shard):  # the Submit handler routes by shard: a bug, never a client's doing
+            raise Unavailable(f"shard {shard} of aggregation {aggregation.id} is not summed by this process")
         self.worker_of(shard).submit(aggregation, shard, client, writer, batch)
 
     # Per aggregation ------------------------------------------------------------------------
@@ -74,9 +95,12 @@ class Devices:
                 worker.warm_up(aggregation, shards)
 
     def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
-        """Every shard's final checkpoint, committed (in parallel over the workers); their totals, by shard."""
+        """Every shard's final checkpoint, committed (in parallel over the workers); their totals, by shard.
+
+        In a shard process: the shards it owns, in order.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        futures = [self.worker_of(s).commit_final(aggregation, s) for s in range(aggregation.shards)]
+        futures = [self.worker_of(s).commit_final(aggregation, s) for s in self.owned(aggregation.shards)]
         try:
             return [f.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for f in futures]
         except concurrent.futures.TimeoutError:

@@ -3,7 +3,7 @@
 Layout of ``data_dir``::
 
     clipd.sqlite3               aggregations and checkpoint rows (WAL, synchronous=FULL)
-    states/<key>/<gen>.state    one PartialState blob per checkpoint generation (of some shard)
+    states/<key>/<shard>-<hex>.state  one PartialState blob per checkpoint generation (of that shard)
     states/<key>/release        a private release (noised sums), once committed
 
 ``<key>`` is the aggregation's surrogate integer key, never its id (ids may be
@@ -13,7 +13,7 @@ the two newest generations of each shard are kept.
 Why a crash at any point loses nothing that was acknowledged and never mixes
 two states (Pillai et al., OSDI'14: a rename alone is not durable):
 
-1. The blob goes to ``<gen>.state.tmp``, is fsynced, renamed to ``<gen>.state``
+1. The blob goes to ``<name>.state.tmp``, is fsynced, renamed to ``<name>.state``
    and the directory is fsynced: from then on the file's name and content are
    on disk. A crash before that leaves a ``.tmp`` or a file with no row.
 2. Only then does one SQLite transaction add the checkpoint's row (size and
@@ -40,6 +40,7 @@ import fcntl
 import logging
 import os
 import re
+import secrets
 import sqlite3
 import threading
 import zlib
@@ -125,22 +126,30 @@ class SQLiteStore(Store):
 
     durable = True
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, *, sibling: bool = False) -> None:
+        """``sibling``: a shard process of the clipd that holds ``data_dir`` (``clipd serve --processes N``).
+
+        It takes no lock on the directory and sweeps nothing (its owner did both
+        when it opened the store, and other processes' files may be in flight);
+        several processes then commit to one database, each to its own shards.
+        """
         self.data_dir = os.fspath(data_dir)
         self._states = os.path.join(self.data_dir, STATES_DIR)
         self._db_lock = threading.Lock()
         self._files_lock = threading.Lock()
         _make_dir(self.data_dir)
         _make_dir(self._states)
-        self._lock_file = _lock_exclusively(os.path.join(self.data_dir, "lock"))
+        self._lock_file = None if sibling else _lock_exclusively(os.path.join(self.data_dir, "lock"))
         self._conn = self._connect(os.path.join(self.data_dir, DB_NAME))
         try:
-            self._init_schema()
-            _fsync_dir(self.data_dir)  # the database and its WAL are entries of data_dir
-            self._sweep()
+            if not sibling:
+                self._init_schema()
+                _fsync_dir(self.data_dir)  # the database and its WAL are entries of data_dir
+                self._sweep()
         except BaseException:
             self._conn.close()
-            self._lock_file.close()
+            if self._lock_file is not None:
+                self._lock_file.close()
             raise
 
     # Opening ------------------------------------------------------------------------------
@@ -152,6 +161,7 @@ class SQLiteStore(Store):
         if mode.lower() != "wal":
             log.warning("SQLite refused WAL mode for %s (journal mode is %s)", path, mode)
         conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA busy_timeout=60000")  # shard processes share the database: wait for its lock
         conn.execute("PRAGMA foreign_keys=ON")
         return conn
 
@@ -303,18 +313,17 @@ class SQLiteStore(Store):
             key = self._key(aggregation_id)
             if key is None:
                 raise KeyError(aggregation_id)
-            generation = self._query("SELECT COALESCE(MAX(generation), 0) + 1 FROM checkpoints"
-                                     " WHERE aggregation = ?", (key,))[0][0]
             directory = self._state_dir(key)
             if not os.path.isdir(directory):
                 _make_dir(directory)
-            name = f"{generation}.state"
+            # The generation is taken inside the commit (shard processes commit to one database at once);
+            # the file's name only has to be new: its shard and random bits.
+            name = f"{shard}-{secrets.token_hex(8)}.state"
             _write_durably(directory, name, blob)
-            # If the commit fails, the file stays: it has no row (swept at the next open, or
-            # replaced by the next save of this generation), and deleting it would be wrong
-            # if the commit did reach the disk before the error.
+            # If the commit fails, the file stays: it has no row (swept at the next open), and deleting it
+            # would be wrong if the commit did reach the disk before the error.
             try:
-                pruned = self._commit_checkpoint(key, shard, epoch, generation, name, blob, finished)
+                pruned = self._commit_checkpoint(key, shard, epoch, name, blob, finished)
             except FencedOut:
                 _remove_files(directory, [name])  # refused before the commit: no row points at it
                 raise
@@ -322,7 +331,7 @@ class SQLiteStore(Store):
                 _remove_files(directory, pruned)
                 _fsync_dir(directory)
 
-    def _commit_checkpoint(self, key: int, shard: int, epoch: int | None, generation: int, name: str,
+    def _commit_checkpoint(self, key: int, shard: int, epoch: int | None, name: str,
                            blob: bytes, finished: float | None) -> list[str]:
         """One transaction: the epoch checked, the new row, FINALIZED if ``finished``, the shard's old rows dropped.
 
@@ -333,6 +342,8 @@ class SQLiteStore(Store):
                 current = _epoch(conn, key, shard)
                 if current != epoch:
                     raise FencedOut(f"shard {shard}: epoch {epoch} was replaced by {current}")
+            generation = conn.execute("SELECT COALESCE(MAX(generation), 0) + 1 FROM checkpoints"
+                                      " WHERE aggregation = ?", (key,)).fetchone()[0]
             conn.execute("INSERT INTO checkpoints (aggregation, generation, file, nbytes, crc32, shard)"
                          " VALUES (?, ?, ?, ?, ?, ?)", (key, generation, name, len(blob), zlib.crc32(blob), shard))
             if finished is not None:
@@ -443,7 +454,8 @@ class SQLiteStore(Store):
         """Closes the SQLite connection (a second call does nothing)."""
         with self._db_lock:
             self._conn.close()
-        self._lock_file.close()  # releases the directory for another process
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the directory for another process
 
 
 # Helpers ----------------------------------------------------------------------------------

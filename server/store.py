@@ -25,7 +25,8 @@ import threading
 from clipd.engine import CorruptStateError, PartialState
 
 OPEN, FINALIZED, FAILED = "open", "finalized", "failed"
-STATES = (OPEN, FINALIZED, FAILED)
+CLOSING = "closing"  # shard processes: no more batches; their final checkpoints are being committed
+STATES = (OPEN, CLOSING, FINALIZED, FAILED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,9 +307,13 @@ def newest_intact(aggregation_id: str, rows, read, newest_only: bool, log: loggi
     return None
 
 
-def open_store(data_dir: str) -> Store:
+def open_store(data_dir: str, *, sibling: bool = False) -> Store:
     """``"memory"``: a :class:`MemoryStore`; a ``postgresql://`` DSN: a PostgreSQL store; otherwise a SQLite store
-    in that directory (created if need be)."""
+    in that directory (created if need be).
+
+    ``sibling``: opened by a shard process beside the clipd that holds the store (a SQLite directory is
+    then shared, not locked; see :class:`~clipd.server.sqlite_store.SQLiteStore`).
+    """
     if data_dir == "memory":
         return MemoryStore()
     if data_dir.startswith(("postgresql://", "postgres://")):  # a shared store (the [postgres] extra)
@@ -317,4 +322,4 @@ def open_store(data_dir: str) -> Store:
         return PostgresStore(data_dir)
     from .sqlite_store import SQLiteStore
 
-    return SQLiteStore(data_dir)
+    return SQLiteStore(data_dir, sibling=sibling)

@@ -155,6 +155,7 @@ class DeviceWorker:
         self.steps = 0  # clip-and-sum steps dispatched, over every aggregation
         self.ready = threading.Event()  # set once the device has run a first program
         self.on_failed: Callable[[Aggregation], Any] | None = None  # told when this worker fails an aggregation
+        self.records_failures = True  # False in a shard process: the control process owns the state in the store
         self._thread = threading.Thread(target=self._run, name=f"clipd-device-worker-{self.device.id}", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name="clipd-committer", daemon=True)
         self._thread.start()
@@ -354,7 +355,7 @@ class DeviceWorker:
         """Fails an aggregation: its device state and queued batches are dropped, the store says FAILED."""
         event(log, "aggregation.failed", logging.ERROR, aggregation=aggregation.id, reason=reason)
         failed_here = aggregation.fail(reason)
-        if failed_here:
+        if failed_here and self.records_failures:
             try:
                 self.store.set_state(aggregation.id, "failed", reason=reason, finished=time.time())
             except Exception:  # the store itself may be what failed

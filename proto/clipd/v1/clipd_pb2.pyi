@@ -243,6 +243,22 @@ class SubmitResponse(_message.Message):
     writer_id: str
     def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ..., accepted_sequence: _Optional[int] = ..., writer_id: _Optional[str] = ...) -> None: ...
 
+class GetPlacementRequest(_message.Message):
+    __slots__ = ("aggregation_id",)
+    AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
+    aggregation_id: str
+    def __init__(self, aggregation_id: _Optional[str] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("aggregation_id", "shards", "endpoints")
+    AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    aggregation_id: str
+    shards: int
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aggregation_id: _Optional[str] = ..., shards: _Optional[int] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GetAggregationRequest(_message.Message):
     __slots__ = ("aggregation_id",)
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class ClipdStub(object):
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.Ledger.FromString,
                 _registered_method=True)
+        self.GetPlacement = channel.unary_unary(
+                '/clipd.v1.Clipd/GetPlacement',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.GetPlacementRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.Placement.FromString,
+                _registered_method=True)
 
 
 class ClipdServicer(object):
@@ -137,6 +142,15 @@ class ClipdServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPlacement(self, request, context):
+        """Where each shard of an aggregation is summed: a client streams a shard's
+        batches straight to its endpoint (the process that sums it). A submit
+        token may ask for its aggregation's placement.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClipdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +193,11 @@ def add_ClipdServicer_to_server(servicer, server):
                     servicer.GetLedger,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.Ledger.SerializeToString,
+            ),
+            'GetPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlacement,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.GetPlacementRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.Placement.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +416,33 @@ class Clipd(object):
             '/clipd.v1.Clipd/GetLedger',
             clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.SerializeToString,
             clipd_dot_v1_dot_clipd__pb2.Ledger.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/GetPlacement',
+            clipd_dot_v1_dot_clipd__pb2.GetPlacementRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.Placement.FromString,
             options,
             channel_credentials,
             insecure,

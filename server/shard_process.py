@@ -1,0 +1,677 @@
+"""Shard processes: ``clipd serve --processes N``. The process that receives a batch clips and sums it.
+
+Layout (one host)::
+
+    routed client --TCP--> shard process i, its own port  ------------------+
+    (GetPlacement)                                                           |
+    plain client  --TCP--> the public port (SO_REUSEPORT: every shard        |
+                           process listens; the kernel picks one)            |
+                              | a Submit for another process's shard:        |
+                              +--unix socket--> that shard process ----------+
+                                                                             v
+        shard process i: parse, check the token, sequence numbers, clip and sum on its device,
+        checkpoint its shards (the shards s with s % N == i) to the store, acknowledge
+    every other RPC (create, stats, finalize, ...) --unix socket, byte for byte--> the control process
+
+The control process (``clipd serve`` itself) holds the control plane and never
+sees a payload byte: it creates aggregations in the store, reads the shard
+processes' statistics (polled twice a second), finalizes (below), releases
+with noise, keeps the ledgers, serves the admin API and supervises the shard
+processes. Each shard process opens an aggregation from the store the first
+time it needs it (a Submit, the control's ``Open`` or ``Finish``), claims an
+epoch for each of its shards and restores them from their newest checkpoints:
+so a restarted shard process carries on where its last checkpoint stopped, and
+its clients resend what was not acknowledged (exactly once, per shard).
+
+Placement (Kafka's leader metadata, static here): shard ``s`` lives in process
+``s % N``; ``GetPlacement`` gives every shard's endpoint (``advertise_host``
+and the process's own port, kept across its restarts). A client that does not
+route still works through the public port: a Submit that lands on a process
+that does not own its shard is forwarded over a unix socket, one extra hop
+through a second process for (N-1)/N of such streams.
+
+Finalize: the control marks the aggregation CLOSING in the store (a shard
+process opens a CLOSING aggregation for no more batches), asks every shard
+process to ``Finish`` (it stops taking batches, sums what it accepted and
+commits its shards' final checkpoints), claims a new epoch for every shard (so
+no checkpoint of a shard process, a restarted one included, can land after
+this point) and merges the final checkpoints it reads back from the store.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from clipd.engine import PartialState
+from clipd.v1 import clipd_pb2
+
+from . import codec, wire
+from .aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of
+from .errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
+from .ingest import _forwarded_metadata, _relay, _timeout
+from .settings import Settings
+from .store import CLOSING, FAILED, FINALIZED, Store
+
+log = logging.getLogger(__name__)
+SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
+INTERNAL = "clipd.internal.Shard"  # on the shard processes' private unix sockets only
+OPEN, FINISH, STATS, FORGET, SERVE = (f"/{INTERNAL}/{m}" for m in ("Open", "Finish", "Stats", "Forget", "Serve"))
+_STAT_COUNTS = ("examples", "non_finite", "batches", "bytes")
+_STAT_ARRAYS = ("clip_counts", "layer_histograms", "example_histogram", "norm_sum", "norm_max")
+
+
+def owner_of(shard: int, processes: int) -> int:
+    """The shard process that sums ``shard``."""
+    return shard % processes
+
+
+def stats_to_json(state: PartialState) -> dict:
+    """A shard's statistics (no sums, no client marks) for the control process."""
+    return {**{f: int(getattr(state, f)) for f in _STAT_COUNTS},
+            **{f: getattr(state, f).tolist() for f in _STAT_ARRAYS}}
+
+
+def stats_from_json(empty: PartialState, fields: dict) -> PartialState:
+    """:func:`stats_to_json`'s shard as a partial state whose sums stay zero (read from checkpoints at finalize)."""
+    return dataclasses.replace(empty, **{f: int(fields[f]) for f in _STAT_COUNTS},
+                               **{f: np.asarray(fields[f], getattr(empty, f).dtype) for f in _STAT_ARRAYS})
+
+
+# The shard process ------------------------------------------------------------------------------------
+class _ShardRegistry(Registry):
+    """A shard process's aggregations, each opened from the store the first time it is asked for."""
+
+    def __init__(self, open_from_store) -> None:
+        super().__init__(max_aggregations=1 << 30)  # the control process enforces the limits at create
+        self._open_from_store = open_from_store
+        self._opening = threading.Lock()
+
+    def get(self, aggregation_id: str) -> Aggregation:
+        with contextlib.suppress(NotFound):
+            return super().get(aggregation_id)
+        with self._opening:  # one opening at a time: two would claim the shards twice
+            with contextlib.suppress(NotFound):
+                return super().get(aggregation_id)
+            aggregation = self._open_from_store(aggregation_id)
+            self.add(aggregation)
+            return aggregation
+
+
+class ShardProcess:
+    """One shard process: its own gRPC ports, device workers and partial states; see the module doc."""
+
+    def __init__(self, settings: Settings, index: int, public_port: int, data_port: int, private_dir: str) -> None:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        from .app import OTHER_STREAMS, _Guard, server_options
+        from .credentials import SubmitTokens
+        from .reflection import enable_reflection
+        from .service import ClipdServicer, Malformed, lenient
+        from .shards import Devices
+        from .store import open_store
+        from .tls import grpc_server_credentials
+
+        self.settings, self.index, self.count = settings, index, settings.processes
+        self.private_dir = private_dir
+        self._malformed, self._parse = Malformed, lenient(wire.parse_submit_request)
+        if settings.compilation_cache_dir:
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        self.store = open_store(settings.data_dir, sibling=True)
+        self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
+                               settings.warmup_timeout, process=(index, self.count))
+        self.registry = _ShardRegistry(self._open_from_store)
+        self.servicer = ClipdServicer(settings, self.registry, self.devices, self.store,
+                                      SubmitTokens(self.store.submit_token_key()))
+        limit = settings.max_message_bytes + (1 << 16)
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        self.control = grpc.insecure_channel(f"unix:{os.path.join(private_dir, 'control.sock')}", options)
+        self.siblings = {i: grpc.insecure_channel(f"unix:{socket_path(private_dir, i)}", options)
+                         for i in range(self.count) if i != index}
+        workers = settings.max_streams + OTHER_STREAMS + settings.unary_workers
+        # The public port and this process's own port: TLS and limits as one process has them. Roles are
+        # checked where each call is handled: Submit here, everything else by the control process.
+        self.public = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="clipd-shard"),
+                                  options=[*[(k, v) for k, v in server_options(settings) if k != "grpc.so_reuseport"],
+                                           ("grpc.so_reuseport", 1)],
+                                  interceptors=[_Guard("", self.servicer)])
+        self.public.add_generic_rpc_handlers((self._public_handlers(),))
+        self.health = health.HealthServicer()
+        self._serving = health_pb2.HealthCheckResponse.SERVING
+        for name in ("", SERVICE.full_name):  # until the control process says every shard process is up
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.public)
+        enable_reflection((SERVICE.full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                          self.public)
+        credentials = grpc_server_credentials(settings)
+        ports = []
+        for port in (public_port, data_port):
+            address = f"{settings.host}:{port}"
+            ports.append(self.public.add_secure_port(address, credentials) if credentials is not None
+                         else self.public.add_insecure_port(address))
+        if public_port and ports[0] != public_port:
+            raise RuntimeError(f"shard process {index}: bound port {ports[0]}, not {public_port}")
+        self.data_port = ports[1]
+        # The private socket: Submit forwarded by the other shard processes, and the control's calls.
+        self.private = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="clipd-shard-in"),
+                                   options=server_options(settings))
+        self.private.add_generic_rpc_handlers((
+            grpc.method_handlers_generic_handler(SERVICE.full_name, {
+                "Submit": grpc.stream_stream_rpc_method_handler(self._submit)}),
+            grpc.method_handlers_generic_handler(INTERNAL, {
+                name: grpc.unary_unary_rpc_method_handler(self._internal(getattr(self, f"_{name.lower()}")))
+                for name in ("Open", "Finish", "Stats", "Forget", "Serve")}),
+        ))
+        self.private.add_insecure_port(f"unix:{socket_path(private_dir, index)}")
+
+    # Opening an aggregation ------------------------------------------------------------------------
+    def _open_from_store(self, aggregation_id: str) -> Aggregation:
+        """The aggregation as the store has it, with this process's shards claimed and restored."""
+        record = self.store.get(aggregation_id)
+        if record is None:
+            raise NotFound(f"no aggregation {aggregation_id!r}")
+        if record.state == FINALIZED:
+            raise FailedPrecondition(f"aggregation {aggregation_id} is finalized: it takes no more batches")
+        if record.state == FAILED:
+            raise FailedPrecondition(f"aggregation {aggregation_id} failed: {record.reason}")
+        layers, policy, reject, privacy = codec.spec_from_json(record.spec)
+        shards = codec.spec_shards(record.spec)
+        mine = self.devices.owned(shards)
+        # Claim before reading: no earlier owner of these shards can commit after the checkpoints read here.
+        epochs = {k: self.store.claim_shard(aggregation_id, k) for k in mine}
+        recovered = [self.store.load_checkpoint(aggregation_id, shard=k) if k in epochs else None
+                     for k in range(shards)]
+        plan = privacy.plan(policy.example_bound(layers), len(layers)) if privacy is not None else None
+        aggregation = Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
+                                  self.settings.staging_bytes, recovered=recovered, created=record.created,
+                                  max_clients=self.settings.max_clients, privacy=privacy, plan=plan, shards=shards)
+        aggregation.epochs = [epochs.get(k) for k in range(shards)]
+        if record.state == CLOSING:  # being finalized: what its checkpoints hold is all it will hold
+            aggregation.close()
+        elif mine:
+            self.devices.warm_up(aggregation)
+        return aggregation
+
+    # Submit: here, or on to the process that owns the shard ----------------------------------------
+    def _owner(self, message) -> int:
+        """The process that sums the stream's shard (this one when that can't be known: it refuses)."""
+        if isinstance(message, self._malformed) or not message.aggregation_id:
+            return self.index
+        try:
+            aggregation = self.registry.get(message.aggregation_id)
+        except ClipdError:
+            return self.index  # unknown, finalized...: refused here as one process refuses
+        return owner_of(shard_of(message.client_id, aggregation.shards), self.count)
+
+    def _submit(self, raw_requests, context):
+        first = next(raw_requests, None)
+        if first is None:
+            return
+        message = self._parse(first)
+        owner = self._owner(message)
+        if owner == self.index:
+            messages = itertools.chain([message], map(self._parse, raw_requests))
+            del message, first
+            for response in self.servicer.Submit(messages, context):
+                yield response.SerializeToString()
+            return
+        del message
+        try:  # a plain client reached the wrong process: one hop to the owner, bytes as they came
+            self.servicer.stream_slots.acquire()
+        except ClipdError as e:
+            self.servicer.refuse(context, e, "Submit")
+        try:
+            responses = self.siblings[owner].stream_stream(f"/{SERVICE.full_name}/Submit")(
+                itertools.chain([first], raw_requests), metadata=_forwarded_metadata(context, self.index))
+            context.add_callback(responses.cancel)
+            try:
+                yield from responses
+            except grpc.RpcError as e:
+                _relay(context, e)
+        finally:
+            self.servicer.stream_slots.release()
+
+    def _public_handlers(self) -> grpc.GenericRpcHandler:
+        handlers = {}
+        for method in SERVICE.methods:
+            path = f"/{SERVICE.full_name}/{method.name}"
+            if method.name == "Submit":
+                handlers[method.name] = grpc.stream_stream_rpc_method_handler(self._submit)
+            elif method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(self._forward_stream(path))
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(self._forward_unary(path))
+        return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+
+    def _forward_unary(self, path: str):
+        call = self.control.unary_unary(path)
+
+        def forward(request: bytes, context):
+            try:
+                future = call.future(request, metadata=_forwarded_metadata(context, self.index),
+                                     timeout=_timeout(context))
+                context.add_callback(future.cancel)
+                return future.result()
+            except grpc.RpcError as e:
+                _relay(context, e)
+
+        return forward
+
+    def _forward_stream(self, path: str):
+        call = self.control.unary_stream(path)
+
+        def forward(request: bytes, context):
+            responses = call(request, metadata=_forwarded_metadata(context, self.index), timeout=_timeout(context))
+            context.add_callback(responses.cancel)
+            try:
+                yield from responses
+            except grpc.RpcError as e:
+                _relay(context, e)
+
+        return forward
+
+    # The control process's calls -------------------------------------------------------------------
+    def _internal(self, method):
+        def handle(request: bytes, context) -> bytes:
+            try:
+                return json.dumps(method(json.loads(request))).encode()
+            except ClipdError as e:
+                context.abort(e.code, str(e))
+
+        return handle
+
+    def _open(self, request: dict) -> dict:
+        """Opens the aggregation here and waits (up to the warm-up timeout) for its programs to compile."""
+        aggregation = self.registry.get(request["id"])
+        with aggregation.cond:
+            aggregation.cond.wait_for(lambda: aggregation.state is not State.WARMING_UP, self.settings.warmup_timeout)
+            return {"state": aggregation.state.value}
+
+    def _finish(self, request: dict) -> dict:
+        """No more batches; every accepted one summed; this process's shards' final checkpoints committed."""
+        try:
+            aggregation = self.registry.get(request["id"])
+        except FailedPrecondition:
+            return {"shards": []}  # not open here and closing, finalized or failed: nothing of it is in flight
+        aggregation.close()
+        timeout = float(request["timeout"])
+        if not aggregation.wait_drained(timeout):
+            raise DeadlineExceeded(f"aggregation {aggregation.id}: {aggregation.pending} accepted batches not"
+                                   f" summed after {timeout:g} s")
+        if aggregation.state is State.FAILED:
+            raise FailedPrecondition(f"aggregation {aggregation.id} failed: {aggregation.failure_reason}")
+        self.devices.commit_final(aggregation, timeout)
+        return {"shards": list(self.devices.owned(aggregation.shards))}
+
+    def _stats(self, request: dict) -> dict:
+        """Each named open aggregation's statistics, per shard of this process; this process's devices."""
+        found = {}
+        for aggregation in self.registry.all():
+            if aggregation.id not in request["ids"]:
+                continue
+            with aggregation.cond:
+                states = {k: aggregation.shard_totals[k] if aggregation._device_stats[k] is None
+                          else aggregation.shard_totals[k].absorb(aggregation._device_stats[k])
+                          for k in self.devices.owned(aggregation.shards)}
+                failed = aggregation.failure_reason if aggregation.state is State.FAILED else ""
+            found[aggregation.id] = {"shards": {k: stats_to_json(s) for k, s in states.items()}, "failed": failed}
+        return {"aggregations": found, "devices": self.devices.describe(),
+                "queued_bytes": self.devices.queued_bytes, "queue_depth": self.devices.queue_depth,
+                "payload_bytes": self.servicer.payload_bytes}
+
+    def _forget(self, request: dict) -> dict:
+        with contextlib.suppress(NotFound):
+            aggregation = Registry.get(self.registry, request["id"])  # not opened here: nothing to forget
+            self.registry.remove(aggregation.id)
+            aggregation.cancel()
+            self.devices.forget(aggregation)
+        return {}
+
+    def _serve(self, request: dict) -> dict:
+        for name in ("", SERVICE.full_name):
+            self.health.set(name, self._serving)
+        return {}
+
+    # Running -------------------------------------------------------------------------------------
+    def start(self) -> ShardProcess:
+        self.private.start()
+        self.public.start()
+        if not self.devices.wait_ready(self.settings.warmup_timeout):
+            raise RuntimeError(f"shard process {self.index}: its devices did not run a first program")
+        return self
+
+    def stop(self, grace: float) -> None:
+        self.health.enter_graceful_shutdown()
+        self.public.stop(grace).wait(grace + 1.0)
+        self.private.stop(0)
+        self.devices.stop(timeout=grace)
+        self.store.close()
+
+
+def socket_path(private_dir: str, index: int) -> str:
+    return os.path.join(private_dir, f"shard-{index}.sock")
+
+
+def main() -> None:
+    """A shard process (``python -m clipd.server.shard_process``, started by the control process).
+
+    Reads its orders as one JSON line on stdin, answers ``ready <its own port>`` on stdout once it
+    listens, and serves until SIGTERM, or until the control process (its parent) is gone.
+    """
+    orders = json.loads(sys.stdin.readline())
+    settings = Settings(**orders["settings"])
+    from . import logs
+
+    logs.configure(settings.log_level, settings.log_format)
+    parent = os.getppid()
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the control stops us
+    process = ShardProcess(settings, orders["index"], orders["port"], orders["data_port"],
+                           orders["private_dir"]).start()
+    print(f"ready {process.data_port}", flush=True)
+    while not done.wait(0.5):
+        if os.getppid() != parent:  # the control process died (SIGKILL): a new one starts new shard processes
+            break
+    process.stop(settings.shutdown_grace if done.is_set() else 0.0)
+    os._exit(0)
+
+
+# The control process's side -------------------------------------------------------------------------
+def _gpu_count() -> int:
+    return sum(1 for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit()) \
+        if os.path.isdir("/dev") else 0
+
+
+def child_environment(index: int, processes: int, environ=os.environ) -> dict[str, str]:
+    """A shard process's environment: its GPU (one each when there are enough), its share of GPU memory.
+
+    >>> env = child_environment(1, 4, {})
+    >>> env["XLA_PYTHON_CLIENT_PREALLOCATE"], env["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+    ('false', '0.225')
+    """
+    env = dict(environ)
+    gpus = _gpu_count()
+    if gpus >= processes and "CUDA_VISIBLE_DEVICES" not in environ:
+        env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+    sharing = processes if gpus < processes else 1  # processes on one GPU
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / sharing:.3f}")
+    return env
+
+
+class ShardProcesses:
+    """The control process's shards: N shard processes, started, watched and restarted; the calls that span them.
+
+    It has the calls of :class:`~clipd.server.shards.Devices` that the servicer uses, so the servicer is the
+    same in every mode.
+    """
+
+    def __init__(self, settings: Settings, store: Store, port: int) -> None:
+        self.settings, self.store, self.port = settings, store, port
+        self.count = settings.processes
+        self.private_dir = tempfile.mkdtemp(prefix="clipd-shards-")  # 0700: the sockets are private
+        self.data_ports = [settings.shard_ports + i if settings.shard_ports else 0 for i in range(self.count)]
+        self._processes: list[subprocess.Popen | None] = [None] * self.count
+        self._served = [False] * self.count
+        self.restarts = [0] * self.count
+        self._channels = [grpc.insecure_channel(f"unix:{socket_path(self.private_dir, i)}") for i in range(self.count)]
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._started = False
+        self.registry: Registry | None = None
+        self._seen: dict = {}  # the last Stats answer of each process
+        self._empty: dict[str, PartialState] = {}
+        self._threads = [threading.Thread(target=self._watch, name="clipd-shards-watch", daemon=True),
+                         threading.Thread(target=self._pump, name="clipd-shards-stats", daemon=True)]
+
+    def __len__(self) -> int:
+        return self.count
+
+    # Starting and watching -----------------------------------------------------------------------------
+    def _spawn(self, index: int, timeout: float = 120.0) -> bool:
+        """A new interpreter (not a fork: this process has gRPC and JAX threads); True once it is ready."""
+        process = subprocess.Popen([sys.executable, "-m", "clipd.server.shard_process"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=child_environment(index, self.count))
+        orders = {"settings": dataclasses.asdict(self.settings), "port": self.port, "index": index,
+                  "data_port": self.data_ports[index], "private_dir": self.private_dir}
+        with contextlib.suppress(OSError):
+            process.stdin.write(json.dumps(orders) + "\n")
+            process.stdin.close()
+        answer: list[str] = []
+        reader = threading.Thread(target=lambda: answer.append(process.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        with self._lock:
+            self._processes[index] = process
+        if not answer or not answer[0].startswith("ready "):
+            with contextlib.suppress(OSError):
+                process.kill()
+            process.wait()
+            log.warning("shard process %d did not start (exit status %s); trying again", index, process.returncode,
+                        extra={"event": "shard_process.start_failed"})
+            if self.data_ports[index] and not self.settings.shard_ports:
+                self.data_ports[index] = 0  # its old port may be taken: any free one (clients ask again)
+            return False
+        process.stdout.close()
+        self.data_ports[index] = int(answer[0].split()[1])
+        return True
+
+    def _bring_up(self, index: int) -> None:
+        """Starts process ``index`` until one is ready (or the server stops), then lets it serve."""
+        while not self._stopping.is_set():
+            if self._spawn(index) and self._call(index, SERVE, {}, timeout=30, quiet=True) is not None:
+                with self._lock:
+                    self._served[index] = True
+                return
+            self._stopping.wait(0.5)
+
+    def start(self, registry: Registry) -> ShardProcesses:
+        """Starts every shard process and returns once each is ready (one that dies meanwhile starts again)."""
+        self.registry = registry
+        threads = [threading.Thread(target=self._bring_up, args=(i,), daemon=True) for i in range(self.count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self._started = True
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def _watch(self) -> None:
+        """Restarts a shard process that exits (on a thread of its own: the others go on serving)."""
+        while not self._stopping.wait(0.2):
+            for index in range(self.count):
+                with self._lock:
+                    process = self._processes[index]
+                    dead = self._served[index] and process is not None and process.poll() is not None
+                    if dead:
+                        self._served[index] = False
+                        self.restarts[index] += 1
+                if dead and not self._stopping.is_set():
+                    log.warning("shard process %d (pid %d) exited with %s; starting another", index, process.pid,
+                                process.returncode, extra={"event": "shard_process.restarted"})
+                    threading.Thread(target=self._bring_up, args=(index,), daemon=True).start()
+
+    def _call(self, index: int, method: str, request: dict, timeout: float, quiet: bool = False) -> dict | None:
+        """An internal call to process ``index``; None if it is not reachable (``quiet``), else its error raised."""
+        try:
+            answer = self._channels[index].unary_unary(method)(json.dumps(request).encode(), timeout=timeout)
+            return json.loads(answer)
+        except grpc.RpcError as e:
+            if quiet:
+                return None
+            raise
+
+    # The servicer's calls --------------------------------------------------------------------------------
+    def warm_up(self, aggregation: Aggregation) -> None:
+        """Every shard process opens the aggregation (compiles its programs); it is OPEN once they all have."""
+        if not self._started:  # recovery, before the shard processes start: they open it when first asked
+            aggregation.mark_open()
+            return
+
+        def open_everywhere():
+            for index in range(min(self.count, aggregation.shards)):
+                self._call(index, OPEN, {"id": aggregation.id}, timeout=self.settings.warmup_timeout, quiet=True)
+            aggregation.mark_open()
+
+        threading.Thread(target=open_everywhere, name=f"clipd-open-{aggregation.id}", daemon=True).start()
+
+    def submit(self, aggregation, client: str, writer: str, batch) -> None:
+        raise Unavailable("the control process sums nothing: Submit goes to the shard processes")
+
+    def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
+        """Closes the aggregation in every shard process, fences them out and reads back every final checkpoint."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
+        self.store.set_state(aggregation.id, CLOSING)
+        owners = sorted({owner_of(k, self.count) for k in range(aggregation.shards)})
+        with concurrent.futures.ThreadPoolExecutor(len(owners)) as pool:
+            for finished in [pool.submit(self._finish, i, aggregation, deadline) for i in owners]:
+                finished.result()
+        for k in range(aggregation.shards):  # from here on, no shard process's checkpoint can land
+            self.store.claim_shard(aggregation.id, k)
+        totals = [self.store.load_checkpoint(aggregation.id, shard=k, newest_only=True)
+                  for k in range(aggregation.shards)]
+        if None in totals:
+            missing = totals.index(None)
+            raise FailedPrecondition(f"aggregation {aggregation.id}: the final checkpoint of shard {missing}"
+                                     " can't be read back")
+        return totals
+
+    def _finish(self, index: int, aggregation: Aggregation, deadline: float) -> None:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"aggregation {aggregation.id}: shard process {index} did not commit its"
+                                       " final checkpoints in time")
+            try:
+                self._call(index, FINISH, {"id": aggregation.id, "timeout": left}, timeout=left + 1.0)
+                return
+            except grpc.RpcError as e:
+                code = e.code()
+                if code is grpc.StatusCode.FAILED_PRECONDITION:
+                    raise FailedPrecondition(e.details()) from None
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded(e.details() or f"aggregation {aggregation.id}: shard process {index}"
+                                           " did not answer in time") from None
+                if code is not grpc.StatusCode.UNAVAILABLE:
+                    raise Unavailable(f"shard process {index}: {code.name}: {e.details()}") from None
+                time.sleep(0.1)  # restarting: it opens the aggregation from the store again
+
+    def forget(self, aggregation: Aggregation) -> None:
+        for index in range(self.count):
+            self._call(index, FORGET, {"id": aggregation.id}, timeout=10.0, quiet=True)
+        self._empty.pop(aggregation.id, None)
+
+    def endpoints(self) -> list[str]:
+        host = self.settings.advertise_host or self.settings.host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return [f"{host}:{port}" for port in self.data_ports]
+
+    # Statistics: polled from the shard processes ----------------------------------------------------------
+    def _pump(self, period: float = 0.5) -> None:
+        while not self._stopping.wait(period):
+            with contextlib.suppress(Exception):
+                self.poll()
+
+    def poll(self) -> None:
+        """Reads every shard process's statistics of the open aggregations into the control's aggregations."""
+        live = [a for a in self.registry.all() if a.state in (*TAKES_BATCHES, State.FINALIZING)]
+        ids = [a.id for a in live]
+        answers = {}
+        for index in range(self.count):
+            answer = self._call(index, STATS, {"ids": ids}, timeout=5.0, quiet=True)
+            if answer is not None:
+                answers[index] = self._seen[index] = answer
+        for aggregation in live:
+            empty = self._empty.get(aggregation.id)
+            if empty is None:
+                empty = self._empty[aggregation.id] = PartialState.empty(aggregation.layers)
+            states, failed = {}, ""
+            for answer in answers.values():
+                found = answer["aggregations"].get(aggregation.id)
+                if found is not None:
+                    states.update({int(k): stats_from_json(empty, v) for k, v in found["shards"].items()})
+                    failed = failed or found["failed"]
+            if failed and aggregation.state in TAKES_BATCHES and aggregation.fail(failed):
+                with contextlib.suppress(Exception):
+                    self.store.set_state(aggregation.id, FAILED, reason=failed, finished=time.time())
+            elif states:
+                aggregation.observe(states)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Submit payload bytes the shard processes received (as of their last statistics)."""
+        return sum(a.get("payload_bytes", 0) for a in self._seen.values())
+
+    # The server ----------------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self._started and all(self._served)
+
+    @property
+    def queued_bytes(self) -> int:
+        return sum(a.get("queued_bytes", 0) for a in self._seen.values())
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(a.get("queue_depth", 0) for a in self._seen.values())
+
+    @property
+    def device_kind(self) -> str:
+        devices = self.describe()
+        return devices[0]["kind"] if devices else "shard processes"
+
+    def describe(self) -> list[dict]:
+        """Every shard process's devices (as of its last statistics), with the process's index."""
+        return [{**d, "process": i} for i, a in sorted(self._seen.items()) for d in a.get("devices", [])]
+
+    def describe_processes(self) -> list[dict]:
+        with self._lock:
+            return [{"index": i, "pid": p.pid if p else None, "alive": bool(p and p.poll() is None),
+                     "serving": self._served[i], "restarts": self.restarts[i], "endpoint": e}
+                    for i, (p, e) in enumerate(zip(self._processes, self.endpoints()))]
+
+    def stop(self, timeout: float | None = None) -> None:
+        grace = 10.0 if timeout is None else timeout
+        self._stopping.set()
+        with self._lock:
+            processes = [p for p in self._processes if p is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()  # SIGTERM: it stops its gRPC ports with ``grace``, commits, exits
+        deadline = time.monotonic() + grace + 2.0
+        for process in processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for channel in self._channels:
+            channel.close()
+        import shutil
+
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
