@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -142,16 +143,16 @@ class Client:
         ]
         if (client_certificate is None) != (client_key is None):
             raise ValueError("client_certificate and client_key go together")
+        self._credentials = None
         if root_certificates is not None or client_certificate is not None:
-            credentials = grpc.ssl_channel_credentials(root_certificates, client_key, client_certificate)
-            self._channel = grpc.secure_channel(target, credentials, options)
-        else:
-            self._channel = grpc.insecure_channel(target, options)
+            self._credentials = grpc.ssl_channel_credentials(root_certificates, client_key, client_certificate)
+        self._options = options
+        self._channel = self._open_channel(target)
         self._stub = pb_grpc.ClipdStub(self._channel)
-        # Submit sends messages the client serialized itself (client/wire.py): one copy of the data.
-        self._submit = self._channel.stream_stream(
-            "/clipd.v1.Clipd/Submit", request_serializer=None, response_deserializer=pb.SubmitResponse.FromString
-        )
+        self._submit = _submit_call(self._channel)
+        self._placements: dict[str, pb.Placement] = {}  # aggregation id -> where its shards are summed
+        self._endpoints: dict[str, tuple[grpc.Channel, Any]] = {}  # "host:port" -> (channel, its Submit)
+        self._routing_lock = threading.Lock()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.message_bytes = message_bytes
         self.window_bytes = window_bytes
@@ -161,8 +162,15 @@ class Client:
         self._layers: dict[str, list[Layer]] = {}
 
     # Plumbing ---------------------------------------------------------------------------
+    def _open_channel(self, target: str) -> grpc.Channel:
+        if self._credentials is not None:
+            return grpc.secure_channel(target, self._credentials, self._options)
+        return grpc.insecure_channel(target, self._options)
+
     def close(self) -> None:
         self._channel.close()
+        for channel, _ in self._endpoints.values():
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -267,7 +275,7 @@ class Client:
 
     # Streaming ------------------------------------------------------------------------------
     def submit(self, aggregation_id: str, updates: Any, *, client_id: str | None = None,
-               progress: bool = False) -> SubmitReport:
+               progress: bool = False, spread: int | None = None) -> SubmitReport:
         """Streams updates into an aggregation and returns once every one is durably summed.
 
         ``updates`` is one example (a pytree of arrays, one per layer), a batch
@@ -283,15 +291,66 @@ class Client:
         for up to ``retry_timeout`` seconds without progress, and the stream
         resumes after the last acknowledged batch.
 
+        Spreading: the batches are dealt over ``spread`` streams (default: one per
+        shard of the aggregation, see :meth:`placement`), each to the process that
+        sums its shard, as clients ``client_id``, ``client_id~1``, ... with
+        sequence numbers of their own; a stream takes the next batch whenever it
+        has room, so a faster shard takes more. ``spread=1``: one stream, as one
+        client. Where the server names an endpoint per shard (``clipd serve
+        --processes N``), every stream goes straight to its shard's process.
+
         On failure the typed error carries ``client_id``, ``acknowledged_examples``
-        (examples of this call durably in the sum: the first ones of ``updates``)
-        and ``progress``; :meth:`resume` sends exactly what was not acknowledged.
+        (examples of this call durably in the sum: with one stream, the first
+        ones of ``updates``) and ``progress``; :meth:`resume` sends exactly what
+        was not acknowledged.
         """
         layers = self.layers(aggregation_id)
         batches = rebatch(iter_updates(updates, layers), example_nbytes(layers), self.message_bytes)
-        stream = _BatchStream(aggregation_id, client_id or uuid.uuid4().hex, batches, self.message_bytes,
-                              self.window_bytes)
-        return self._stream(stream, progress)
+        client_id = client_id or uuid.uuid4().hex
+        streams = spread if spread is not None else self.placement(aggregation_id).shards
+        if streams < 1:
+            raise ValueError(f"spread: at least 1 stream, got {streams}")
+        if streams == 1:
+            stream = _BatchStream(aggregation_id, client_id, batches, self.message_bytes, self.window_bytes)
+            return self._stream(stream, progress)
+        source = _SharedSource(batches)
+        window = max(self.message_bytes, self.window_bytes // streams)
+        spread_streams = [_BatchStream(aggregation_id, spread_id(client_id, k), source, self.message_bytes, window)
+                          for k in range(streams)]
+        return self._run_spread(_Spread(spread_streams, source), progress)
+
+    def _run_spread(self, spread: _Spread, progress: bool) -> SubmitReport:
+        """Runs the spread's streams on threads of their own; stream k starts once k batches are out."""
+        started, reports, errors = time.perf_counter(), {}, []
+        threads: list[threading.Thread] = []
+
+        def run(stream: _BatchStream) -> None:
+            try:
+                reports[stream.client_id] = self._stream(stream, False)
+            except Exception as e:  # reported below, with the whole submission's progress
+                errors.append(e)
+            finally:
+                with spread.source.cond:
+                    spread.source.cond.notify_all()
+
+        while True:
+            with spread.source.cond:
+                spread.source.cond.wait_for(lambda: len(threads) < len(spread.streams) and (
+                    not threads or spread.source.handed >= len(threads) and not spread.source.exhausted)
+                    or all(not t.is_alive() for t in threads), timeout=0.5)
+                start = len(threads) < len(spread.streams) and (
+                    not threads or spread.source.handed >= len(threads) and not spread.source.exhausted)
+            if start:
+                stream = spread.streams[len(threads)]
+                threads.append(threading.Thread(target=run, args=(stream,), name="clipd-spread", daemon=True))
+                threads[-1].start()
+                continue
+            if all(not t.is_alive() for t in threads):
+                break
+        if errors:
+            raise _with_progress(errors[0], spread)
+        return SubmitReport(spread.client_id, spread.batches_acked, spread.examples_acked, spread.bytes_acked,
+                            sum(r.reconnects for r in reports.values()), time.perf_counter() - started)
 
     def resume(self, error: ClipdError, *, progress: bool = False) -> SubmitReport:
         """Continues the submission that raised ``error``: resends its unacknowledged batches with
@@ -302,6 +361,10 @@ class Client:
         if getattr(error, "progress", None) is None:
             raise ValueError("resume takes an error raised by Client.submit or Client.resume")
         stream = error.progress._stream
+        if isinstance(stream, _Spread):
+            for part in stream.streams:
+                part.source_error = None
+            return self._run_spread(stream.again(), progress)
         stream.source_error = None
         return self._stream(stream, progress)
 
@@ -311,7 +374,8 @@ class Client:
         while True:
             acked_before = stream.acked
             try:
-                responses = self._submit(stream.requests(), metadata=self._metadata)
+                responses = self._submit_to(stream.aggregation_id, stream.client_id)(
+                    stream.requests(), metadata=self._metadata)
                 greeted = False
                 for response in responses:
                     if not greeted:  # the answer to this attempt's hello
@@ -342,8 +406,47 @@ class Client:
             if not error.retryable or time.monotonic() - last_progress > self.retry_timeout:
                 stream.stop()
                 raise _with_progress(error, stream) from None
+            if error.code == grpc.StatusCode.UNAVAILABLE:  # its shard's process may have moved: ask again
+                self._forget_placement(stream.aggregation_id)
             reconnects += 1
             time.sleep(_backoff(error, self.retry_delay, failures))
+
+    # Routing -------------------------------------------------------------------------------
+    def placement(self, aggregation_id: str) -> pb.Placement:
+        """Where the aggregation's shards are summed (asked once, and again after a shard's endpoint failed).
+
+        A server without placement (older than clipd 0.x's GetPlacement) has one shard behind its address.
+        """
+        with self._routing_lock:
+            known = self._placements.get(aggregation_id)
+        if known is not None:
+            return known
+        try:
+            placement = self._call(self._stub.GetPlacement, pb.GetPlacementRequest(aggregation_id=aggregation_id))
+        except ClipdError as e:
+            if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            placement = pb.Placement(aggregation_id=aggregation_id, shards=1)
+        with self._routing_lock:
+            self._placements[aggregation_id] = placement
+        return placement
+
+    def _submit_to(self, aggregation_id: str, client_id: str):
+        """The Submit call that reaches the process summing ``client_id``'s shard (this client's channel
+        when the server names no endpoints)."""
+        placement = self.placement(aggregation_id)
+        if not placement.endpoints:
+            return self._submit
+        endpoint = placement.endpoints[shard_of(client_id, placement.shards)]
+        with self._routing_lock:
+            if endpoint not in self._endpoints:
+                channel = self._open_channel(endpoint)
+                self._endpoints[endpoint] = (channel, _submit_call(channel))
+            return self._endpoints[endpoint][1]
+
+    def _forget_placement(self, aggregation_id: str) -> None:
+        with self._routing_lock:
+            self._placements.pop(aggregation_id, None)
 
     def finalize(self, aggregation_id: str) -> AggregateResult:
         """Closes the aggregation (after its last accepted batch) and returns the sums.
@@ -382,6 +485,75 @@ class Client:
     def ledger(self, ledger_id: str) -> pb.Ledger:
         """A privacy ledger: its releases (DpEvents as JSON), epsilon so far and budget left."""
         return self._call(self._stub.GetLedger, pb.GetLedgerRequest(ledger_id=ledger_id))
+
+
+def _submit_call(channel: grpc.Channel):
+    """Submit on ``channel``, sending messages the client serialized itself (client/wire.py): one copy of the data."""
+    return channel.stream_stream("/clipd.v1.Clipd/Submit", request_serializer=None,
+                                 response_deserializer=pb.SubmitResponse.FromString)
+
+
+def spread_id(client_id: str, stream: int) -> str:
+    """The client id of a spread submission's stream ``stream``: the id itself, then ``id~1``, ``id~2``, ..."""
+    return f"{client_id}~{stream}" if stream else client_id
+
+
+def shard_of(client_id: str, shards: int) -> int:
+    """The shard that sums a client's batches (the server's rule, see ``Placement`` in the .proto).
+
+    >>> [shard_of(spread_id("alice", k), 4) for k in range(4)]  # crc32("alice") % 4 == 3
+    [3, 0, 1, 2]
+    """
+    base, mark, stream = client_id.rpartition("~")
+    if mark and stream.isdigit():
+        return (zlib.crc32(base.encode()) + int(stream)) % shards
+    return zlib.crc32(client_id.encode()) % shards
+
+
+class _SharedSource:
+    """One submission's batches, taken by several streams (whichever has room takes the next)."""
+
+    def __init__(self, batches: Iterator[list[np.ndarray]]) -> None:
+        self._batches = batches
+        self.cond = threading.Condition()
+        self.handed = 0
+        self.exhausted = False
+
+    def __iter__(self) -> _SharedSource:
+        return self
+
+    def __next__(self) -> list[np.ndarray]:
+        with self.cond:
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                self.exhausted = True
+                self.cond.notify_all()
+                raise
+            except BaseException:
+                self.exhausted = True
+                self.cond.notify_all()
+                raise
+            self.handed += 1
+            self.cond.notify_all()
+            return batch
+
+
+class _Spread:
+    """A submission spread over streams (``client_id``, ``client_id~1``, ...), with its totals."""
+
+    def __init__(self, streams: list[_BatchStream], source: _SharedSource) -> None:
+        self.streams, self.source = streams, source
+        self.aggregation_id, self.client_id = streams[0].aggregation_id, streams[0].client_id
+
+    def again(self) -> _Spread:
+        """For a resume: every stream may run again (each resends what it has not had acknowledged)."""
+        return self
+
+    batches_acked = property(lambda self: sum(s.batches_acked for s in self.streams))
+    examples_acked = property(lambda self: sum(s.examples_acked for s in self.streams))
+    bytes_acked = property(lambda self: sum(s.bytes_acked for s in self.streams))
+    unacknowledged = property(lambda self: sum(s.unacknowledged for s in self.streams))
 
 
 def _backoff(error: ClipdError, delay: float, tries: int) -> float:
