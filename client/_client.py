@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import random
 import sys
 import threading
@@ -296,8 +297,10 @@ class Client:
         sums its shard, as clients ``client_id``, ``client_id~1``, ... with
         sequence numbers of their own; a stream takes the next batch whenever it
         has room, so a faster shard takes more. ``spread=1``: one stream, as one
-        client. Where the server names an endpoint per shard (``clipd serve
-        --processes N``), every stream goes straight to its shard's process.
+        client. Each stream starts with one of the first batches (so a submission
+        of fewer batches than shards opens fewer streams). Where the server names
+        an endpoint per shard (``clipd serve --processes N``), every stream goes
+        straight to its shard's process.
 
         On failure the typed error carries ``client_id``, ``acknowledged_examples``
         (examples of this call durably in the sum: with one stream, the first
@@ -314,43 +317,34 @@ class Client:
             stream = _BatchStream(aggregation_id, client_id, batches, self.message_bytes, self.window_bytes)
             return self._stream(stream, progress)
         source = _SharedSource(batches)
-        window = max(self.message_bytes, self.window_bytes // streams)
-        spread_streams = [_BatchStream(aggregation_id, spread_id(client_id, k), source, self.message_bytes, window)
-                          for k in range(streams)]
-        return self._run_spread(_Spread(spread_streams, source), progress)
+        firsts = source.take(streams)  # one batch for each stream to start with (fewer batches: fewer streams)
+        if not firsts:
+            firsts = [None]  # nothing to send: one stream says hello and reports where the client stands
+        window = max(self.message_bytes, self.window_bytes // len(firsts))
+        spread_streams = [_BatchStream(aggregation_id, spread_id(client_id, k),
+                                       itertools.chain([first] if first is not None else [], source),
+                                       self.message_bytes, window) for k, first in enumerate(firsts)]
+        return self._run_spread(_Spread(spread_streams), progress)
 
     def _run_spread(self, spread: _Spread, progress: bool) -> SubmitReport:
-        """Runs the spread's streams on threads of their own; stream k starts once k batches are out."""
-        started, reports, errors = time.perf_counter(), {}, []
-        threads: list[threading.Thread] = []
+        """Runs the spread's streams at once, on threads of their own; then the whole submission's report."""
+        started, reports, errors = time.perf_counter(), [], []
 
         def run(stream: _BatchStream) -> None:
             try:
-                reports[stream.client_id] = self._stream(stream, False)
+                reports.append(self._stream(stream, False))
             except Exception as e:  # reported below, with the whole submission's progress
                 errors.append(e)
-            finally:
-                with spread.source.cond:
-                    spread.source.cond.notify_all()
 
-        while True:
-            with spread.source.cond:
-                spread.source.cond.wait_for(lambda: len(threads) < len(spread.streams) and (
-                    not threads or spread.source.handed >= len(threads) and not spread.source.exhausted)
-                    or all(not t.is_alive() for t in threads), timeout=0.5)
-                start = len(threads) < len(spread.streams) and (
-                    not threads or spread.source.handed >= len(threads) and not spread.source.exhausted)
-            if start:
-                stream = spread.streams[len(threads)]
-                threads.append(threading.Thread(target=run, args=(stream,), name="clipd-spread", daemon=True))
-                threads[-1].start()
-                continue
-            if all(not t.is_alive() for t in threads):
-                break
+        threads = [threading.Thread(target=run, args=(s,), name="clipd-spread", daemon=True) for s in spread.streams]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         if errors:
             raise _with_progress(errors[0], spread)
         return SubmitReport(spread.client_id, spread.batches_acked, spread.examples_acked, spread.bytes_acked,
-                            sum(r.reconnects for r in reports.values()), time.perf_counter() - started)
+                            sum(r.reconnects for r in reports), time.perf_counter() - started)
 
     def resume(self, error: ClipdError, *, progress: bool = False) -> SubmitReport:
         """Continues the submission that raised ``error``: resends its unacknowledged batches with
@@ -364,7 +358,7 @@ class Client:
         if isinstance(stream, _Spread):
             for part in stream.streams:
                 part.source_error = None
-            return self._run_spread(stream.again(), progress)
+            return self._run_spread(stream, progress)
         stream.source_error = None
         return self._stream(stream, progress)
 
@@ -511,44 +505,30 @@ def shard_of(client_id: str, shards: int) -> int:
 
 
 class _SharedSource:
-    """One submission's batches, taken by several streams (whichever has room takes the next)."""
+    """One submission's batches, taken by several streams: whichever has room takes the next."""
 
     def __init__(self, batches: Iterator[list[np.ndarray]]) -> None:
         self._batches = batches
-        self.cond = threading.Condition()
-        self.handed = 0
-        self.exhausted = False
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[list[np.ndarray]]:
+        """Up to ``n`` batches now (one for each stream to start with)."""
+        return list(itertools.islice(self, n))
 
     def __iter__(self) -> _SharedSource:
         return self
 
     def __next__(self) -> list[np.ndarray]:
-        with self.cond:
-            try:
-                batch = next(self._batches)
-            except StopIteration:
-                self.exhausted = True
-                self.cond.notify_all()
-                raise
-            except BaseException:
-                self.exhausted = True
-                self.cond.notify_all()
-                raise
-            self.handed += 1
-            self.cond.notify_all()
-            return batch
+        with self._lock:
+            return next(self._batches)
 
 
 class _Spread:
     """A submission spread over streams (``client_id``, ``client_id~1``, ...), with its totals."""
 
-    def __init__(self, streams: list[_BatchStream], source: _SharedSource) -> None:
-        self.streams, self.source = streams, source
+    def __init__(self, streams: list[_BatchStream]) -> None:
+        self.streams = streams
         self.aggregation_id, self.client_id = streams[0].aggregation_id, streams[0].client_id
-
-    def again(self) -> _Spread:
-        """For a resume: every stream may run again (each resends what it has not had acknowledged)."""
-        return self
 
     batches_acked = property(lambda self: sum(s.batches_acked for s in self.streams))
     examples_acked = property(lambda self: sum(s.examples_acked for s in self.streams))

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import collections
-import functools
 import gc
-import json
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from concurrent import futures
@@ -66,7 +62,7 @@ class _Guard(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == INGEST_METADATA and value in self.ingest_indexes:  # set by our ingest processes only
+            if key == INGEST_METADATA and value in self.ingest_indexes:  # set by our shard processes or ingest actors only
                 self.forwarded[value] += 1
         handler = continuation(handler_call_details)
         if handler is None:

@@ -315,7 +315,7 @@ class _ShardLink:
                 self._fail(f"shard {self.shard}: {type(e).__name__}: {e}")
                 continue
             self._acknowledge(items, durable)
-            del items, durable  # the batches' buffers (shared memory under --processes) go now, not at the next
+            del items, durable  # the batches' buffers go now, not at the next
 
     def _acknowledge(self, items, durable: list[int]) -> None:
         for (client, writer, batch), mark in zip(items, durable):
@@ -446,9 +446,8 @@ class RayShards:
 class _IngestActor:
     """An ingest endpoint on a Ray node: clients connect to it, it forwards every RPC to the clipd server.
 
-    The same :class:`clipd.server.ingest.IngestServer` as ``--processes`` uses,
-    without shared memory (the server is on another host): it terminates the
-    clients' connections (and TLS) on this node and passes each call through.
+    A :class:`clipd.server.ingest.IngestServer`: it terminates the clients'
+    connections on this node and passes each call through.
     Several on one node share the port (SO_REUSEPORT).
     """
 
@@ -456,7 +455,7 @@ class _IngestActor:
         from .ingest import IngestServer
         from .settings import Settings
 
-        self.server = IngestServer(Settings(**settings), settings["ray_ingest_port"], owner, None, index, 0).start()
+        self.server = IngestServer(Settings(**settings), settings["ray_ingest_port"], owner, index).start()
 
     def address(self) -> str:
         return f"{ray.util.get_node_ip_address()}:{self.server.port}"

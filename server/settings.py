@@ -95,7 +95,7 @@ class Settings:
             raise ValueError("Settings.ray_ingest_actors: ingest actors run on a Ray cluster; set ray_address")
         if self.ray_ingest_actors and self.processes:
             raise ValueError("Settings: ray_ingest_actors or processes, not both (ingest actors on the cluster's"
-                             " nodes, or ingest processes on this host)")
+                             " nodes, or shard processes on this host)")
         if self.ray_ingest_actors and self.tls_cert_file:
             raise ValueError("Settings.ray_ingest_actors: not with TLS yet (the ingest actors reach the server"
                              " over plaintext gRPC); use --processes on the server's host")

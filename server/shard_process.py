@@ -474,23 +474,38 @@ class ShardProcesses:
         self.data_ports[index] = int(answer[0].split()[1])
         return True
 
-    def _bring_up(self, index: int) -> None:
-        """Starts process ``index`` until one is ready (or the server stops), then lets it serve."""
+    def _bring_up(self, index: int, serve: bool = True) -> None:
+        """Starts process ``index`` until one is ready (or the server stops); ``serve``: then lets it serve."""
         while not self._stopping.is_set():
-            if self._spawn(index) and self._call(index, SERVE, {}, timeout=30, quiet=True) is not None:
-                with self._lock:
-                    self._served[index] = True
+            if self._spawn(index) and (not serve or self._serve(index)):
                 return
             self._stopping.wait(0.5)
+
+    def _serve(self, index: int) -> bool:
+        """Process ``index`` says SERVING on its health service (once every process is up)."""
+        if self._call(index, SERVE, {}, timeout=30, quiet=True) is None:
+            return False
+        with self._lock:
+            self._served[index] = True
+        return True
 
     def start(self, registry: Registry) -> ShardProcesses:
         """Starts every shard process and returns once each is ready (one that dies meanwhile starts again)."""
         self.registry = registry
-        threads = [threading.Thread(target=self._bring_up, args=(i,), daemon=True) for i in range(self.count)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        while not self._stopping.is_set():
+            down = [i for i in range(self.count) if not self._served[i]]
+            if not down:
+                break
+            threads = [threading.Thread(target=self._bring_up, args=(i, False), daemon=True) for i in down]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            for index in down:  # every one is up: they serve (one that died meanwhile starts again above)
+                with self._lock:
+                    alive = self._processes[index] is not None and self._processes[index].poll() is None
+                if alive:
+                    self._serve(index)
         self._started = True
         for thread in self._threads:
             thread.start()
@@ -516,7 +531,7 @@ class ShardProcesses:
         try:
             answer = self._channels[index].unary_unary(method)(json.dumps(request).encode(), timeout=timeout)
             return json.loads(answer)
-        except grpc.RpcError as e:
+        except grpc.RpcError:
             if quiet:
                 return None
             raise
