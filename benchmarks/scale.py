@@ -1,34 +1,39 @@
-"""Scale benchmark: ingest throughput and server CPU per GB with 0, 1, 2, ... ingest processes.
+"""Scale benchmark: throughput and CPU per GB with one process and with N shard processes.
 
 What runs, for each mode (all on loopback, one mode at a time, the same payloads):
 
-  one process   ``clipd serve`` (``--processes 0``): the one process receives, parses and sums;
-  N ingest      ``clipd serve --processes N``: N ingest processes on the port receive and parse,
-                and forward through shared memory to the server process, which sums.
   loopback TCP  the reference: the same bytes through a plain TCP socket on loopback
                 (client processes ``sendall``, one receiving process ``recv_into``), i.e.
-                what the machine moves with no protocol at all. ``iperf3`` is used instead
-                where it is installed (``--iperf3``).
+                what the machine moves with no protocol at all (``--iperf3`` where installed).
+  bare gRPC N   the gRPC reference: N sink processes on one port (SO_REUSEPORT), each a
+                grpcio server whose Submit parses every message with clipd's parser and
+                keeps nothing; the same messages from the same number of client processes.
+  one process   ``clipd serve`` (``--processes 0``): the one process receives, parses and sums.
+  N shards      ``clipd serve --processes N``: N shard processes receive, parse, clip and sum
+                (each its own shards); the control process only creates, finalizes, merges.
 
-Each mode: a fresh ``clipd serve`` subprocess (``--data-dir memory``: no disk, so
-the figures are the ingest path's, not fsync's), one aggregation of 262,144
-float32 parameters in 4 layers (1 MiB an example), warmed up; then ``--clients``
-client *processes* (their CPU is not the server's) each submit ``--examples``
-examples under their own client id, all at once. The clock runs from the moment
-every client process is ready until the last one has its acknowledgement for
-its last batch. Server CPU-seconds are the user+system time of the server
-process and its ingest processes (``/proc/<pid>/stat``) over that window.
+Each clipd mode: a fresh ``clipd serve`` subprocess with a durable store (SQLite in a
+temporary directory), one aggregation of 262,144 float32 parameters in 4 layers (1 MiB an
+example), warmed up; then ``--clients`` client *processes* (their CPU is not the
+server's), each submitting ``--examples`` examples with the Python client (routed: each
+stream straight to its shard's process), all at once. The clock runs from the moment
+every client process is ready until the last one has its last acknowledgement. CPU-seconds
+are user+system time (``/proc/<pid>/stat``) of the control process and of the shard
+processes over that window.
 
-Columns: GB/s (payload bytes / wall seconds; 1 GB = 1e9 bytes), server CPU-s per
-GB, and the ratio of each mode's CPU per GB to that of 1 ingest process. Every
-mode runs ``--repeats`` times (5) interleaved (mode order reversed every other
-repeat); the table shows medians. The last line is
-``ingest_cpu_per_gb_ratio_2v1=<x>``: CPU per GB with 2 ingest processes over 1.
-On 2 cores no speed-up can show (the clients need CPU too); what must hold is
-that a second process costs no extra CPU per byte.
+Columns: GB/s (payload bytes / wall seconds; 1 GB = 1e9 bytes), CPU-s per GB of the whole
+process tree, of the control process alone, the largest share of one process in the tree's
+CPU, and GB/s against the bare gRPC sink with as many processes. Every mode runs
+``--repeats`` times (3) interleaved (mode order reversed every other repeat); the table
+shows medians. The last line is::
 
-    python benchmarks/scale.py                 # 0, 1, 2 processes, 4 clients
-    python benchmarks/scale.py --processes 0 1 2 4 8 --clients 16   # a bigger machine
+    dataplane: control_cpu_per_gb=<x> cpu_per_gb_ratio_2v1=<y> max_process_share_2=<z>
+
+with 2 shard processes: the control process's CPU-s per GB, the tree's CPU per GB over one
+process's (``--processes 0``), and the largest share of one process in the tree's CPU.
+
+    python benchmarks/scale.py                              # 0, 1, 2 processes, 4 clients
+    python benchmarks/scale.py --processes 0 1 2 4 8 --clients 8   # a bigger machine
 """
 
 from __future__ import annotations
@@ -89,6 +94,76 @@ def _client(target: str, aggregation: str, seed: int, examples: int, start, done
     done.put(time.monotonic())
 
 
+def _bare_messages(seed: int, examples: int, per_message: int = 2) -> list[bytes]:
+    """The serialized SubmitRequests of ``examples`` examples, 2 (2 MiB) a message, as the client packs them."""
+    from clipd.client import wire
+
+    updates, messages = _updates(seed, examples), []
+    for sequence, start in enumerate(range(0, examples, per_message), 1):
+        chunks = []
+        for k, array in enumerate(updates.values()):
+            part = np.ascontiguousarray(array[start : start + per_message])
+            chunks.append(wire.tensor_chunk(k, 1, part.shape, 0, part.reshape(-1).view(np.uint8)))
+        messages.append(wire.submit_request("bare", f"bench-{seed}", sequence, chunks, "w"))
+    return messages
+
+
+def _bare_client(target: str, seed: int, examples: int, start, done) -> None:
+    import grpc
+
+    messages = _bare_messages(seed, examples)
+    limit = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]
+    with grpc.insecure_channel(target, limit) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        submit = channel.stream_stream("/clipd.v1.Clipd/Submit")
+        start.wait()
+        assert list(submit(iter(messages), timeout=600)) == [b"done"]
+    done.put(time.monotonic())
+
+
+def bare_sink(port: int) -> None:
+    """``python benchmarks/scale.py --bare-sink PORT``: one sink process (parses every message, keeps nothing)."""
+    import concurrent.futures
+
+    import grpc
+
+    from clipd.server import wire
+
+    def submit(requests, context):
+        for raw in requests:
+            wire.parse_submit_request(raw)
+        yield b"done"
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(64), options=[
+        ("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 16 << 20)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "clipd.v1.Clipd", {"Submit": grpc.stream_stream_rpc_method_handler(submit)}),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    print("ready", flush=True)
+    server.wait_for_termination()
+
+
+def measure_bare(processes: int, clients: int, examples: int, seed: int) -> tuple[float, float, float, float]:
+    """(wall s, tree CPU s, 0, largest process share) of the bare gRPC sink with ``processes`` processes."""
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    sinks = [subprocess.Popen([sys.executable, __file__, "--bare-sink", str(port)], stdout=subprocess.PIPE, text=True)
+             for _ in range(processes)]
+    try:
+        for sink in sinks:
+            assert sink.stdout.readline() == "ready\n"
+        pids = [p.pid for p in sinks]
+        cpu0 = [_cpu_seconds([pid]) for pid in pids]
+        wall = _run_clients(ctx, _bare_client, clients, lambda i: (f"127.0.0.1:{port}", seed * 1000 + i, examples))
+        cpu = [_cpu_seconds([pid]) - c for pid, c in zip(pids, cpu0)]
+        return wall, sum(cpu), 0.0, max(cpu) / max(sum(cpu), 1e-9)
+    finally:
+        for sink in sinks:
+            sink.kill()
+            sink.wait()
+
+
 def _tcp_client(port: int, nbytes: int, start, done) -> None:
     payload = np.random.default_rng(0).bytes(1 << 22)
     with socket.create_connection(("127.0.0.1", port)) as s:
@@ -144,7 +219,7 @@ class Server:
         self.port, self.admin_port = _free_port(), _free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "clipd", "serve", "--grpc-port", str(self.port), "--admin-port",
-             str(self.admin_port), "--data-dir", "memory", "--processes", str(processes),
+             str(self.admin_port), "--data-dir", os.path.join(workdir, f"data-{self.port}"), "--processes", str(processes),
              "--compilation-cache-dir", os.path.join(workdir, "jax-cache"), "--log-level", "warning"],
             env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")},
             stdout=subprocess.PIPE, text=True)
@@ -152,7 +227,7 @@ class Server:
         if "serving" not in line:
             raise RuntimeError(f"clipd serve did not start: {line!r}")
         self.target = f"127.0.0.1:{self.port}"
-        self.pids = [self.proc.pid] + [p["pid"] for p in self.server_view()["ingest_processes"]]
+        self.pids = [self.proc.pid] + [p["pid"] for p in self.server_view()["shard_processes"]]
 
     def server_view(self) -> dict:
         url = f"http://127.0.0.1:{self.admin_port}/api/v1/server"
@@ -172,8 +247,9 @@ class Server:
             self.proc.kill()
 
 
-def measure_clipd(processes: int, clients: int, examples: int, workdir: str, seed: int) -> tuple[float, float]:
-    """(wall seconds, server CPU seconds) of ``clients`` x ``examples`` examples into one aggregation."""
+def measure_clipd(processes: int, clients: int, examples: int, workdir: str, seed: int
+                  ) -> tuple[float, float, float, float]:
+    """(wall s, tree CPU s, control CPU s, largest process share) of ``clients`` x ``examples`` examples."""
     from clipd.client import Client
 
     ctx = multiprocessing.get_context("spawn")
@@ -182,16 +258,16 @@ def measure_clipd(processes: int, clients: int, examples: int, workdir: str, see
         with Client(server.target) as c:
             aggregation = c.create_aggregation(LAYERS, l2_norm_clip=1.0)
             c.submit(aggregation, _updates(999, 8), client_id="warm-up")  # waits for the warm-up
-        main0, ingest0 = _cpu_seconds(server.pids[:1]), _cpu_seconds(server.pids[1:])
+        cpu0 = [_cpu_seconds([pid]) for pid in server.pids]
         wall = _run_clients(ctx, _client, clients,
                             lambda i: (server.target, aggregation, seed * 1000 + i, examples))
-        main, ingest = _cpu_seconds(server.pids[:1]) - main0, _cpu_seconds(server.pids[1:]) - ingest0
-        print(f"      server process {main:.2f} CPU-s, ingest processes {ingest:.2f}", flush=True)
-        cpu = main + ingest
+        cpu = [_cpu_seconds([pid]) - c for pid, c in zip(server.pids, cpu0)]
+        print(f"      control process {cpu[0]:.2f} CPU-s, shard processes {' '.join(f'{c:.2f}' for c in cpu[1:])}",
+              flush=True)
         with Client(server.target) as c:
             result = c.finalize(aggregation)
         assert result.examples == clients * examples + 8, result.examples
-        return wall, cpu
+        return wall, sum(cpu), cpu[0], max(cpu) / max(sum(cpu), 1e-9)
     finally:
         server.stop()
 
@@ -227,59 +303,73 @@ def measure_iperf3(clients: int, nbytes: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, nargs="+", default=[0, 1, 2],
-                        help="modes: 0 = one process, N = N ingest processes (must include 1 and 2)")
+                        help="modes: 0 = one process, N = N shard processes (must include 0 and 2)")
     parser.add_argument("--clients", type=int, default=4, help="client processes at once")
     parser.add_argument("--examples", type=int, default=192, help="examples (1 MiB each) per client")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iperf3", action="store_true", help="loopback reference by iperf3 (where installed)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 clients x 16 examples, 1 repeat")
+    parser.add_argument("--bare-sink", type=int, help=argparse.SUPPRESS)  # one bare gRPC sink process
     args = parser.parse_args()
+    if args.bare_sink:
+        return bare_sink(args.bare_sink)
     if args.quick:
         args.clients, args.examples, args.repeats = 2, 16, 1
-    if not {1, 2} <= set(args.processes):
-        parser.error("--processes must include 1 and 2 (the closing ratio)")
+    if not {0, 2} <= set(args.processes):
+        parser.error("--processes must include 0 and 2 (the closing line)")
     payload = args.clients * args.examples * EXAMPLE_BYTES
     print(f"scale benchmark: {args.clients} client processes x {args.examples} examples of {EXAMPLE_BYTES:,} B"
-          f" = {payload / 1e9:.3f} GB per run; {args.repeats} repeats, medians")
+          f" = {payload / 1e9:.3f} GB per run; {args.repeats} repeats, medians; durable store (SQLite)")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
 
     workdir = tempfile.mkdtemp(prefix="clipd-scale-")
-    runs: dict[str, list[tuple[float, float]]] = {}
-    modes = [("tcp", None)] + [(f"p{n}", n) for n in args.processes]
+    runs: dict[str, list[tuple[float, float, float, float]]] = {}
+    modes = [("tcp", None)] + [(f"bare{max(n, 1)}", n) for n in sorted({max(n, 1) for n in args.processes})] \
+        + [(f"p{n}", n) for n in args.processes]
     try:
         for repeat in range(args.repeats):
             for name, processes in (modes if repeat % 2 == 0 else modes[::-1]):
                 if processes is None:
                     use_iperf = args.iperf3 and shutil.which("iperf3")
-                    run = (measure_iperf3 if use_iperf else measure_tcp)(args.clients, args.examples * EXAMPLE_BYTES)
+                    wall, cpu = (measure_iperf3 if use_iperf else measure_tcp)(args.clients,
+                                                                                args.examples * EXAMPLE_BYTES)
+                    run = (wall, cpu, 0.0, 1.0)
+                elif name.startswith("bare"):
+                    run = measure_bare(processes, args.clients, args.examples, repeat)
                 else:
                     run = measure_clipd(processes, args.clients, args.examples, workdir, repeat)
                 runs.setdefault(name, []).append(run)
-                print(f"  repeat {repeat + 1}: {name:>4}: {run[0]:.3f} s, {run[1]:.2f} CPU-s", flush=True)
+                print(f"  repeat {repeat + 1}: {name:>6}: {run[0]:.3f} s, {run[1]:.2f} CPU-s", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     gb = payload / 1e9
     table = {}
     for name, results in runs.items():
-        wall = statistics.median(w for w, _ in results)
-        cpu_per_gb = statistics.median(c / gb for _, c in results)
-        table[name] = (wall, gb / wall, cpu_per_gb)
-    base = table["p1"][2]
+        table[name] = (statistics.median(r[0] for r in results), gb / statistics.median(r[0] for r in results),
+                       statistics.median(r[1] / gb for r in results), statistics.median(r[2] / gb for r in results),
+                       statistics.median(r[3] for r in results))
     print()
-    print(f"{'mode':<28}| {'wall s':>7} | {'GB/s':>6} | {'CPU-s/GB':>8} | {'CPU/GB vs 1 ingest':>18}")
-    print("-" * 80)
+    print(f"{'mode':<26}| {'wall s':>7} | {'GB/s':>6} | {'CPU-s/GB':>8} | {'control CPU-s/GB':>16} |"
+          f" {'max share':>9} | {'vs bare gRPC':>12}")
+    print("-" * 104)
     label = {"tcp": "loopback TCP (reference)" + (" iperf3" if args.iperf3 and shutil.which("iperf3") else ""),
              "p0": "one process"}
-    for name, _ in modes:
-        wall, rate, cpu = table[name]
-        text = label.get(name, f"{name[1:]} ingest process{'es' if name != 'p1' else ''}")
-        print(f"{text:<28}| {wall:7.3f} | {rate:6.3f} | {cpu:8.2f} | {cpu / base:18.3f}")
+    for name, processes in modes:
+        wall, rate, cpu, control, share = table[name]
+        if name.startswith("bare"):
+            text = f"bare gRPC, {processes} process{'es' if processes > 1 else ''}"
+        else:
+            text = label.get(name, f"{name[1:]} shard process{'es' if name != 'p1' else ''}")
+        bare = table.get(f"bare{max(processes or 1, 1)}") if name.startswith("p") else None
+        ratio = f"{rate / bare[1]:12.3f}" if bare else " " * 12
+        print(f"{text:<26}| {wall:7.3f} | {rate:6.3f} | {cpu:8.2f} | {control:16.3f} | {share:9.2f} | {ratio}")
     print()
     for name, _ in modes:
-        if name not in ("tcp", "p1"):
-            print(f"ingest_throughput_ratio_{name[1:]}v1={table[name][1] / table['p1'][1]:.3f}")
-    print(f"ingest_cpu_per_gb_ratio_2v1={table['p2'][2] / base:.3f}")
+        if name.startswith("p") and name != "p0":
+            print(f"throughput_ratio_{name[1:]}v0={table[name][1] / table['p0'][1]:.3f}")
+    print(f"dataplane: control_cpu_per_gb={table['p2'][3]:.3f} cpu_per_gb_ratio_2v1={table['p2'][2] / table['p0'][2]:.3f}"
+          f" max_process_share_2={table['p2'][4]:.3f}")
 
 
 if __name__ == "__main__":

@@ -276,8 +276,9 @@ class Aggregation:
                 return
             for shard, state in states.items():
                 self.shard_totals[shard] = state
-            totals = self.totals
-            self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
+            self._examples = sum(s.examples for s in self.shard_totals)  # the counts only: no sums are added
+            self._batches = sum(s.batches for s in self.shard_totals)
+            self._bytes = sum(s.bytes for s in self.shard_totals)
             now = self._updated = time.time()
             if not self._rates or now - self._rates[-1][0] >= 0.25:
                 self._rates.append((now, self._examples))

@@ -103,6 +103,9 @@ class Settings:
             raise ValueError(f"Settings.ray_gpus_per_shard must be >= 0, got {self.ray_gpus_per_shard}")
         if self.processes < 0:
             raise ValueError(f"Settings.processes must be >= 0 (0: one process), got {self.processes}")
+        if self.processes and self.ray_address:
+            raise ValueError("Settings: processes or ray_address, not both (shard processes on this host, or shard"
+                             " actors on a Ray cluster)")
         if self.processes and self.data_dir == "memory":
             raise ValueError("Settings.processes: shard processes commit their checkpoints to a store the control"
                              " process reads at finalize; set data_dir to a directory or a postgresql:// URL")

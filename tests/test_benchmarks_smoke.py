@@ -87,22 +87,27 @@ def test_privacy_benchmark_quick_run():
 
 def test_scale_benchmark_quick_run():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick"],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     header = next(line for line in lines if line.startswith("mode "))
-    assert [part.split() for part in header.split("|")][1:] == [["wall", "s"], ["GB/s"], ["CPU-s/GB"],
-                                                               ["CPU/GB", "vs", "1", "ingest"]], header
-    rows = {line.split("|")[0].strip(): line for line in lines if "|" in line and not line.startswith("mode")}
-    assert set(rows) == {"loopback TCP (reference)", "one process", "1 ingest process", "2 ingest processes"}, rows
+    assert [" ".join(part.split()) for part in header.split("|")][1:] == [
+        "wall s", "GB/s", "CPU-s/GB", "control CPU-s/GB", "max share", "vs bare gRPC"], header
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and not line.startswith("mode")}
+    assert set(rows) == {"loopback TCP (reference)", "bare gRPC, 1 process", "bare gRPC, 2 processes", "one process",
+                         "1 shard process", "2 shard processes"}, rows
     for row in rows.values():
-        for value in row.split("|")[1:]:
+        for value in row[:3]:
             _positive(value)
-    assert float(rows["1 ingest process"].split("|")[4]) == 1.0  # the base of the ratios
-    match = re.fullmatch(r"ingest_cpu_per_gb_ratio_2v1=(\d+\.\d{3})", lines[-1])
+    match = re.fullmatch(r"dataplane: control_cpu_per_gb=(\d+\.\d{3}) cpu_per_gb_ratio_2v1=(\d+\.\d{3})"
+                         r" max_process_share_2=(\d+\.\d{3})", lines[-1])
     assert match, out.stdout
-    expected = float(rows["2 ingest processes"].split("|")[3]) / float(rows["1 ingest process"].split("|")[3])
-    assert abs(float(match[1]) - expected) <= 0.01 * expected, out.stdout
+    two, one = rows["2 shard processes"], rows["one process"]
+    assert abs(float(match[1]) - float(two[3])) <= 0.0015 + 0.01 * float(match[1]), out.stdout
+    expected = float(two[2]) / float(one[2])
+    assert abs(float(match[2]) - expected) <= 0.01 * expected, out.stdout
+    assert 0 < float(match[3]) <= 1 and abs(float(match[3]) - float(two[4])) <= 0.006, out.stdout
+    assert abs(float(two[5]) - float(two[1]) / float(rows["bare gRPC, 2 processes"][1])) <= 0.01 * float(two[5]) + 0.002
 
 
 def test_ray_shards_benchmark_quick_run():

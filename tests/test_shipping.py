@@ -69,7 +69,7 @@ def test_scale_out_compose_runs_the_server_on_postgres_and_ray():
     assert {"postgres", "ray-head", "ray-worker", "clipd"} <= set(services)
     settings = _settings_from(services["clipd"]["environment"])
     assert settings.data_dir.startswith("postgresql://") and "@postgres:5432/" in settings.data_dir
-    assert settings.ray_address == "ray-head:6379" and settings.processes >= 2
+    assert settings.ray_address == "ray-head:6379" and settings.ray_ingest_actors >= 2 and settings.processes == 0
     assert services["ray-worker"]["command"][:2] == ["ray", "start"] and "--address=ray-head:6379" in \
         services["ray-worker"]["command"]
     extras = set(services["clipd"]["build"]["args"]["CLIPD_EXTRAS"].split(","))
