@@ -20,14 +20,15 @@ from clipd.v1 import clipd_pb2
 from .settings import Settings
 
 INGEST_METADATA = "x-clipd-ingest"  # which endpoint or shard process forwarded a call (counted by the server)
+PEER_METADATA = "x-clipd-peer"  # the forwarded call's own peer (its fair share of stream slots)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
 
 
 def _forwarded_metadata(context, index: int) -> list[tuple[str, str]]:
     """The caller's metadata (its bearer token), and which endpoint or shard process forwards it (the caller's own dropped)."""
     keep = [(k, v) for k, v in context.invocation_metadata()
-            if not k.startswith((":", "grpc-")) and k not in ("user-agent", INGEST_METADATA)]
-    return [*keep, (INGEST_METADATA, str(index))]
+            if not k.startswith((":", "grpc-")) and k not in ("user-agent", INGEST_METADATA, PEER_METADATA)]
+    return [*keep, (INGEST_METADATA, str(index)), (PEER_METADATA, context.peer() or "")]
 
 
 def _relay(context, error: grpc.RpcError) -> None:

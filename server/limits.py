@@ -79,26 +79,80 @@ class ByteBudget:
 
 
 class StreamSlots:
-    """At most ``limit`` streams at once; one more is refused at once, with a retry hint."""
+    """At most ``limit`` streams at once, shared fairly between their owners.
+
+    An owner is whoever a stream speaks for: a credential on a peer host. With
+    every slot taken, a newcomer whose owner holds at least two slots fewer than
+    the largest holder takes one of that holder's: the stream of that holder that
+    has been idle the longest is evicted (its client gets UNAVAILABLE and resumes
+    after its last acknowledgement: nothing is lost). Else the newcomer is refused
+    at once, with a retry hint. So a flood of stalled streams from one credential
+    or one host never keeps out a client with another (max-min fairness), and
+    streams of one owner never push each other out.
+
+    >>> class Stream:
+    ...     def __init__(self, idle): self.idle, self.evicted = idle, False
+    ...     def idle_since(self): return -self.idle
+    ...     def evict(self): self.evicted = True
+    >>> slots, flood = StreamSlots(2, "stream"), [Stream(5), Stream(9)]
+    >>> for s in flood: slots.acquire("mallory", s)
+    >>> slots.acquire("mallory", Stream(0))
+    Traceback (most recent call last):
+    ...
+    clipd.server.errors.ResourceExhausted: all 2 stream slots are taken; retry later
+    >>> honest = Stream(0); slots.acquire("alice", honest)
+    >>> [s.evicted for s in flood]           # the longest idle of the largest holder goes
+    [False, True]
+    """
 
     def __init__(self, limit: int, what: str) -> None:
         self.limit = limit
         self.what = what
         self.active = 0
         self.refused = 0
+        self.evicted = 0
+        self._held: dict = {}  # owner -> the evictable streams it holds (those given with acquire)
+        self._counts: dict = {}  # owner -> slots it holds
         self._lock = threading.Lock()
 
-    def acquire(self) -> None:
+    def acquire(self, owner=None, stream=None) -> None:
+        """Takes a slot for ``owner``; ``stream`` (with ``idle_since()`` and ``evict()``) may be evicted later."""
         with self._lock:
-            if self.active >= self.limit:
+            if self.active >= self.limit and not self._evict_for(owner):
                 self.refused += 1
                 raise ResourceExhausted(f"all {self.limit} {self.what} slots are taken; retry later",
                                         retry_after=1.0)
             self.active += 1
+            self._counts[owner] = self._counts.get(owner, 0) + 1
+            if stream is not None:
+                self._held.setdefault(owner, []).append(stream)
 
-    def release(self) -> None:
+    def _evict_for(self, owner) -> bool:
+        """Evicts the longest-idle stream of the largest holder if ``owner`` holds 2+ fewer; True if one went."""
+        mine = self._counts.get(owner, 0)
+        for holder in sorted(self._counts, key=self._counts.get, reverse=True):
+            if holder == owner or self._counts[holder] < mine + 2:
+                return False
+            candidates = [s for s in self._held.get(holder, ()) if not getattr(s, "evicted", False)]
+            if candidates:
+                victim = min(candidates, key=lambda s: s.idle_since())
+                victim.evict()  # it gives its slot back when its call ends (within a second)
+                self.evicted += 1
+                return True
+        return False
+
+    def release(self, owner=None, stream=None) -> None:
         with self._lock:
             self.active -= 1
+            self._counts[owner] -= 1
+            if not self._counts[owner]:
+                del self._counts[owner]
+            if stream is not None:
+                held = self._held.get(owner, [])
+                if stream in held:
+                    held.remove(stream)
+                if not held:
+                    self._held.pop(owner, None)
 
     @property
     def saturated(self) -> bool:

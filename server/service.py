@@ -305,17 +305,19 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     # Streaming ----------------------------------------------------------------------
     def Submit(self, request_iterator, context):
+        token = bearer_token(context.invocation_metadata())
+        session = _SubmitSession(self, token)
+        owner = stream_owner(token, context)
         try:
-            self.stream_slots.acquire()
+            self.stream_slots.acquire(owner, session)
         except ClipdError as e:
             self.refuse(context, e, "Submit")
         try:
-            session = _SubmitSession(self, bearer_token(context.invocation_metadata()))
             threading.Thread(target=session.read, args=(request_iterator,), name="clipd-submit-reader",
                              daemon=True).start()
             yield from session.acknowledgements(context)
         finally:
-            self.stream_slots.release()
+            self.stream_slots.release(owner, session)
 
     def is_admin(self, token: str | None) -> bool:
         """Auth off, or the admin token."""
@@ -346,6 +348,19 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             self.submit_tokens.check(token, a.id, a.created) for a in self.registry.all())
 
 
+def stream_owner(token: str | None, context) -> tuple[str, str]:
+    """Whom a stream speaks for, for the fair share of stream slots: its credential and its peer's host.
+
+    A stream forwarded by a shard process carries the original peer (``x-clipd-peer``, set by clipd only:
+    it is trusted on the private socket alone, where nothing else can connect).
+    """
+    peer = context.peer() or ""
+    if peer.startswith("unix:"):
+        peer = dict(context.invocation_metadata() or ()).get("x-clipd-peer", peer)
+    host = peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    return token or "", host
+
+
 class _SubmitSession:
     """One Submit stream: a reader thread takes batches in, the response side acknowledges them."""
 
@@ -360,7 +375,20 @@ class _SubmitSession:
         self.last_sequence = 0  # the highest sequence this stream delivered whole
         self.last_heard = time.monotonic()  # when the last message arrived (idle timeout)
         self.finished = False
+        self.evicted = False  # the slot went to a client of another owner (StreamSlots)
         self.error: Exception | None = None
+
+    def idle_since(self) -> float:
+        return self.last_heard
+
+    def evict(self) -> None:
+        """Ends this stream soon (UNAVAILABLE): its slot goes to another owner's client."""
+        self.evicted = True
+        self.bound.set()
+        aggregation = self.aggregation
+        if aggregation is not None:
+            with aggregation.cond:
+                aggregation.cond.notify_all()
 
     def read(self, requests) -> None:
         settings = self.servicer.settings
@@ -428,7 +456,12 @@ class _SubmitSession:
         self.bound.set()
 
     def _idle(self) -> bool:
-        """True (and the error set) if the client has sent nothing for the idle timeout."""
+        """True (and the error set) if the client has sent nothing for the idle timeout, or was evicted."""
+        if self.evicted:
+            self.error = Unavailable("this stream's slot went to another client (every slot was taken and this"
+                                     " credential held the most); reconnect to go on (unacknowledged batches must"
+                                     " be sent again)")
+            return True
         timeout = self.servicer.settings.stream_idle_timeout
         if self.finished or time.monotonic() - self.last_heard < timeout:
             return False
@@ -459,7 +492,7 @@ class _SubmitSession:
                     lambda: aggregation.durable(self.client) > sent
                     or (self.finished and (self.error is not None
                                            or aggregation.durable(self.client) >= self.last_sequence))
-                    or aggregation.state in ended,
+                    or aggregation.state in ended or self.evicted,
                     timeout=self._wait_time(),
                 )
                 done = aggregation.durable(self.client)

@@ -64,6 +64,8 @@ from . import codec, wire
 from .aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of
 from .errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from .ingest import _forwarded_metadata, _relay, _timeout
+from .credentials import bearer_token
+from .service import stream_owner
 from .settings import Settings
 from .store import CLOSING, FAILED, FINALIZED, Store
 
@@ -233,8 +235,9 @@ class ShardProcess:
                 yield response.SerializeToString()
             return
         del message
+        owner_key = stream_owner(bearer_token(context.invocation_metadata()), context)
         try:  # a plain client reached the wrong process: one hop to the owner, bytes as they came
-            self.servicer.stream_slots.acquire()
+            self.servicer.stream_slots.acquire(owner_key)
         except ClipdError as e:
             self.servicer.refuse(context, e, "Submit")
         try:
@@ -246,7 +249,7 @@ class ShardProcess:
             except grpc.RpcError as e:
                 _relay(context, e)
         finally:
-            self.servicer.stream_slots.release()
+            self.servicer.stream_slots.release(owner_key)
 
     def _public_handlers(self) -> grpc.GenericRpcHandler:
         handlers = {}

@@ -3,7 +3,8 @@
 Layout of ``data_dir``::
 
     clipd.sqlite3               aggregations and checkpoint rows (WAL, synchronous=FULL)
-    states/<key>/<shard>-<hex>.state  one PartialState blob per checkpoint generation (of that shard)
+    states/<key>/<gen>.state    one PartialState blob per checkpoint generation (of some shard)
+    states/<key>/<shard>-<hex>.state  the same, written by a shard process (``--processes``)
     states/<key>/release        a private release (noised sums), once committed
 
 ``<key>`` is the aggregation's surrogate integer key, never its id (ids may be
@@ -134,6 +135,7 @@ class SQLiteStore(Store):
         several processes then commit to one database, each to its own shards.
         """
         self.data_dir = os.fspath(data_dir)
+        self._sibling = sibling
         self._states = os.path.join(self.data_dir, STATES_DIR)
         self._db_lock = threading.Lock()
         self._files_lock = threading.Lock()
@@ -316,14 +318,17 @@ class SQLiteStore(Store):
             directory = self._state_dir(key)
             if not os.path.isdir(directory):
                 _make_dir(directory)
-            # The generation is taken inside the commit (shard processes commit to one database at once);
-            # the file's name only has to be new: its shard and random bits.
-            name = f"{shard}-{secrets.token_hex(8)}.state"
+            if self._sibling:  # processes commit to one database at once: the generation is taken in the commit
+                generation, name = None, f"{shard}-{secrets.token_hex(8)}.state"
+            else:
+                generation = self._query("SELECT COALESCE(MAX(generation), 0) + 1 FROM checkpoints"
+                                         " WHERE aggregation = ?", (key,))[0][0]
+                name = f"{generation}.state"
             _write_durably(directory, name, blob)
             # If the commit fails, the file stays: it has no row (swept at the next open), and deleting it
             # would be wrong if the commit did reach the disk before the error.
             try:
-                pruned = self._commit_checkpoint(key, shard, epoch, name, blob, finished)
+                pruned = self._commit_checkpoint(key, shard, epoch, generation, name, blob, finished)
             except FencedOut:
                 _remove_files(directory, [name])  # refused before the commit: no row points at it
                 raise
@@ -331,7 +336,7 @@ class SQLiteStore(Store):
                 _remove_files(directory, pruned)
                 _fsync_dir(directory)
 
-    def _commit_checkpoint(self, key: int, shard: int, epoch: int | None, name: str,
+    def _commit_checkpoint(self, key: int, shard: int, epoch: int | None, generation: int | None, name: str,
                            blob: bytes, finished: float | None) -> list[str]:
         """One transaction: the epoch checked, the new row, FINALIZED if ``finished``, the shard's old rows dropped.
 
@@ -342,8 +347,9 @@ class SQLiteStore(Store):
                 current = _epoch(conn, key, shard)
                 if current != epoch:
                     raise FencedOut(f"shard {shard}: epoch {epoch} was replaced by {current}")
-            generation = conn.execute("SELECT COALESCE(MAX(generation), 0) + 1 FROM checkpoints"
-                                      " WHERE aggregation = ?", (key,)).fetchone()[0]
+            if generation is None:
+                generation = conn.execute("SELECT COALESCE(MAX(generation), 0) + 1 FROM checkpoints"
+                                          " WHERE aggregation = ?", (key,)).fetchone()[0]
             conn.execute("INSERT INTO checkpoints (aggregation, generation, file, nbytes, crc32, shard)"
                          " VALUES (?, ?, ?, ?, ?, ?)", (key, generation, name, len(blob), zlib.crc32(blob), shard))
             if finished is not None:

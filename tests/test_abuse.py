@@ -56,12 +56,12 @@ class HeldStreams:
         self._lock = threading.Lock()
         self.calls = []
 
-    def open(self, messages: list[bytes]) -> None:
+    def open(self, messages: list[bytes], metadata=()) -> None:
         def requests():
             yield from messages
             self.release.wait()
 
-        call = submit_call(self.channels[len(self.calls) % len(self.channels)])(requests())
+        call = submit_call(self.channels[len(self.calls) % len(self.channels)])(requests(), metadata=metadata)
         threading.Thread(target=self._drain, args=(call,), daemon=True).start()
         self.calls.append(call)
 
@@ -151,6 +151,41 @@ def test_stalled_streams_lock_nobody_out_and_are_closed_when_idle():
         assert held.codes.count(grpc.StatusCode.UNAVAILABLE) == limit
         assert wait_for(lambda: server.servicer.active_streams == 0 and server.servicer.budget.used == 0, 5)
         assert admin_json(server, "/readyz")[0] == 200
+    finally:
+        held.close()
+        server.stop(grace=1.0)
+
+
+def test_stalled_streams_of_one_credential_never_refuse_a_client_with_another():
+    """40 stalled streams on one submit token against 32 slots: a client with another token gets in at once."""
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "max_streams": 32, "stream_idle_timeout": 120.0,
+                                             "admin_token": "admin-secret"}))
+    target = f"127.0.0.1:{port}"
+    held = HeldStreams(target)
+    try:
+        with Client(target, token="admin-secret") as admin:
+            flood = admin.create_aggregation({"w": (WIDTH,)}, l2_norm_clip=1.0)
+            honest = admin.create_aggregation({"w": (WIDTH,)}, l2_norm_clip=1.0)
+            flood_token = admin.get_aggregation(flood).submit_token
+            honest_token = admin.get_aggregation(honest).submit_token
+        for k in range(40):
+            held.open([hello(flood, f"stall-{k}")], metadata=[("authorization", f"Bearer {flood_token}")])
+        assert wait_for(lambda: server.servicer.active_streams == 32 and held.ended() == 8, 20)
+        assert set(held.codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # one owner: they never evict each other
+
+        updates = np.random.default_rng(1).standard_normal((24, WIDTH)).astype(np.float32)
+        started = time.monotonic()
+        with Client(target, token=honest_token, retry_timeout=10) as client:
+            report = client.submit(honest, [{"w": updates[i : i + 8]} for i in range(0, 24, 8)], client_id="honest")
+        took = time.monotonic() - started
+        assert report.examples == 24 and report.reconnects == 0 and took < 5.0, (report, took)
+        assert server.servicer.stream_slots.evicted >= 1
+        assert wait_for(lambda: grpc.StatusCode.UNAVAILABLE in held.codes, 5)  # the evicted one: reconnect
+        with Client(target, token="admin-secret") as admin:
+            result = admin.finalize(honest)
+        norms = np.linalg.norm(updates.astype(np.float64), axis=1)
+        np.testing.assert_allclose(result.sums["w"], np.minimum(1, 1 / norms) @ updates.astype(np.float64),
+                                   rtol=1e-5, atol=1e-6)
     finally:
         held.close()
         server.stop(grace=1.0)

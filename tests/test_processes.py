@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import doctest
 import os
 import signal
 import subprocess
@@ -27,8 +28,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clipd.client import Client, wire
-from clipd.server import aggregations
+from clipd.client import Client, _client, wire
+from clipd.server import aggregations, limits, shard_process
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
@@ -181,6 +182,11 @@ def test_one_client_spreads_over_four_devices_and_steps_each(tmp_path):
             _check_exact(c.finalize(aggregation), ["solo"])
     finally:
         server.stop()
+
+
+def test_the_doctests_of_the_data_plane_modules():
+    for module in (aggregations, limits, shard_process, _client):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 def test_spread_ids_land_on_successive_shards():
