@@ -105,23 +105,33 @@ class StreamSlots:
     [False, True]
     """
 
-    def __init__(self, limit: int, what: str) -> None:
+    def __init__(self, limit: int, what: str, wait: float = 0.0, waiters: int = 0) -> None:
         self.limit = limit
         self.what = what
+        self.wait = wait  # how long a newcomer may wait for a slot to free (a round of short streams)...
+        self.waiters = waiters  # ...and how many may wait at once (each holds a server thread meanwhile)
         self.active = 0
         self.refused = 0
         self.evicted = 0
+        self._waiting = 0
         self._held: dict = {}  # owner -> the evictable streams it holds (those given with acquire)
         self._counts: dict = {}  # owner -> slots it holds
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
     def acquire(self, owner=None, stream=None) -> None:
         """Takes a slot for ``owner``; ``stream`` (with ``idle_since()`` and ``evict()``) may be evicted later."""
         with self._lock:
             if self.active >= self.limit and not self._evict_for(owner):
-                self.refused += 1
-                raise ResourceExhausted(f"all {self.limit} {self.what} slots are taken; retry later",
-                                        retry_after=1.0)
+                if self._waiting < self.waiters and self.wait > 0:
+                    self._waiting += 1
+                    try:
+                        self._lock.wait_for(lambda: self.active < self.limit, self.wait)
+                    finally:
+                        self._waiting -= 1
+                if self.active >= self.limit:
+                    self.refused += 1
+                    raise ResourceExhausted(f"all {self.limit} {self.what} slots are taken; retry later",
+                                            retry_after=1.0)
             self.active += 1
             self._counts[owner] = self._counts.get(owner, 0) + 1
             if stream is not None:
@@ -144,6 +154,7 @@ class StreamSlots:
     def release(self, owner=None, stream=None) -> None:
         with self._lock:
             self.active -= 1
+            self._lock.notify()
             self._counts[owner] -= 1
             if not self._counts[owner]:
                 del self._counts[owner]

@@ -121,3 +121,18 @@ def test_ray_shards_benchmark_quick_run():
     assert float(rows["devices"][1]) == 1.0
     match = re.fullmatch(r"ray_vs_devices_ratio=(\d+\.\d{3})", lines[-1])
     assert match and abs(float(match[1]) - rates["ray 4x64"] / rates["devices"]) <= 0.01 * float(match[1]) + 0.002
+
+
+def test_round_benchmark_small_round_is_exact_without_errors():
+    """The cross-device round in small: 100 clients, one update each, every one summed exactly, no error."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "round.py"), "--clients", "100",
+                          "--client-processes", "2", "--repeats", "1"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and "wall" not in line}
+    assert set(rows) == {"round", "8 clients"}, out.stdout
+    match = re.fullmatch(r"round: clients=100 exact=True errors=0 throughput_ratio=(\d+\.\d{3})", lines[-1])
+    assert match, out.stdout
+    expected = float(rows["round"][1]) / float(rows["8 clients"][1])
+    assert abs(float(match[1]) - expected) <= 0.02 * expected + 0.002, out.stdout

@@ -1,0 +1,196 @@
+"""A cross-device round: thousands of clients, each sending one update at once, summed exactly.
+
+What runs (loopback, ``clipd serve --processes P`` with a durable store, one aggregation of
+one float32 layer of 65,536 values = 256 KiB an update, global clipping at 1.0):
+
+  round      ``--clients`` clients (default 2,000), each its own ``Client`` (its own channel
+             and connection) and client id, each submitting ONE update, all released at once;
+             they run as threads spread over ``--client-processes`` processes (default 8).
+  8 clients  the same bytes from 8 clients, each submitting ``clients / 8`` updates as one
+             client (the reference: the service's throughput when connections are few).
+
+Every client must finish without an error (the client's own retries are fine: a full set of
+stream slots answers RESOURCE_EXHAUSTED with a retry hint, and the client waits and tries
+again); the reconnects are counted. Each run's result is checked against a float64 numpy
+reference of the clipped sum. Columns: wall seconds, GB/s of payload, clients that saw an
+error, reconnects. The last line is::
+
+    round: clients=<n> exact=<True|False> errors=<n> throughput_ratio=<round GB/s over 8 clients'>
+
+    python benchmarks/round.py                        # 2,000 clients, 2 shard processes
+    python benchmarks/round.py --clients 200 --client-processes 2 --repeats 1   # a quick one
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+WIDTH = 65_536  # float32: 256 KiB an update
+CLIP = 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _update(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(WIDTH, dtype=np.float32) / 200
+
+
+def _round_clients(target: str, aggregation: str, seeds: list[int], start, done) -> None:
+    """One process of the round: a thread (and a Client) per seed, one update each."""
+    from clipd.client import Client
+
+    errors, reconnects = [], []
+    ready = threading.Barrier(len(seeds) + 1)
+
+    def one(seed: int) -> None:
+        update = _update(seed)
+        try:
+            with Client(target, retry_timeout=300, retry_delay=0.05) as client:
+                client.layers(aggregation)
+                ready.wait()
+                start.wait()
+                report = client.submit(aggregation, {"x": update}, client_id=f"device-{seed}")
+                reconnects.append(report.reconnects)
+        except Exception as e:  # counted: a round must have none
+            errors.append(repr(e))
+            with __import__("contextlib").suppress(threading.BrokenBarrierError):
+                ready.abort()
+
+    threads = [threading.Thread(target=one, args=(seed,)) for seed in seeds]
+    for t in threads:
+        t.start()
+    ready.wait()
+    for t in threads:
+        t.join()
+    done.put((time.monotonic(), len(errors), sum(reconnects), errors[:3]))
+
+
+def _bulk_client(target: str, aggregation: str, seeds: list[int], start, done) -> None:
+    """One of the 8 reference clients: every update of ``seeds`` in one submission."""
+    from clipd.client import Client
+
+    updates = np.stack([_update(seed) for seed in seeds])
+    with Client(target) as client:
+        client.layers(aggregation)
+        start.wait()
+        report = client.submit(aggregation, {"x": updates}, client_id=f"bulk-{seeds[0]}")
+    done.put((time.monotonic(), 0, report.reconnects, []))
+
+
+def _run(kind, target: str, aggregation: str, groups: list[list[int]]) -> tuple[float, int, int, list]:
+    ctx = multiprocessing.get_context("spawn")
+    start, done = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=kind, args=(target, aggregation, group, start, done)) for group in groups]
+    for p in procs:
+        p.start()
+    time.sleep(3.0 + len(groups[0]) / 200)  # every client has its update, its channel and its layers
+    t0 = time.monotonic()
+    start.set()
+    ends = [done.get(timeout=900) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return max(e[0] for e in ends) - t0, sum(e[1] for e in ends), sum(e[2] for e in ends), \
+        [x for e in ends for x in e[3]]
+
+
+def _reference(seeds: list[int]) -> np.ndarray:
+    total = np.zeros(WIDTH)
+    for seed in seeds:
+        x = _update(seed).astype(np.float64)
+        total += x * min(1.0, CLIP / np.linalg.norm(x))
+    return total
+
+
+def measure(mode: str, processes: int, clients: int, client_processes: int, workdir: str, repeat: int):
+    from clipd.client import Client
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "clipd", "serve", "--grpc-port", str(port), "--admin-port", "-1", "--data-dir",
+         os.path.join(workdir, f"data-{port}"), "--processes", str(processes), "--compilation-cache-dir",
+         os.path.join(workdir, "jax-cache"), "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
+    try:
+        if "serving" not in server.stdout.readline():
+            raise RuntimeError("clipd serve did not start")
+        target = f"127.0.0.1:{port}"
+        seeds = [repeat * 1_000_000 + i for i in range(clients)]
+        with Client(target) as c:
+            aggregation = c.create_aggregation({"x": (WIDTH,)}, l2_norm_clip=CLIP)
+            c.submit(aggregation, {"x": np.zeros((1, WIDTH), np.float32)}, client_id="warm-up")
+        if mode == "round":
+            groups = [seeds[i::client_processes] for i in range(client_processes)]
+            wall, errors, reconnects, samples = _run(_round_clients, target, aggregation, groups)
+        else:
+            groups = [seeds[i::8] for i in range(8)]
+            wall, errors, reconnects, samples = _run(_bulk_client, target, aggregation, groups)
+        with Client(target) as c:
+            result = c.finalize(aggregation)
+        expected = _reference(seeds)
+        exact = result.examples == clients + 1 and bool(
+            np.allclose(result.sums["x"], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max()))
+        return wall, errors, reconnects, exact, samples
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=2000)
+    parser.add_argument("--client-processes", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=2, help="shard processes of clipd serve")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    gb = args.clients * WIDTH * 4 / 1e9
+    print(f"round benchmark: {args.clients} clients x one update of {WIDTH * 4:,} B = {gb:.3f} GB; clipd serve"
+          f" --processes {args.processes}; {args.repeats} repeats, medians")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    workdir = tempfile.mkdtemp(prefix="clipd-round-")
+    runs: dict[str, list] = {"round": [], "8 clients": []}
+    try:
+        for repeat in range(args.repeats):
+            for mode in (("round", "8 clients") if repeat % 2 == 0 else ("8 clients", "round")):
+                run = measure(mode, args.processes, args.clients, args.client_processes, workdir, repeat)
+                runs[mode].append(run)
+                print(f"  repeat {repeat + 1}: {mode:>9}: {run[0]:.2f} s, errors {run[1]}, reconnects {run[2]},"
+                      f" exact {run[3]} {run[4][:1]}", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print()
+    print(f"{'mode':<12}| {'wall s':>7} | {'GB/s':>6} | {'errors':>6} | {'reconnects':>10} | exact")
+    print("-" * 60)
+    table = {}
+    for mode, results in runs.items():
+        wall = statistics.median(r[0] for r in results)
+        table[mode] = gb / wall
+        print(f"{mode:<12}| {wall:7.2f} | {gb / wall:6.3f} | {max(r[1] for r in results):6d} |"
+              f" {statistics.median(r[2] for r in results):10.0f} | {all(r[3] for r in results)}")
+    exact = all(r[3] for results in runs.values() for r in results)
+    errors = max(r[1] for r in runs["round"])
+    print()
+    print(f"round: clients={args.clients} exact={exact} errors={errors}"
+          f" throughput_ratio={table['round'] / table['8 clients']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
