@@ -240,3 +240,30 @@ def test_settings_tls_from_environment(pki):
                                   "CLIPD_TLS_CLIENT_CA_FILE": str(pki["ca"].cert),
                                   "CLIPD_DATA_DIR": "memory"})
     assert settings.tls_client_ca_file == str(pki["ca"].cert)
+
+
+def test_shard_process_endpoints_have_the_public_ports_mutual_tls(pki, tmp_path):
+    """``--processes 2`` with mutual TLS: each shard process's own port (from GetPlacement) has the same TLS."""
+    server, port = _start(pki, processes=2, tls_client_ca_file=str(pki["ca"].cert), data_dir=str(tmp_path / "data"),
+                          advertise_host="localhost")
+    try:
+        good, rogue = pki["client"], pki["rogue_client"]
+        with Client(f"localhost:{port}", root_certificates=pki["ca"].cert_bytes, client_certificate=good.cert_bytes,
+                    client_key=good.key_bytes, timeout=TIMEOUT, retry_timeout=TIMEOUT, message_bytes=64 << 10) as client:
+            rng = np.random.default_rng(3)
+            updates = [{"w": rng.standard_normal((4, 4096)).astype(np.float32)} for _ in range(6)]  # 64 KiB each
+            agg = client.create_aggregation({"w": (4096,)}, l2_norm_clip=1e6)
+            endpoints = list(client.placement(agg).endpoints)
+            assert len(endpoints) == 2 and all(e.startswith("localhost:") for e in endpoints)
+            report = client.submit(agg, iter(updates), client_id="tls")  # spread: straight to both endpoints
+            result = client.finalize(agg)
+        assert report.examples == result.examples == 24 and report.batches == 6
+        np.testing.assert_allclose(result.sums["w"], sum(u["w"].astype(np.float64).sum(0) for u in updates),
+                                   rtol=1e-5, atol=1e-5)
+        for endpoint in endpoints:  # each endpoint: no plaintext, no certificate of another CA
+            _assert_refused(grpc.insecure_channel(endpoint))
+            _assert_refused(grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(
+                pki["ca"].cert_bytes, rogue.key_bytes, rogue.cert_bytes)))
+        assert server.servicer.payload_bytes == 0
+    finally:
+        server.stop(grace=1.0)
