@@ -47,6 +47,52 @@ def _timeout(context) -> float | None:
     return None if remaining is None or remaining > 1e6 else max(0.001, remaining)
 
 
+def passing_through(channel: grpc.Channel, index: int, submit=None) -> grpc.GenericRpcHandler:
+    """The Clipd service, every call passed through to ``channel`` with its metadata and ``index`` added.
+
+    ``submit``: Submit's own handler (raw bytes in and out) instead of passing it through too.
+    """
+    handlers = {}
+    for method in SERVICE.methods:
+        path = f"/{SERVICE.full_name}/{method.name}"
+        if method.name == "Submit":
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                submit or _pass(channel.stream_stream(path), index, streaming_in=True))
+        elif method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _pass(channel.unary_stream(path), index))
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_pass_unary(channel.unary_unary(path), index))
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+
+
+def _pass_unary(call, index: int):
+    def forward(request: bytes, context):
+        try:
+            future = call.future(request, metadata=_forwarded_metadata(context, index), timeout=_timeout(context))
+            context.add_callback(future.cancel)
+            return future.result()
+        except grpc.RpcError as e:
+            _relay(context, e)
+
+    return forward
+
+
+def _pass(call, index: int, streaming_in: bool = False):
+    """A call whose answers stream back (Finalize; Submit, whose requests stream too)."""
+
+    def forward(request, context):
+        responses = call(request, metadata=_forwarded_metadata(context, index),
+                         timeout=None if streaming_in else _timeout(context))
+        context.add_callback(responses.cancel)
+        try:
+            yield from responses
+        except grpc.RpcError as e:
+            _relay(context, e)
+
+    return forward
+
+
 class IngestServer:
     """An ingest endpoint's gRPC server: every RPC passed through to ``owner`` (the clipd server)."""
 
@@ -65,7 +111,7 @@ class IngestServer:
             concurrent.futures.ThreadPoolExecutor(settings.max_streams + OTHER_STREAMS + settings.unary_workers,
                                                   thread_name_prefix="clipd-ingest"),
             options=[*options, ("grpc.so_reuseport", 1)])
-        self.server.add_generic_rpc_handlers((self._handlers(),))
+        self.server.add_generic_rpc_handlers((passing_through(self.channel, index),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection((SERVICE.full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
@@ -80,58 +126,6 @@ class IngestServer:
             raise RuntimeError(f"ingest {index}: bound port {bound}, not {port}")
         self.port = bound
         self._serving = health_pb2.HealthCheckResponse.SERVING
-
-    def _handlers(self) -> grpc.GenericRpcHandler:
-        handlers = {}
-        for method in SERVICE.methods:
-            path = f"/{SERVICE.full_name}/{method.name}"
-            if method.name == "Submit":
-                handlers[method.name] = grpc.stream_stream_rpc_method_handler(self._submit_handler(path))
-            elif method.server_streaming:
-                handlers[method.name] = grpc.unary_stream_rpc_method_handler(self._unary_stream_handler(path))
-            else:
-                handlers[method.name] = grpc.unary_unary_rpc_method_handler(self._unary_handler(path))
-        return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
-
-    def _unary_handler(self, path: str):
-        call = self.channel.unary_unary(path)
-
-        def forward(request: bytes, context):
-            try:
-                future = call.future(request, metadata=_forwarded_metadata(context, self.index),
-                                     timeout=_timeout(context))
-                context.add_callback(future.cancel)
-                return future.result()
-            except grpc.RpcError as e:
-                _relay(context, e)
-
-        return forward
-
-    def _unary_stream_handler(self, path: str):
-        call = self.channel.unary_stream(path)
-
-        def forward(request: bytes, context):
-            responses = call(request, metadata=_forwarded_metadata(context, self.index), timeout=_timeout(context))
-            context.add_callback(responses.cancel)
-            try:
-                yield from responses
-            except grpc.RpcError as e:
-                _relay(context, e)
-
-        return forward
-
-    def _submit_handler(self, path: str):
-        call = self.channel.stream_stream(path)
-
-        def forward(request_iterator, context):
-            responses = call(request_iterator, metadata=_forwarded_metadata(context, self.index))
-            context.add_callback(responses.cancel)
-            try:
-                yield from responses
-            except grpc.RpcError as e:
-                _relay(context, e)
-
-        return forward
 
     def start(self) -> IngestServer:
         self.server.start()

@@ -63,7 +63,7 @@ from clipd.v1 import clipd_pb2
 from . import codec, wire
 from .aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of
 from .errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
-from .ingest import _forwarded_metadata, _relay, _timeout
+from .ingest import _pass, passing_through
 from .credentials import bearer_token
 from .service import stream_owner
 from .settings import Settings
@@ -145,8 +145,10 @@ class ShardProcess:
         limit = settings.max_message_bytes + (1 << 16)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         self.control = grpc.insecure_channel(f"unix:{os.path.join(private_dir, 'control.sock')}", options)
-        self.siblings = {i: grpc.insecure_channel(f"unix:{socket_path(private_dir, i)}", options)
-                         for i in range(self.count) if i != index}
+        siblings = {i: grpc.insecure_channel(f"unix:{socket_path(private_dir, i)}", options)
+                    for i in range(self.count) if i != index}
+        self._to_sibling = {i: _pass(c.stream_stream(f"/{SERVICE.full_name}/Submit"), index, streaming_in=True)
+                            for i, c in siblings.items()}
         workers = settings.max_streams + OTHER_STREAMS + settings.unary_workers
         # The public port and this process's own port: TLS and limits as one process has them. Roles are
         # checked where each call is handled: Submit here, everything else by the control process.
@@ -154,7 +156,7 @@ class ShardProcess:
                                   options=[*[(k, v) for k, v in server_options(settings) if k != "grpc.so_reuseport"],
                                            ("grpc.so_reuseport", 1)],
                                   interceptors=[_Guard("", self.servicer)])
-        self.public.add_generic_rpc_handlers((self._public_handlers(),))
+        self.public.add_generic_rpc_handlers((passing_through(self.control, index, submit=self._submit),))
         self.health = health.HealthServicer()
         self._serving = health_pb2.HealthCheckResponse.SERVING
         for name in ("", SERVICE.full_name):  # until the control process says every shard process is up
@@ -241,54 +243,9 @@ class ShardProcess:
         except ClipdError as e:
             self.servicer.refuse(context, e, "Submit")
         try:
-            responses = self.siblings[owner].stream_stream(f"/{SERVICE.full_name}/Submit")(
-                itertools.chain([first], raw_requests), metadata=_forwarded_metadata(context, self.index))
-            context.add_callback(responses.cancel)
-            try:
-                yield from responses
-            except grpc.RpcError as e:
-                _relay(context, e)
+            yield from self._to_sibling[owner](itertools.chain([first], raw_requests), context)
         finally:
             self.servicer.stream_slots.release(owner_key)
-
-    def _public_handlers(self) -> grpc.GenericRpcHandler:
-        handlers = {}
-        for method in SERVICE.methods:
-            path = f"/{SERVICE.full_name}/{method.name}"
-            if method.name == "Submit":
-                handlers[method.name] = grpc.stream_stream_rpc_method_handler(self._submit)
-            elif method.server_streaming:
-                handlers[method.name] = grpc.unary_stream_rpc_method_handler(self._forward_stream(path))
-            else:
-                handlers[method.name] = grpc.unary_unary_rpc_method_handler(self._forward_unary(path))
-        return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
-
-    def _forward_unary(self, path: str):
-        call = self.control.unary_unary(path)
-
-        def forward(request: bytes, context):
-            try:
-                future = call.future(request, metadata=_forwarded_metadata(context, self.index),
-                                     timeout=_timeout(context))
-                context.add_callback(future.cancel)
-                return future.result()
-            except grpc.RpcError as e:
-                _relay(context, e)
-
-        return forward
-
-    def _forward_stream(self, path: str):
-        call = self.control.unary_stream(path)
-
-        def forward(request: bytes, context):
-            responses = call(request, metadata=_forwarded_metadata(context, self.index), timeout=_timeout(context))
-            context.add_callback(responses.cancel)
-            try:
-                yield from responses
-            except grpc.RpcError as e:
-                _relay(context, e)
-
-        return forward
 
     # The control process's calls -------------------------------------------------------------------
     def _internal(self, method):

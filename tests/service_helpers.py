@@ -246,3 +246,14 @@ def submitting(target: str, aggregation: str, clients, updates, examples: int, *
         for t in threads:
             t.join(timeout=120)
     assert not errors, errors
+
+
+def assert_exact_global_clip(result, clients, batches, rows: int, layers: dict, clip: float) -> None:
+    """``result`` holds exactly ``random_batch(c, i, layers, rows)`` of every client ``c`` and batch ``i``, clipped
+    globally at ``clip``: the float64 numpy reference's sums, examples and clip counts."""
+    sums, clipped, examples = global_clip_reference(
+        [random_batch(c, i, layers, rows) for c in clients for i in batches], clip)
+    assert result.examples == examples == len(clients) * len(batches) * rows
+    assert result.clip_counts == {name: clipped for name in layers}
+    for name in layers:
+        np.testing.assert_allclose(result.sums[name], sums[name], rtol=1e-5, atol=1e-5 * np.abs(sums[name]).max())

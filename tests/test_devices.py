@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import zlib
 
-import numpy as np
 
 from clipd.client import Client
 from clipd.server.sqlite_store import SQLiteStore
-from service_helpers import ServerProcess, free_port, get_json, global_clip_reference, random_batch, submitting
+from service_helpers import ServerProcess, assert_exact_global_clip, free_port, get_json, random_batch, submitting
 
 DEVICES = 4
 LAYERS = {"w": (32, 8), "b": (8,)}
@@ -67,12 +66,7 @@ def test_four_devices_each_sum_a_shard_and_each_shard_recovers_on_its_own(tmp_pa
 
         with Client(target) as admin:
             result = admin.finalize(aggregation)
-        sums, clipped, examples = global_clip_reference(
-            [random_batch(c, i, LAYERS, ROWS) for c in clients for i in range(BATCHES)], CLIP)
-        assert result.examples == examples == len(clients) * BATCHES * ROWS
-        assert result.clip_counts == {"w": clipped, "b": clipped}
-        for name in LAYERS:
-            np.testing.assert_allclose(result.sums[name], sums[name], rtol=1e-5, atol=1e-5 * np.abs(sums[name]).max())
+        assert_exact_global_clip(result, clients, range(BATCHES), ROWS, LAYERS, CLIP)
     finally:
         server.stop()
 

@@ -35,7 +35,7 @@ from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from conftest import TEST_SETTINGS
-from service_helpers import ServerProcess, free_port, get_json, global_clip_reference, random_batch, submitting
+from service_helpers import ServerProcess, assert_exact_global_clip, free_port, get_json, random_batch, submitting
 
 LAYERS = {"w": (64, 16), "b": (16,)}
 CLIP = 1.0
@@ -45,12 +45,7 @@ CLIENTS = [f"client-{i}" for i in range(8)]
 
 
 def _check_exact(result, clients, batches=BATCHES, rows=ROWS) -> None:
-    sums, clipped, examples = global_clip_reference(
-        [random_batch(c, i, LAYERS, rows) for c in clients for i in range(batches)], CLIP)
-    assert result.examples == examples == len(clients) * batches * rows
-    assert result.clip_counts == {"w": clipped, "b": clipped}
-    for name in LAYERS:
-        np.testing.assert_allclose(result.sums[name], sums[name], rtol=1e-5, atol=1e-5 * np.abs(sums[name]).max())
+    assert_exact_global_clip(result, clients, range(batches), rows, LAYERS, CLIP)
 
 
 def _slow_updates(gate: threading.Semaphore):
