@@ -350,7 +350,8 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
         (``--processes``) or Ray ingest actors, with the calls each forwarded to this process; the Submit payload
         bytes this process received itself (0 under ``--processes``: the shard processes receive them)."""
         ingest = server.ingest.describe() if server.ingest is not None else []
-        shard_processes = server.devices.describe_processes() if server.settings.processes else []
+        shard_processes = server.devices.describe_processes() \
+            if server.settings.processes or server.settings.ray_shard_hosts else []
         for process in ingest + shard_processes:
             process["calls"] = server.guard.forwarded.get(str(process["index"]), 0)
         return {"devices": server.devices.describe(), "ingest_processes": ingest,

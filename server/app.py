@@ -168,6 +168,10 @@ class ClipdServer:
             self._port_holder = reserve_port(settings.host, settings.grpc_port)
             self.port = self._port_holder.getsockname()[1]
             self.devices = ShardProcesses(settings, self.store, self.port)
+        elif settings.ray_shard_hosts:  # shard hosts on the cluster's nodes receive and sum themselves
+            from .ray_shards import RayShardHosts
+
+            self.devices = RayShardHosts(settings, self.store, settings.grpc_port)
         elif settings.ray_address:  # every shard a Ray actor on the cluster, checkpointing to the shared store
             from .ray_shards import RayShards
 
@@ -234,9 +238,14 @@ class ClipdServer:
 
     def start(self) -> ClipdServer:
         self.grpc.start()
-        self.guard.ingest_indexes = frozenset(str(i) for i in range(self.settings.processes
-                                                                   or self.settings.ray_ingest_actors))
+        self.guard.ingest_indexes = frozenset(str(i) for i in range(
+            self.settings.processes or self.settings.ray_ingest_actors or self.settings.ray_shard_hosts))
         if self.settings.processes:  # returns once every shard process is ready
+            self.devices.start(self.registry)
+        elif self.settings.ray_shard_hosts:  # they reach this server's port for everything but Submit
+            from .ray_shards import cluster_address
+
+            self.devices.control = f"{cluster_address(self.settings.host)}:{self.port}"
             self.devices.start(self.registry)
         elif self.settings.ray_ingest_actors:  # endpoints on the cluster's nodes, forwarding to this port
             from .ray_shards import RayIngest, cluster_address
@@ -268,10 +277,11 @@ class ClipdServer:
         self.health.enter_graceful_shutdown()
         if self.ingest is not None:
             self.ingest.stop(grace)  # their streams drain into this process first
-        if self.settings.processes:
+        hosts = self.settings.processes or self.settings.ray_shard_hosts
+        if hosts:
             self.devices.stop(timeout=grace)  # they finish their streams (and may still call this process)
         self.grpc.stop(grace).wait(grace + 1.0)
-        if not self.settings.processes:
+        if not hosts:
             self.devices.stop(timeout=grace)
         self.store.close()
         if self.admin is not None:

@@ -78,6 +78,8 @@ import jax
 
 from clipd.engine import ClipAccumulator, PartialState
 
+from .shard_process import ShardProcesses
+
 from .codec import spec_from_json, spec_shards
 from .errors import DeadlineExceeded, FailedPrecondition
 from .store import FencedOut, Store
@@ -499,3 +501,140 @@ class RayIngest:
     def stop(self, grace: float) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+
+
+# Shard hosts: receive and sum on the cluster's nodes ----------------------------------------------
+class _ShardHost:
+    """A shard process on a Ray node (``--ray-shard-hosts N``): it receives, clips and sums its own shards.
+
+    The same :class:`clipd.server.shard_process.ShardProcess` as ``--processes`` runs, with TCP instead of unix
+    sockets: clients connect to ``ray_ingest_port`` on any node (or, routed, to the host's own port), a Submit
+    for another host's shard goes to that host's own port, every other call to the clipd server. The server's
+    calls (open, finish, statistics, forget) are this actor's :meth:`call`. Ray restarts a dead host, which
+    opens its aggregations from the shared store again.
+    """
+
+    def __init__(self, fields: dict, index: int, control: str) -> None:
+        from .settings import Settings
+        from .shard_process import ShardProcess
+
+        settings = Settings(**fields)
+        self.host = cluster_address(settings.advertise_host or settings.host)  # as clients and hosts reach it
+        self.process = ShardProcess(settings, index, settings.ray_ingest_port, 0, None, control=control).start()
+        self.process.call("Serve", {})
+
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.process.data_port}"
+
+    def set_siblings(self, targets: dict) -> None:
+        self.process.set_siblings({int(i): t for i, t in targets.items()})
+
+    def call(self, name: str, request: dict) -> dict:
+        return self.process.call(name, request)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+ShardHost = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.25)(_ShardHost)
+
+
+class RayShardHosts(ShardProcesses):
+    """The server's shard hosts on a Ray cluster: the calls of :class:`~clipd.server.shard_process.ShardProcesses`
+    over actors instead of child processes (placement, finalize, statistics are the same)."""
+
+    def __init__(self, settings, store: Store, port: int) -> None:
+        import dataclasses
+
+        from .errors import Unavailable
+
+        self._unavailable = Unavailable
+        self.settings, self.store, self.port = settings, store, port
+        self.count = settings.ray_shard_hosts
+        self.control = ""  # the server's address as the nodes reach it (set once its port is bound)
+        self.actors: list = []
+        self.data_ports = [0] * self.count
+        self._endpoints = [""] * self.count
+        self._pids: list = [None] * self.count
+        self._served = [False] * self.count
+        self.restarts = [0] * self.count
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._started = False
+        self.registry = None
+        self._seen: dict = {}
+        self._empty: dict = {}
+        self._threads = [threading.Thread(target=self._watch, name="clipd-hosts-watch", daemon=True),
+                         threading.Thread(target=self._pump, name="clipd-hosts-stats", daemon=True)]
+        # What a host needs: the store, limits, the admin token (Submit's check), its count and port.
+        self._fields = dataclasses.asdict(dataclasses.replace(
+            settings, ray_address="", ray_shard_hosts=0, processes=settings.ray_shard_hosts))
+        if not ray.is_initialized():
+            ray.init(address=settings.ray_address, log_to_driver=False)
+
+    def start(self, registry) -> RayShardHosts:
+        self.registry = registry
+        options = dict(scheduling_strategy="SPREAD")
+        if self.settings.ray_gpus_per_shard:
+            options["num_gpus"] = self.settings.ray_gpus_per_shard
+        self.actors = [ShardHost.options(**options).remote(self._fields, i, self.control) for i in range(self.count)]
+        self._refresh(timeout=300)
+        self._started = True
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def _refresh(self, timeout: float = 30) -> bool:
+        """Reads every host's endpoint and pid; tells them each other's endpoints if one moved. True if all answer."""
+        answers = []
+        for actor in self.actors:
+            try:
+                answers.append(ray.get([actor.endpoint.remote(), actor.pid.remote()], timeout=timeout))
+            except Exception:  # dead, or being restarted by Ray
+                answers.append(None)
+        with self._lock:
+            moved = False
+            for index, answer in enumerate(answers):
+                if answer is None:
+                    self._served[index] = False
+                    continue
+                endpoint, pid = answer
+                if pid != self._pids[index]:
+                    if self._pids[index] is not None:
+                        self.restarts[index] += 1
+                    moved = True
+                self._endpoints[index], self._pids[index], self._served[index] = endpoint, pid, True
+                self.data_ports[index] = int(endpoint.rsplit(":", 1)[1])
+            endpoints = dict(enumerate(self._endpoints))
+        if moved:
+            for index, actor in enumerate(self.actors):
+                with contextlib.suppress(Exception):
+                    ray.get(actor.set_siblings.remote({i: e for i, e in endpoints.items() if i != index and e}),
+                            timeout=timeout)
+        return all(a is not None for a in answers)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(1.0):
+            with contextlib.suppress(Exception):
+                self._refresh(timeout=5)
+
+    def _transport(self, index: int, name: str, request: dict, timeout: float) -> dict:
+        try:
+            return ray.get(self.actors[index].call.remote(name, request), timeout=timeout)
+        except Exception as e:  # the actor died or is being restarted, or the call timed out
+            raise self._unavailable(f"shard host {index}: {type(e).__name__}") from None
+
+    def endpoints(self) -> list[str]:
+        with self._lock:
+            return list(self._endpoints)
+
+    def describe_processes(self) -> list[dict]:
+        with self._lock:
+            return [{"index": i, "pid": self._pids[i], "alive": self._served[i], "serving": self._served[i],
+                     "restarts": self.restarts[i], "endpoint": self._endpoints[i]} for i in range(self.count)]
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopping.set()
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)

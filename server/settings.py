@@ -65,6 +65,7 @@ class Settings:
     ray_address: str = ""  # a Ray cluster (HOST:PORT): shards run as Ray actors there; needs a postgresql:// data_dir
     ray_gpus_per_shard: float = 0.0  # with ray_address: GPUs each shard actor asks for (1 = a GPU per shard)
     ray_ingest_actors: int = 0  # with ray_address: ingest endpoints spread over the cluster's nodes
+    ray_shard_hosts: int = 0  # with ray_address: shard hosts on the cluster's nodes that receive and sum themselves
     ray_ingest_port: int = 50052  # the port of the ingest endpoints on their nodes (shared: SO_REUSEPORT)
     # Durability: aggregations, checkpoints and results live here ("memory": nothing survives a restart).
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
@@ -96,6 +97,14 @@ class Settings:
         if self.ray_ingest_actors and self.processes:
             raise ValueError("Settings: ray_ingest_actors or processes, not both (ingest actors on the cluster's"
                              " nodes, or shard processes on this host)")
+        if self.ray_shard_hosts < 0:
+            raise ValueError(f"Settings.ray_shard_hosts must be >= 0, got {self.ray_shard_hosts}")
+        if self.ray_shard_hosts and (not self.ray_address or self.ray_ingest_actors):
+            raise ValueError("Settings.ray_shard_hosts: shard hosts run on a Ray cluster (set ray_address) and take"
+                             " the place of ingest actors (not both)")
+        if self.ray_shard_hosts and self.tls_cert_file:
+            raise ValueError("Settings.ray_shard_hosts: not with TLS yet (the shard hosts reach the server and each"
+                             " other over plaintext gRPC); use --processes on one host")
         if self.ray_ingest_actors and self.tls_cert_file:
             raise ValueError("Settings.ray_ingest_actors: not with TLS yet (the ingest actors reach the server"
                              " over plaintext gRPC); use --processes on the server's host")

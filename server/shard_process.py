@@ -72,9 +72,13 @@ from .store import CLOSING, FAILED, FINALIZED, Store
 log = logging.getLogger(__name__)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
 INTERNAL = "clipd.internal.Shard"  # on the shard processes' private unix sockets only
-OPEN, FINISH, STATS, FORGET, SERVE = (f"/{INTERNAL}/{m}" for m in ("Open", "Finish", "Stats", "Forget", "Serve"))
+INTERNAL_CALLS = ("Open", "Finish", "Stats", "Forget", "Serve")
+OPEN, FINISH, STATS, FORGET, SERVE = INTERNAL_CALLS
 _STAT_COUNTS = ("examples", "non_finite", "batches", "bytes")
 _STAT_ARRAYS = ("clip_counts", "layer_histograms", "example_histogram", "norm_sum", "norm_max")
+
+
+_ERRORS = {"FAILED_PRECONDITION": FailedPrecondition, "DEADLINE_EXCEEDED": DeadlineExceeded, "NOT_FOUND": NotFound}
 
 
 def owner_of(shard: int, processes: int) -> int:
@@ -117,7 +121,11 @@ class _ShardRegistry(Registry):
 class ShardProcess:
     """One shard process: its own gRPC ports, device workers and partial states; see the module doc."""
 
-    def __init__(self, settings: Settings, index: int, public_port: int, data_port: int, private_dir: str) -> None:
+    def __init__(self, settings: Settings, index: int, public_port: int, data_port: int, private_dir: str | None,
+                 control: str | None = None) -> None:
+        """``private_dir``: the unix sockets of ``--processes``; None on Ray (:class:`clipd.server.ray_shards.ShardHost`):
+        ``control`` is then the server's address, the siblings' are set by :meth:`set_siblings` and the
+        control's calls are the actor's methods."""
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         from .app import OTHER_STREAMS, _Guard, server_options
@@ -144,11 +152,11 @@ class ShardProcess:
                                       SubmitTokens(self.store.submit_token_key()))
         limit = settings.max_message_bytes + (1 << 16)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-        self.control = grpc.insecure_channel(f"unix:{os.path.join(private_dir, 'control.sock')}", options)
-        siblings = {i: grpc.insecure_channel(f"unix:{socket_path(private_dir, i)}", options)
-                    for i in range(self.count) if i != index}
-        self._to_sibling = {i: _pass(c.stream_stream(f"/{SERVICE.full_name}/Submit"), index, streaming_in=True)
-                            for i, c in siblings.items()}
+        self._options = options
+        self.control = grpc.insecure_channel(control or f"unix:{os.path.join(private_dir, 'control.sock')}", options)
+        self._to_sibling: dict = {}
+        if private_dir is not None:
+            self.set_siblings({i: f"unix:{socket_path(private_dir, i)}" for i in range(self.count) if i != index})
         workers = settings.max_streams + OTHER_STREAMS + settings.unary_workers
         # The public port and this process's own port: TLS and limits as one process has them. Roles are
         # checked where each call is handled: Submit here, everything else by the control process.
@@ -173,6 +181,9 @@ class ShardProcess:
         if public_port and ports[0] != public_port:
             raise RuntimeError(f"shard process {index}: bound port {ports[0]}, not {public_port}")
         self.data_port = ports[1]
+        self.private = None
+        if private_dir is None:
+            return
         # The private socket: Submit forwarded by the other shard processes, and the control's calls.
         self.private = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="clipd-shard-in"),
                                    options=server_options(settings))
@@ -180,10 +191,15 @@ class ShardProcess:
             grpc.method_handlers_generic_handler(SERVICE.full_name, {
                 "Submit": grpc.stream_stream_rpc_method_handler(self._submit)}),
             grpc.method_handlers_generic_handler(INTERNAL, {
-                name: grpc.unary_unary_rpc_method_handler(self._internal(getattr(self, f"_{name.lower()}")))
-                for name in ("Open", "Finish", "Stats", "Forget", "Serve")}),
+                name: grpc.unary_unary_rpc_method_handler(self._internal(name)) for name in INTERNAL_CALLS}),
         ))
         self.private.add_insecure_port(f"unix:{socket_path(private_dir, index)}")
+
+    def set_siblings(self, targets: dict[int, str]) -> None:
+        """Where the other shard processes take the Submit streams this one forwards to them."""
+        self._to_sibling = {
+            i: _pass(grpc.insecure_channel(t, self._options).stream_stream(f"/{SERVICE.full_name}/Submit"),
+                     self.index, streaming_in=True) for i, t in targets.items()}
 
     # Opening an aggregation ------------------------------------------------------------------------
     def _open_from_store(self, aggregation_id: str) -> Aggregation:
@@ -248,12 +264,16 @@ class ShardProcess:
             self.servicer.stream_slots.release(owner_key)
 
     # The control process's calls -------------------------------------------------------------------
-    def _internal(self, method):
+    def call(self, name: str, request: dict) -> dict:
+        """One of the control's calls (``INTERNAL_CALLS``): its answer, or ``{"error": code, "message": why}``."""
+        try:
+            return getattr(self, f"_{name.lower()}")(request)
+        except ClipdError as e:
+            return {"error": e.code.name, "message": str(e)}
+
+    def _internal(self, name: str):
         def handle(request: bytes, context) -> bytes:
-            try:
-                return json.dumps(method(json.loads(request))).encode()
-            except ClipdError as e:
-                context.abort(e.code, str(e))
+            return json.dumps(self.call(name, json.loads(request))).encode()
 
         return handle
 
@@ -311,7 +331,8 @@ class ShardProcess:
 
     # Running -------------------------------------------------------------------------------------
     def start(self) -> ShardProcess:
-        self.private.start()
+        if self.private is not None:
+            self.private.start()
         self.public.start()
         if not self.devices.wait_ready(self.settings.warmup_timeout):
             raise RuntimeError(f"shard process {self.index}: its devices did not run a first program")
@@ -320,7 +341,8 @@ class ShardProcess:
     def stop(self, grace: float) -> None:
         self.health.enter_graceful_shutdown()
         self.public.stop(grace).wait(grace + 1.0)
-        self.private.stop(0)
+        if self.private is not None:
+            self.private.stop(0)
         self.devices.stop(timeout=grace)
         self.store.close()
 
@@ -486,15 +508,29 @@ class ShardProcesses:
                                 process.returncode, extra={"event": "shard_process.restarted"})
                     threading.Thread(target=self._bring_up, args=(index,), daemon=True).start()
 
-    def _call(self, index: int, method: str, request: dict, timeout: float, quiet: bool = False) -> dict | None:
-        """An internal call to process ``index``; None if it is not reachable (``quiet``), else its error raised."""
+    def _call(self, index: int, name: str, request: dict, timeout: float, quiet: bool = False) -> dict | None:
+        """One of the control's calls to process ``index``; None if it failed (``quiet``), else its error raised
+        (``Unavailable`` if the process can't be reached)."""
         try:
-            answer = self._channels[index].unary_unary(method)(json.dumps(request).encode(), timeout=timeout)
-            return json.loads(answer)
-        except grpc.RpcError:
+            answer = self._transport(index, name, request, timeout)
+        except ClipdError:
             if quiet:
                 return None
             raise
+        if "error" in answer:
+            if quiet:
+                return None
+            raise _ERRORS.get(answer["error"], Unavailable)(answer["message"])
+        return answer
+
+    def _transport(self, index: int, name: str, request: dict, timeout: float) -> dict:
+        try:
+            answer = self._channels[index].unary_unary(f"/{INTERNAL}/{name}")(json.dumps(request).encode(),
+                                                                               timeout=timeout)
+        except grpc.RpcError as e:
+            raise (DeadlineExceeded if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED else Unavailable)(
+                f"shard process {index}: {e.code().name}: {e.details()}") from None
+        return json.loads(answer)
 
     # The servicer's calls --------------------------------------------------------------------------------
     def warm_up(self, aggregation: Aggregation) -> None:
@@ -540,15 +576,7 @@ class ShardProcesses:
             try:
                 self._call(index, FINISH, {"id": aggregation.id, "timeout": left}, timeout=left + 1.0)
                 return
-            except grpc.RpcError as e:
-                code = e.code()
-                if code is grpc.StatusCode.FAILED_PRECONDITION:
-                    raise FailedPrecondition(e.details()) from None
-                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise DeadlineExceeded(e.details() or f"aggregation {aggregation.id}: shard process {index}"
-                                           " did not answer in time") from None
-                if code is not grpc.StatusCode.UNAVAILABLE:
-                    raise Unavailable(f"shard process {index}: {code.name}: {e.details()}") from None
+            except Unavailable:
                 time.sleep(0.1)  # restarting: it opens the aggregation from the store again
 
     def forget(self, aggregation: Aggregation) -> None:

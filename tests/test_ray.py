@@ -317,3 +317,60 @@ def test_a_server_on_ray_sums_through_ingest_and_shard_actors_while_actors_are_k
     assert result.clip_counts == {"w": clipped, "b": clipped}
     for layer, want in zip(LAYERS, sums):
         np.testing.assert_allclose(result.sums[layer.name], want, rtol=1e-5, atol=1e-5)
+
+
+def test_shard_hosts_on_ray_receive_and_sum_with_no_byte_through_the_server(pg, ray_cluster):
+    """``--ray-shard-hosts 2``: clients stream straight to the host that sums their shard; one host SIGKILLed.
+
+    Ray restarts the host, which opens the aggregation from the store again (its shard's checkpoint), the
+    clients ask for the placement again and resume; the result is exact and the server received no payload.
+    """
+    import threading
+
+    from clipd.client import Client
+    from clipd.server.app import create_server
+    from clipd.server.settings import Settings
+    from conftest import TEST_SETTINGS
+
+    from service_helpers import free_port, submitting
+
+    settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
+                           "ray_shard_hosts": 2, "ray_ingest_port": free_port()})
+    server, _ = create_server(settings)
+    target = f"127.0.0.1:{settings.ray_ingest_port}"  # the hosts' shared port, on any node
+    clients = {f"client-{i}": [batch(2000 * i + j) for j in range(6)] for i in range(4)}
+    started = threading.Semaphore(0)
+    try:
+        with Client(target) as c:
+            aggregation = c.create_aggregation({layer.name: layer.shape for layer in LAYERS}, l2_norm_clip=CLIP,
+                                               aggregation_id="on-hosts")
+            placement = c.placement(aggregation)
+        assert placement.shards == 2 and len(set(placement.endpoints)) == 2
+
+        def updates(name: str):
+            for j, arrays in enumerate(clients[name]):
+                yield {layer.name: a for layer, a in zip(LAYERS, arrays)}
+                if j == 1:
+                    started.release()
+                time.sleep(0.05)
+
+        with submitting(target, aggregation, clients, updates, 6 * ROWS, retry_delay=0.05, retry_timeout=120,
+                        message_bytes=1 << 10):
+            for _ in clients:
+                assert started.acquire(timeout=60)
+            victim = server.devices.describe_processes()[0]
+            os.kill(victim["pid"], signal.SIGKILL)  # Ray restarts it; it opens the aggregation from the store
+        with Client(target) as c:
+            result = c.finalize(aggregation)
+        assert server.servicer.payload_bytes == 0  # no payload byte reached the server
+        deadline = time.monotonic() + 30
+        while server.devices.describe_processes()[0]["restarts"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        server.stop(1.0)
+    sums, examples, clipped = reference([arrays for batches in clients.values() for arrays in batches])
+    assert result.examples == examples == 4 * 6 * ROWS
+    assert result.clip_counts == {"w": clipped, "b": clipped}
+    for layer, want in zip(LAYERS, sums):
+        np.testing.assert_allclose(result.sums[layer.name], want, rtol=1e-5, atol=1e-5)
