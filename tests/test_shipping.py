@@ -69,7 +69,7 @@ def test_scale_out_compose_runs_the_server_on_postgres_and_ray():
     assert {"postgres", "ray-head", "ray-worker", "clipd"} <= set(services)
     settings = _settings_from(services["clipd"]["environment"])
     assert settings.data_dir.startswith("postgresql://") and "@postgres:5432/" in settings.data_dir
-    assert settings.ray_address == "ray-head:6379" and settings.ray_ingest_actors >= 2 and settings.processes == 0
+    assert settings.ray_address == "ray-head:6379" and settings.ray_shard_hosts >= 2 and settings.processes == 0
     assert services["ray-worker"]["command"][:2] == ["ray", "start"] and "--address=ray-head:6379" in \
         services["ray-worker"]["command"]
     extras = set(services["clipd"]["build"]["args"]["CLIPD_EXTRAS"].split(","))
@@ -89,7 +89,7 @@ def test_kuberay_example_runs_the_server_beside_the_ray_head():
     assert settings.ray_address == "127.0.0.1:6379" and settings.ray_gpus_per_shard == 1
     workers = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert settings.ray_ingest_actors == 2
+    assert settings.ray_shard_hosts == 2
     assert [p["containerPort"] for p in workers["ports"]] == [settings.ray_ingest_port] == \
         [p["targetPort"] for p in ingest["spec"]["ports"]]
     ports = {p["containerPort"] for p in clipd["ports"]}
