@@ -24,6 +24,7 @@ error, reconnects. The last line is::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import platform
@@ -68,15 +69,17 @@ def _round_clients(target: str, aggregation: str, seeds: list[int], start, done)
                 start.wait()
                 report = client.submit(aggregation, {"x": update}, client_id=f"device-{seed}")
                 reconnects.append(report.reconnects)
+        except threading.BrokenBarrierError:
+            errors.append("not started: another client of this process failed before the round")
         except Exception as e:  # counted: a round must have none
             errors.append(repr(e))
-            with __import__("contextlib").suppress(threading.BrokenBarrierError):
-                ready.abort()
+            ready.abort()
 
     threads = [threading.Thread(target=one, args=(seed,)) for seed in seeds]
     for t in threads:
         t.start()
-    ready.wait()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        ready.wait()
     for t in threads:
         t.join()
     done.put((time.monotonic(), len(errors), sum(reconnects), errors[:3]))
