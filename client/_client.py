@@ -367,6 +367,7 @@ class Client:
         last_progress = time.monotonic()
         while True:
             acked_before = stream.acked
+            responses = None
             try:
                 responses = self._submit_to(stream.aggregation_id, stream.client_id)(
                     stream.requests(), metadata=self._metadata)
@@ -390,8 +391,9 @@ class Client:
                 error: ClipdError = UnavailableError("the stream ended before every batch was acknowledged")
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-            except ClipdError as e:  # the client's own checks (greet)
-                responses.cancel()
+            except ClipdError as e:  # the client's own checks (greet), or the placement refused
+                if responses is not None:
+                    responses.cancel()
                 error = e
             if stream.acked > acked_before:
                 failures, last_progress = 0, time.monotonic()

@@ -188,7 +188,11 @@ class Aggregation:
     def _check_room_for(self, client_id: str) -> None:
         if self.max_clients is None or client_id in self._accepted or client_id in self._open_writers:
             return
-        known = len(self._accepted.keys() | self._open_writers.keys())
+        # The streams of one spread submission (id, id~1, ...) are one client.
+        bases = {c.rpartition(SPREAD_MARK)[0] or c for c in self._accepted.keys() | self._open_writers.keys()}
+        if (client_id.rpartition(SPREAD_MARK)[0] or client_id) in bases:
+            return
+        known = len(bases)
         if known >= self.max_clients:
             raise ResourceExhausted(f"aggregation {self.id} has {known} clients, the limit"
                                     f" is {self.max_clients} (max_clients)")

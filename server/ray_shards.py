@@ -536,7 +536,8 @@ class _ShardHost:
         return os.getpid()
 
 
-ShardHost = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.25)(_ShardHost)
+# Several calls at once: a long Open or Finish must not hold up the server's endpoint and pid checks.
+ShardHost = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.25, max_concurrency=16)(_ShardHost)
 
 
 class RayShardHosts(ShardProcesses):

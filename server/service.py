@@ -222,8 +222,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         was = aggregation.state
         aggregation.cancel()
         self.ledgers.forget(aggregation)
+        self.store.delete(aggregation.id)  # first: a shard process can't open it again from the store
         self.devices.forget(aggregation)
-        self.store.delete(aggregation.id)
         event(log, "aggregation.deleted", aggregation=aggregation.id, was=was.value)
         return aggregation
 
@@ -269,6 +269,9 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             if private else None)
         if first:
             event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
+            finished = getattr(self.devices, "finished", None)
+            if finished is not None:  # shard processes: they may drop their copies now
+                finished(aggregation)
         return result
 
     def _describe(self, aggregation: Aggregation) -> pb.Aggregation:
@@ -480,6 +483,8 @@ class _SubmitSession:
                 return
             if self._idle():
                 break
+        if self.evicted:
+            self._idle()  # sets the error: UNAVAILABLE
         aggregation = self.aggregation if self.error is None else None
         sent = 0
         if aggregation is not None and self.greeting is not None:

@@ -99,6 +99,36 @@ def stats_from_json(empty: PartialState, fields: dict) -> PartialState:
 
 
 # The shard process ------------------------------------------------------------------------------------
+class _FirstMessage:
+    """A stream's first message, read on a thread of its own, so that waiting for it is bounded and evictable."""
+
+    NOTHING = object()  # nothing came in time, or the stream's slot went to another client
+
+    def __init__(self, requests) -> None:
+        self._requests, self._got, self._done = requests, [], threading.Event()
+        self._since = time.monotonic()
+
+    def _read(self) -> None:
+        try:
+            self._got.append(next(self._requests, None))
+        except Exception:  # the call ended (cancelled, reset): nothing to read
+            self._got.append(None)
+        self._done.set()
+
+    def take(self, timeout: float):
+        threading.Thread(target=self._read, name="clipd-first-message", daemon=True).start()
+        self._done.wait(timeout)
+        return self._got[0] if self._got else self.NOTHING
+
+    def idle_since(self) -> float:
+        return self._since
+
+    def evict(self) -> None:
+        self.evicted = True
+        self._done.set()
+
+
+
 class _ShardRegistry(Registry):
     """A shard process's aggregations, each opened from the store the first time it is asked for."""
 
@@ -241,7 +271,20 @@ class ShardProcess:
         return owner_of(shard_of(message.client_id, aggregation.shards), self.count)
 
     def _submit(self, raw_requests, context):
-        first = next(raw_requests, None)
+        owner_key = stream_owner(bearer_token(context.invocation_metadata()), context)
+        waiting = _FirstMessage(raw_requests)
+        try:  # a slot while the first message comes (an evictable one), as for any stream
+            self.servicer.stream_slots.acquire(owner_key, waiting)
+        except ClipdError as e:
+            self.servicer.refuse(context, e, "Submit")
+        try:
+            first = waiting.take(self.settings.stream_idle_timeout)
+        finally:
+            self.servicer.stream_slots.release(owner_key, waiting)
+        if first is _FirstMessage.NOTHING:
+            self.servicer.refuse(context, Unavailable(
+                f"nothing received for {self.settings.stream_idle_timeout:g} s (or the slot went to another"
+                " client): the stream is closed; reconnect to go on"), "Submit")
         if first is None:
             return
         message = self._parse(first)
@@ -253,13 +296,15 @@ class ShardProcess:
                 yield response.SerializeToString()
             return
         del message
-        owner_key = stream_owner(bearer_token(context.invocation_metadata()), context)
+        forward = self._to_sibling.get(owner)
+        if forward is None:  # a Ray host that has not heard of its siblings yet (it just restarted)
+            self.servicer.refuse(context, Unavailable(f"shard process {owner} is not reachable yet; retry"), "Submit")
         try:  # a plain client reached the wrong process: one hop to the owner, bytes as they came
             self.servicer.stream_slots.acquire(owner_key)
         except ClipdError as e:
             self.servicer.refuse(context, e, "Submit")
         try:
-            yield from self._to_sibling[owner](itertools.chain([first], raw_requests), context)
+            yield from forward(itertools.chain([first], raw_requests), context)
         finally:
             self.servicer.stream_slots.release(owner_key)
 
@@ -443,7 +488,8 @@ class ShardProcesses:
         reader.join(timeout)
         with self._lock:
             self._processes[index] = process
-        if not answer or not answer[0].startswith("ready "):
+            stopping = self._stopping.is_set()
+        if stopping or not answer or not answer[0].startswith("ready "):
             with contextlib.suppress(OSError):
                 process.kill()
             process.wait()
@@ -464,12 +510,25 @@ class ShardProcesses:
             self._stopping.wait(0.5)
 
     def _serve(self, index: int) -> bool:
-        """Process ``index`` says SERVING on its health service (once every process is up)."""
-        if self._call(index, SERVE, {}, timeout=30, quiet=True) is None:
-            return False
+        """Process ``index`` says SERVING on its health service (once every process is up).
+
+        One that can't be told is killed (never two live owners of the same shards): it starts again.
+        """
+        try:
+            answer = json.loads(self._channels[index].unary_unary(f"/{INTERNAL}/{SERVE}")(
+                b"{}", timeout=30, wait_for_ready=True))
+        except grpc.RpcError:
+            answer = None
         with self._lock:
-            self._served[index] = True
-        return True
+            process = self._processes[index]
+            if answer is not None and "error" not in answer and process is not None and process.poll() is None:
+                self._served[index] = True
+                return True
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.kill()
+            process.wait()
+        return False
 
     def start(self, registry: Registry) -> ShardProcesses:
         """Starts every shard process and returns once each is ready (one that dies meanwhile starts again)."""
@@ -484,10 +543,7 @@ class ShardProcesses:
             for thread in threads:
                 thread.join()
             for index in down:  # every one is up: they serve (one that died meanwhile starts again above)
-                with self._lock:
-                    alive = self._processes[index] is not None and self._processes[index].poll() is None
-                if alive:
-                    self._serve(index)
+                self._serve(index)
         self._started = True
         for thread in self._threads:
             thread.start()
@@ -552,13 +608,20 @@ class ShardProcesses:
     def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
         """Closes the aggregation in every shard process, fences them out and reads back every final checkpoint."""
         deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
-        self.store.set_state(aggregation.id, CLOSING)
-        owners = sorted({owner_of(k, self.count) for k in range(aggregation.shards)})
-        with concurrent.futures.ThreadPoolExecutor(len(owners)) as pool:
-            for finished in [pool.submit(self._finish, i, aggregation, deadline) for i in owners]:
-                finished.result()
-        for k in range(aggregation.shards):  # from here on, no shard process's checkpoint can land
-            self.store.claim_shard(aggregation.id, k)
+        if not getattr(aggregation, "fenced", False):  # a retry after the fence reads the checkpoints again
+            self.store.set_state(aggregation.id, CLOSING)
+            owners = sorted({owner_of(k, self.count) for k in range(aggregation.shards)})
+            with concurrent.futures.ThreadPoolExecutor(len(owners)) as pool:
+                try:
+                    for finished in [pool.submit(self._finish, i, aggregation, deadline) for i in owners]:
+                        finished.result()
+                except FailedPrecondition as e:  # a shard process failed it: so does the aggregation
+                    if aggregation.fail(str(e)):
+                        self.store.set_state(aggregation.id, FAILED, reason=str(e), finished=time.time())
+                    raise
+            for k in range(aggregation.shards):  # from here on, no shard process's checkpoint can land
+                self.store.claim_shard(aggregation.id, k)
+            aggregation.fenced = True
         totals = [self.store.load_checkpoint(aggregation.id, shard=k, newest_only=True)
                   for k in range(aggregation.shards)]
         if None in totals:
@@ -583,6 +646,10 @@ class ShardProcesses:
         for index in range(self.count):
             self._call(index, FORGET, {"id": aggregation.id}, timeout=10.0, quiet=True)
         self._empty.pop(aggregation.id, None)
+
+    def finished(self, aggregation: Aggregation) -> None:
+        """Finalized (the store says so): the shard processes drop their copies (a late Submit is refused)."""
+        threading.Thread(target=self.forget, args=(aggregation,), name="clipd-forget", daemon=True).start()
 
     def endpoints(self) -> list[str]:
         host = self.settings.advertise_host or self.settings.host
