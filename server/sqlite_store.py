@@ -44,6 +44,7 @@ import re
 import secrets
 import sqlite3
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 
@@ -142,14 +143,27 @@ class SQLiteStore(Store):
         _make_dir(self.data_dir)
         _make_dir(self._states)
         self._lock_file = None if sibling else _lock_exclusively(os.path.join(self.data_dir, "lock"))
+        # Shard processes hold the sweep lock shared while they run; the owner sweeps only under it
+        # exclusively, so it never removes a file that a shard process of an earlier owner still commits.
+        self._sweep_lock = open(os.path.join(self.data_dir, "sweep.lock"), "a+b")
         self._conn = self._connect(os.path.join(self.data_dir, DB_NAME))
         try:
-            if not sibling:
+            if sibling:
+                fcntl.flock(self._sweep_lock.fileno(), fcntl.LOCK_SH)
+            else:
                 self._init_schema()
                 _fsync_dir(self.data_dir)  # the database and its WAL are entries of data_dir
-                self._sweep()
+                if _wait_for_lock(self._sweep_lock, SWEEP_WAIT):
+                    try:
+                        self._sweep()
+                    finally:
+                        fcntl.flock(self._sweep_lock.fileno(), fcntl.LOCK_UN)
+                else:
+                    log.warning("store: shard processes of an earlier clipd still run in %s; not sweeping"
+                                " (what a crash left goes at the next open)", self.data_dir)
         except BaseException:
             self._conn.close()
+            self._sweep_lock.close()
             if self._lock_file is not None:
                 self._lock_file.close()
             raise
@@ -460,11 +474,28 @@ class SQLiteStore(Store):
         """Closes the SQLite connection (a second call does nothing)."""
         with self._db_lock:
             self._conn.close()
+        self._sweep_lock.close()
         if self._lock_file is not None:
             self._lock_file.close()  # releases the directory for another process
 
 
 # Helpers ----------------------------------------------------------------------------------
+SWEEP_WAIT = 10.0  # seconds an opening owner waits for an earlier owner's shard processes to exit
+
+
+def _wait_for_lock(f, timeout: float) -> bool:
+    """Takes ``f``'s flock exclusively, waiting up to ``timeout`` seconds; False if it could not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
 def _lock_exclusively(path: str):
     """An open lock file holding an exclusive ``flock``: one process per data directory.
 

@@ -529,6 +529,29 @@ class TestSQLiteStore(StoreContract):
         finally:
             store.close()
 
+    def test_no_sweep_while_shard_processes_of_an_earlier_owner_run(self, tmp_path):
+        """A sibling (shard process) holds the sweep lock shared: a new owner waits for it before sweeping."""
+        data = tmp_path / "data"
+        store = SQLiteStore(str(data))
+        store.create(record("a"))
+        store.save_checkpoint("a", state_at(1))
+        store.close()
+        sibling = SQLiteStore(str(data), sibling=True)  # an earlier owner's shard process, still running
+        in_flight = _only_dir(data) / "0-feedfacefeedface.state"  # renamed, its row not committed yet
+        in_flight.write_bytes(state_at(2).to_bytes())
+        opened = []
+        opener = threading.Thread(target=lambda: opened.append(SQLiteStore(str(data))))
+        opener.start()
+        time.sleep(0.5)
+        assert not opened and in_flight.exists()  # the new owner waits; the file is not swept meanwhile
+        sibling.close()  # the shard process exits
+        opener.join(10)
+        try:
+            assert opened and not in_flight.exists()  # now swept (it never got its row)
+            assert opened[0].load_checkpoint("a") == state_at(1)
+        finally:
+            opened[0].close()
+
     def test_open_sweeps_crash_leftovers(self, tmp_path):
         data = tmp_path / "data"
         store = SQLiteStore(str(data))
