@@ -260,18 +260,24 @@ class ShardProcess:
         return aggregation
 
     # Submit: here, or on to the process that owns the shard ----------------------------------------
-    def _owner(self, message) -> int:
-        """The process that sums the stream's shard (this one when that can't be known: it refuses)."""
+    def _owner(self, message, token: str | None) -> int:
+        """The process that sums the stream's shard (this one when that can't be known, or the caller may not
+        submit: it refuses, as one process does). Read from the store's record: nothing is opened for routing."""
         if isinstance(message, self._malformed) or not message.aggregation_id:
             return self.index
-        try:
-            aggregation = self.registry.get(message.aggregation_id)
-        except ClipdError:
-            return self.index  # unknown, finalized...: refused here as one process refuses
-        return owner_of(shard_of(message.client_id, aggregation.shards), self.count)
+        record = self.store.get(message.aggregation_id)
+        if record is None or not (self.servicer.is_admin(token) or self.servicer.submit_tokens.check(
+                token, record.aggregation_id, record.created)):
+            return self.index
+        owner = owner_of(shard_of(message.client_id, codec.spec_shards(record.spec)), self.count)
+        if owner == self.index:  # opened here now, so that its submit token is one this process knows
+            with contextlib.suppress(ClipdError):
+                self.registry.get(record.aggregation_id)
+        return owner
 
     def _submit(self, raw_requests, context):
-        owner_key = stream_owner(bearer_token(context.invocation_metadata()), context)
+        token = bearer_token(context.invocation_metadata())
+        owner_key = stream_owner(token, context)
         waiting = _FirstMessage(raw_requests)
         try:  # a slot while the first message comes (an evictable one), as for any stream
             self.servicer.stream_slots.acquire(owner_key, waiting)
@@ -288,7 +294,7 @@ class ShardProcess:
         if first is None:
             return
         message = self._parse(first)
-        owner = self._owner(message)
+        owner = self._owner(message, token)
         if owner == self.index:
             messages = itertools.chain([message], map(self._parse, raw_requests))
             del message, first
