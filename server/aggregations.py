@@ -432,9 +432,17 @@ class Aggregation:
                      self.policy.example_bound(self.layers), 0.0, 0.0, self.failure_reason,
                      privacy_notice=notice, release=self.release)
 
+    def live_shard_totals(self, shards) -> dict[int, PartialState]:
+        """These shards' totals with the statistics of their device deltas since the last flush (no sums of those)."""
+        with self.cond:
+            return {k: self._live_locked(k) for k in shards}
+
+    def _live_locked(self, shard: int) -> PartialState:
+        stats = self._device_stats[shard]
+        return self.shard_totals[shard] if stats is None else self.shard_totals[shard].absorb(stats)
+
     def _raw_stats_locked(self) -> Stats:
-        t = PartialState.merge_all([totals if stats is None else totals.absorb(stats)
-                                    for totals, stats in zip(self.shard_totals, self._device_stats)])
+        t = PartialState.merge_all([self._live_locked(k) for k in range(self.shards)])
         counted = t.layer_histograms.sum(axis=1)
         bounds = self._layer_bounds()
         layers = tuple(
@@ -528,6 +536,17 @@ class Registry:
         if aggregation is None:
             raise NotFound(f"no aggregation {aggregation_id!r}")
         return aggregation
+
+    def created(self, aggregation_id: str) -> float | None:
+        """When the aggregation was created (its submit token is bound to it), None if it is unknown here."""
+        with self._lock:
+            aggregation = self._by_id.get(aggregation_id)
+        return None if aggregation is None else aggregation.created
+
+    def identities(self) -> list[tuple[str, float]]:
+        """(id, created) of every aggregation known here: what the submit tokens are bound to."""
+        with self._lock:
+            return [(a.id, a.created) for a in self._by_id.values()]
 
     def remove(self, aggregation_id: str) -> Aggregation:
         with self._lock:

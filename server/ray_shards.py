@@ -554,7 +554,6 @@ class RayShardHosts(ShardProcesses):
         self.count = settings.ray_shard_hosts
         self.control = ""  # the server's address as the nodes reach it (set once its port is bound)
         self.actors: list = []
-        self.data_ports = [0] * self.count
         self._endpoints = [""] * self.count
         self._pids: list = [None] * self.count
         self._served = [False] * self.count
@@ -605,7 +604,6 @@ class RayShardHosts(ShardProcesses):
                         self.restarts[index] += 1
                     moved = True
                 self._endpoints[index], self._pids[index], self._served[index] = endpoint, pid, True
-                self.data_ports[index] = int(endpoint.rsplit(":", 1)[1])
             endpoints = dict(enumerate(self._endpoints))
         if moved:
             for index, actor in enumerate(self.actors):

@@ -335,20 +335,17 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         """
         if self.is_admin(token):
             return self.registry.get(aggregation_id)
+        created = self.registry.created(aggregation_id) if token is not None else None
+        if created is not None and self.submit_tokens.check(token, aggregation_id, created):
+            return self.registry.get(aggregation_id)  # a finalized one refuses batches there, as for the admin
         if token is None or not self.is_credential(token):
             raise Unauthenticated("a valid 'authorization: Bearer <token>' is required")
-        try:
-            aggregation = self.registry.get(aggregation_id)
-        except ClipdError:
-            aggregation = None
-        if aggregation is None or not self.submit_tokens.check(token, aggregation.id, aggregation.created):
-            raise PermissionDenied(f"this token may not {action} aggregation {aggregation_id!r}")
-        return aggregation
+        raise PermissionDenied(f"this token may not {action} aggregation {aggregation_id!r}")
 
     def is_credential(self, token: str) -> bool:
         """The admin token or the submit token of some aggregation of this server."""
         return self.is_admin(token) or any(
-            self.submit_tokens.check(token, a.id, a.created) for a in self.registry.all())
+            self.submit_tokens.check(token, i, created) for i, created in self.registry.identities())
 
 
 def stream_owner(token: str | None, context) -> tuple[str, str]:

@@ -67,6 +67,7 @@ from .ingest import _pass, passing_through
 from .credentials import bearer_token
 from .service import stream_owner
 from .settings import Settings
+from .shards import owner_of
 from .store import CLOSING, FAILED, FINALIZED, Store
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,6 @@ _STAT_ARRAYS = ("clip_counts", "layer_histograms", "example_histogram", "norm_su
 
 
 _ERRORS = {"FAILED_PRECONDITION": FailedPrecondition, "DEADLINE_EXCEEDED": DeadlineExceeded, "NOT_FOUND": NotFound}
-
-
-def owner_of(shard: int, processes: int) -> int:
-    """The shard process that sums ``shard``."""
-    return shard % processes
 
 
 def stats_to_json(state: PartialState) -> dict:
@@ -132,8 +128,9 @@ class _FirstMessage:
 class _ShardRegistry(Registry):
     """A shard process's aggregations, each opened from the store the first time it is asked for."""
 
-    def __init__(self, open_from_store) -> None:
+    def __init__(self, store, open_from_store) -> None:
         super().__init__(max_aggregations=1 << 30)  # the control process enforces the limits at create
+        self._store = store
         self._open_from_store = open_from_store
         self._opening = threading.Lock()
 
@@ -146,6 +143,18 @@ class _ShardRegistry(Registry):
             aggregation = self._open_from_store(aggregation_id)
             self.add(aggregation)
             return aggregation
+
+    def created(self, aggregation_id: str) -> float | None:
+        """From the store's record: an aggregation this process has not opened (or has dropped, finalized)
+        is still one whose submit token is known here."""
+        created = super().created(aggregation_id)
+        if created is None:
+            record = self._store.get(aggregation_id)
+            created = None if record is None else record.created
+        return created
+
+    def identities(self) -> list[tuple[str, float]]:
+        return [(r.aggregation_id, r.created) for r in self._store.records()]
 
 
 class ShardProcess:
@@ -177,7 +186,7 @@ class ShardProcess:
         self.store = open_store(settings.data_dir, sibling=True)
         self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
                                settings.warmup_timeout, process=(index, self.count))
-        self.registry = _ShardRegistry(self._open_from_store)
+        self.registry = _ShardRegistry(self.store, self._open_from_store)
         self.servicer = ClipdServicer(settings, self.registry, self.devices, self.store,
                                       SubmitTokens(self.store.submit_token_key()))
         limit = settings.max_message_bytes + (1 << 16)
@@ -269,11 +278,7 @@ class ShardProcess:
         if record is None or not (self.servicer.is_admin(token) or self.servicer.submit_tokens.check(
                 token, record.aggregation_id, record.created)):
             return self.index
-        owner = owner_of(shard_of(message.client_id, codec.spec_shards(record.spec)), self.count)
-        if owner == self.index:  # opened here now, so that its submit token is one this process knows
-            with contextlib.suppress(ClipdError):
-                self.registry.get(record.aggregation_id)
-        return owner
+        return owner_of(shard_of(message.client_id, codec.spec_shards(record.spec)), self.count)
 
     def _submit(self, raw_requests, context):
         token = bearer_token(context.invocation_metadata())
@@ -357,11 +362,8 @@ class ShardProcess:
         for aggregation in self.registry.all():
             if aggregation.id not in request["ids"]:
                 continue
-            with aggregation.cond:
-                states = {k: aggregation.shard_totals[k] if aggregation._device_stats[k] is None
-                          else aggregation.shard_totals[k].absorb(aggregation._device_stats[k])
-                          for k in self.devices.owned(aggregation.shards)}
-                failed = aggregation.failure_reason if aggregation.state is State.FAILED else ""
+            states = aggregation.live_shard_totals(self.devices.owned(aggregation.shards))
+            failed = aggregation.failure_reason if aggregation.state is State.FAILED else ""
             found[aggregation.id] = {"shards": {k: stats_to_json(s) for k, s in states.items()}, "failed": failed}
         return {"aggregations": found, "devices": self.devices.describe(),
                 "queued_bytes": self.devices.queued_bytes, "queue_depth": self.devices.queue_depth,

@@ -31,6 +31,11 @@ from .store import Store
 from .worker import DeviceWorker
 
 
+def owner_of(shard: int, processes: int) -> int:
+    """The shard process (of ``processes``) that sums ``shard``: shards are dealt round the processes."""
+    return shard % processes
+
+
 class Devices:
     """The device workers of one server: where each shard runs, and the calls that span every shard.
 
@@ -61,7 +66,7 @@ class Devices:
         return len(self.workers)
 
     def owns(self, shard: int) -> bool:
-        return shard % self.processes == self.index
+        return owner_of(shard, self.processes) == self.index
 
     def owned(self, shards: int) -> tuple[int, ...]:
         """The shards of an aggregation of ``shards`` shards that this process sums."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import doctest
 import os
+import zlib
 import signal
 import subprocess
 import threading
@@ -185,7 +186,7 @@ def test_the_doctests_of_the_data_plane_modules():
 
 
 def test_spread_ids_land_on_successive_shards():
-    base = aggregations.shard_of("solo", 4)
+    base = zlib.crc32(b"solo") % 4  # the rule from its definition, not from clipd
     assert [aggregations.shard_of(i, 4) for i in ("solo", "solo~1", "solo~2", "solo~3")] == [
         base, (base + 1) % 4, (base + 2) % 4, (base + 3) % 4]
     assert aggregations.shard_of("a~b", 4) == aggregations.shard_of("a~b", 4)  # not a stream number: a plain id
@@ -247,7 +248,19 @@ def test_refusals_through_a_shard_process_are_those_of_one_process(behind_shards
                             timeout=60))
             assert acks[-1].acknowledged_sequence == 1
     with Client(target, token="admin-secret") as c:
+        deadline = time.monotonic() + 10  # the control's statistics, polled from the shard processes
+        while c.stats("via-shards").examples != 18:
+            assert time.monotonic() < deadline, c.stats("via-shards")
+            time.sleep(0.1)
         result = c.finalize("via-shards")
+    with grpc.insecure_channel(target) as channel:  # finalized: every shard process refuses more batches
+        raw = channel.stream_stream("/clipd.v1.Clipd/Submit")
+        for client in x:
+            chunk = wire.tensor_chunk(0, pb.FLOAT32, (1, 4), 0, np.zeros(4, np.float32).view(np.uint8))
+            with pytest.raises(grpc.RpcError) as e:
+                list(raw(iter([wire.submit_request("via-shards", client, 2, [chunk], "w")]), metadata=token,
+                         timeout=60))
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
     stacked = np.concatenate(list(x.values())).astype(np.float64)
     norms = np.linalg.norm(stacked, axis=1)
     np.testing.assert_allclose(result.sums["w"], np.minimum(1, 1 / norms) @ stacked, rtol=1e-6)

@@ -110,6 +110,26 @@ def uninterrupted(aggregation_id: str, shard: int, sends: list[tuple[str, int, i
     return owner.totals
 
 
+def slow_updates(clients: dict, started):
+    """``updates(name)`` for ``submitting``: a client's batches, 0.05 s apart; ``started`` released after the second."""
+    def updates(name: str):
+        for j, arrays in enumerate(clients[name]):
+            yield {layer.name: a for layer, a in zip(LAYERS, arrays)}
+            if j == 1:
+                started.release()
+            time.sleep(0.05)
+    return updates
+
+
+def assert_result_exact(result, clients: dict) -> None:
+    """A finalized result holds exactly every batch of ``clients`` (4 clients x 6 batches), clipped."""
+    sums, examples, clipped = reference([arrays for batches in clients.values() for arrays in batches])
+    assert result.examples == examples == 4 * 6 * ROWS
+    assert result.clip_counts == {"w": clipped, "b": clipped}
+    for layer, want in zip(LAYERS, sums):
+        np.testing.assert_allclose(result.sums[layer.name], want, rtol=1e-5, atol=1e-5)
+
+
 def new_aggregation(dsn: str, aggregation_id: str) -> PostgresStore:
     store = PostgresStore(dsn)
     store.create(AggregationRecord(aggregation_id, SPEC, created=time.time()))
@@ -286,12 +306,7 @@ def test_a_server_on_ray_sums_through_ingest_and_shard_actors_while_actors_are_k
             aggregation = c.create_aggregation({layer.name: layer.shape for layer in LAYERS}, l2_norm_clip=CLIP,
                                                aggregation_id="on-ray")
 
-        def updates(name: str):
-            for j, arrays in enumerate(clients[name]):
-                yield {layer.name: a for layer, a in zip(LAYERS, arrays)}
-                if j == 1:
-                    started.release()
-                time.sleep(0.05)
+        updates = slow_updates(clients, started)
 
         with submitting(target, aggregation, clients, updates, 6 * ROWS, retry_delay=0.05, message_bytes=1 << 10):
             for _ in clients:
@@ -312,11 +327,7 @@ def test_a_server_on_ray_sums_through_ingest_and_shard_actors_while_actors_are_k
         assert sum(server.guard.forwarded.values()) > 0 and not server.guard.forwarded.keys() - {"0", "1"}
     finally:
         server.stop(1.0)
-    sums, examples, clipped = reference([arrays for batches in clients.values() for arrays in batches])
-    assert result.examples == examples == 4 * 6 * ROWS
-    assert result.clip_counts == {"w": clipped, "b": clipped}
-    for layer, want in zip(LAYERS, sums):
-        np.testing.assert_allclose(result.sums[layer.name], want, rtol=1e-5, atol=1e-5)
+    assert_result_exact(result, clients)
 
 
 def test_shard_hosts_on_ray_receive_and_sum_with_no_byte_through_the_server(pg, ray_cluster):
@@ -347,12 +358,7 @@ def test_shard_hosts_on_ray_receive_and_sum_with_no_byte_through_the_server(pg, 
             placement = c.placement(aggregation)
         assert placement.shards == 2 and len(set(placement.endpoints)) == 2
 
-        def updates(name: str):
-            for j, arrays in enumerate(clients[name]):
-                yield {layer.name: a for layer, a in zip(LAYERS, arrays)}
-                if j == 1:
-                    started.release()
-                time.sleep(0.05)
+        updates = slow_updates(clients, started)
 
         with submitting(target, aggregation, clients, updates, 6 * ROWS, retry_delay=0.05, retry_timeout=120,
                         message_bytes=1 << 10):
@@ -369,8 +375,4 @@ def test_shard_hosts_on_ray_receive_and_sum_with_no_byte_through_the_server(pg, 
             time.sleep(0.2)
     finally:
         server.stop(1.0)
-    sums, examples, clipped = reference([arrays for batches in clients.values() for arrays in batches])
-    assert result.examples == examples == 4 * 6 * ROWS
-    assert result.clip_counts == {"w": clipped, "b": clipped}
-    for layer, want in zip(LAYERS, sums):
-        np.testing.assert_allclose(result.sums[layer.name], want, rtol=1e-5, atol=1e-5)
+    assert_result_exact(result, clients)
