@@ -9,6 +9,13 @@ one float32 layer of 65,536 values = 256 KiB an update, global clipping at 1.0):
   8 clients  the same bytes from 8 clients, each submitting ``clients / 8`` updates as one
              client (the reference: the service's throughput when connections are few).
 
+  --sinks   the same two modes against bare gRPC sinks instead of clipd (``--processes`` processes
+             sharing the port by SO_REUSEPORT, each parsing every message with clipd's parser and
+             acknowledging it, keeping nothing): the sync server (a thread pool of 256) and
+             ``grpc.aio`` (one event loop), with raw streams on a channel per client. This is the
+             measurement behind the choice of server for the shard endpoints: what 2,000 connections
+             cost the gRPC runtime itself on this machine, before anything clipd does.
+
 Every client must finish without an error (the client's own retries are fine: a full set of
 stream slots answers RESOURCE_EXHAUSTED with a retry hint, and the client waits and tries
 again); the reconnects are counted. Each run's result is checked against a float64 numpy
@@ -19,6 +26,7 @@ error, reconnects. The last line is::
 
     python benchmarks/round.py                        # 2,000 clients, 2 shard processes
     python benchmarks/round.py --clients 200 --client-processes 2 --repeats 1   # a quick one
+    python benchmarks/round.py --sinks                # bare sync vs grpc.aio sinks, same clients
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ def _round_clients(target: str, aggregation: str, seeds: list[int], start, done)
         except threading.BrokenBarrierError:
             errors.append("not started: another client of this process failed before the round")
         except Exception as e:  # counted: a round must have none
-            errors.append(repr(e))
+            errors.append(f"{e!r}: {getattr(e, 'details', '') or e}")
             ready.abort()
 
     threads = [threading.Thread(target=one, args=(seed,)) for seed in seeds]
@@ -113,6 +121,144 @@ def _run(kind, target: str, aggregation: str, groups: list[list[int]]) -> tuple[
         [x for e in ends for x in e[3]]
 
 
+# Bare sinks: the gRPC runtime alone (sync thread pool or grpc.aio), for the choice of server -----
+
+def _bare_request(seeds: list[int], per_message: int = 8) -> list[bytes]:
+    """The serialized SubmitRequests of these updates (``per_message`` a message), as a client packs them."""
+    from clipd.client import wire
+
+    messages = []
+    for sequence, start in enumerate(range(0, len(seeds), per_message), 1):
+        part = np.stack([_update(seed) for seed in seeds[start : start + per_message]])
+        chunk = wire.tensor_chunk(0, 1, part.shape, 0, part.reshape(-1).view(np.uint8))
+        messages.append(wire.submit_request("bare", f"bare-{seeds[start]}", sequence, [chunk], "x"))
+    return messages
+
+
+def _bare_clients(target: str, aggregation: str, seeds: list[int], start, done) -> None:
+    """One client process against a bare sink: a thread, a channel and one raw stream per seed
+    (``aggregation == "round"``), or one stream carrying every seed's update (``"bulk"``)."""
+    import grpc
+
+    options = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]
+    groups = [[seed] for seed in seeds] if aggregation == "round" else [seeds]
+    errors: list[str] = []
+    ready = threading.Barrier(len(groups) + 1)
+
+    def one(group: list[int]) -> None:
+        messages = _bare_request(group)
+        try:
+            with grpc.insecure_channel(target, options) as channel:
+                grpc.channel_ready_future(channel).result(timeout=120)
+                submit = channel.stream_stream("/clipd.v1.Clipd/Submit")
+                ready.wait()
+                start.wait()
+                acks = list(submit(iter(messages), timeout=300))
+                if len(acks) != len(messages):
+                    errors.append(f"{len(acks)} acknowledgements for {len(messages)} messages")
+        except threading.BrokenBarrierError:
+            errors.append("not started")
+        except Exception as e:  # counted
+            errors.append(repr(e))
+            ready.abort()
+
+    threads = [threading.Thread(target=one, args=(group,)) for group in groups]
+    for t in threads:
+        t.start()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        ready.wait()
+    for t in threads:
+        t.join()
+    done.put((time.monotonic(), len(errors), 0, errors[:3]))
+
+
+def bare_sink(port: int, kind: str) -> None:
+    """``python benchmarks/round.py --bare-sink PORT sync|aio``: one sink process."""
+    import grpc
+
+    from clipd.server import wire
+
+    options = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 16 << 20),
+               ("grpc.max_concurrent_streams", 4096)]
+    if kind == "sync":
+        import concurrent.futures
+
+        def submit(requests, context):
+            for raw in requests:
+                yield _ack(wire.parse_submit_request(raw).sequence)
+
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(256), options=options)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "clipd.v1.Clipd", {"Submit": grpc.stream_stream_rpc_method_handler(submit)}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        print("ready", flush=True)
+        server.wait_for_termination()
+        return
+    import asyncio
+
+    async def submit_async(requests, context):
+        async for raw in requests:
+            yield _ack(wire.parse_submit_request(raw).sequence)
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "clipd.v1.Clipd", {"Submit": grpc.stream_stream_rpc_method_handler(submit_async)}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("ready", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _ack(sequence: int) -> bytes:
+    """A SubmitResponse with ``acknowledged_sequence`` (field 1) set, as clipd sends it."""
+    from clipd.client import wire
+
+    return b"\x08" + wire.varint(sequence)
+
+
+def measure_sink(kind: str, mode: str, processes: int, clients: int, client_processes: int, repeat: int):
+    port = _free_port()
+    sinks = [subprocess.Popen([sys.executable, __file__, "--bare-sink", str(port), kind], stdout=subprocess.PIPE,
+                              text=True) for _ in range(processes)]
+    try:
+        for sink in sinks:
+            if sink.stdout.readline() != "ready\n":
+                raise RuntimeError("a bare sink did not start")
+        target = f"127.0.0.1:{port}"
+        seeds = [repeat * 1_000_000 + i for i in range(clients)]
+        if mode == "round":
+            groups = [seeds[i::client_processes] for i in range(client_processes)]
+        else:
+            groups = [seeds[i::8] for i in range(8)]
+        cpu = [_server_cpu(p.pid) for p in sinks]
+        wall, errors, _, samples = _run(_bare_clients, target, "round" if mode == "round" else "bulk", groups)
+        cpu = sum(_server_cpu(p.pid) for p in sinks) - sum(cpu)
+        return wall, errors, 0, errors == 0, samples, cpu
+    finally:
+        for sink in sinks:
+            sink.kill()
+            sink.wait()
+
+
+def _server_cpu(pid: int) -> float:
+    """User + system CPU seconds so far of process ``pid`` and its children (clipd's shard processes)."""
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    total = 0
+    for p in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _reference(seeds: list[int]) -> np.ndarray:
     total = np.zeros(WIDTH)
     for seed in seeds:
@@ -137,18 +283,20 @@ def measure(mode: str, processes: int, clients: int, client_processes: int, work
         with Client(target) as c:
             aggregation = c.create_aggregation({"x": (WIDTH,)}, l2_norm_clip=CLIP)
             c.submit(aggregation, {"x": np.zeros((1, WIDTH), np.float32)}, client_id="warm-up")
+        cpu = _server_cpu(server.pid)
         if mode == "round":
             groups = [seeds[i::client_processes] for i in range(client_processes)]
             wall, errors, reconnects, samples = _run(_round_clients, target, aggregation, groups)
         else:
             groups = [seeds[i::8] for i in range(8)]
             wall, errors, reconnects, samples = _run(_bulk_client, target, aggregation, groups)
+        cpu = _server_cpu(server.pid) - cpu  # the clients' wait before the start included (small)
         with Client(target) as c:
             result = c.finalize(aggregation)
         expected = _reference(seeds)
         exact = result.examples == clients + 1 and bool(
             np.allclose(result.sums["x"], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max()))
-        return wall, errors, reconnects, exact, samples
+        return wall, errors, reconnects, exact, samples, cpu
     finally:
         server.terminate()
         try:
@@ -157,37 +305,64 @@ def measure(mode: str, processes: int, clients: int, client_processes: int, work
             server.kill()
 
 
+def _table(gb: float, runs: dict[str, list]) -> dict[str, float]:
+    print(f"{'mode':<20}| {'wall s':>7} | {'GB/s':>6} | {'server CPU s':>12} | {'errors':>6} | {'reconnects':>10} | exact")
+    print("-" * 83)
+    table = {}
+    for mode, results in runs.items():
+        wall = statistics.median(r[0] for r in results)
+        table[mode] = gb / wall
+        print(f"{mode:<20}| {wall:7.2f} | {gb / wall:6.3f} | {statistics.median(r[5] for r in results):12.2f} |"
+              f" {max(r[1] for r in results):6d} |"
+              f" {statistics.median(r[2] for r in results):10.0f} | {all(r[3] for r in results)}")
+    return table
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--bare-sink"]:
+        bare_sink(int(sys.argv[2]), sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=2000)
     parser.add_argument("--client-processes", type=int, default=8)
-    parser.add_argument("--processes", type=int, default=2, help="shard processes of clipd serve")
+    parser.add_argument("--processes", type=int, default=2, help="shard processes of clipd serve (or sinks)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sinks", action="store_true", help="bare sync and grpc.aio sinks instead of clipd")
     args = parser.parse_args()
     gb = args.clients * WIDTH * 4 / 1e9
-    print(f"round benchmark: {args.clients} clients x one update of {WIDTH * 4:,} B = {gb:.3f} GB; clipd serve"
-          f" --processes {args.processes}; {args.repeats} repeats, medians")
+    what = f"bare sinks x {args.processes}" if args.sinks else f"clipd serve --processes {args.processes}"
+    print(f"round benchmark: {args.clients} clients x one update of {WIDTH * 4:,} B = {gb:.3f} GB; {what};"
+          f" {args.repeats} repeats, medians")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    if args.sinks:
+        runs = {f"{kind} {mode}": [] for kind in ("sync", "aio") for mode in ("round", "8 clients")}
+        for repeat in range(args.repeats):
+            for key in (list(runs) if repeat % 2 == 0 else list(reversed(runs))):
+                kind, mode = key.split(" ", 1)
+                run = measure_sink(kind, mode, args.processes, args.clients, args.client_processes, repeat)
+                runs[key].append(run)
+                print(f"  repeat {repeat + 1}: {key:>15}: {run[0]:.2f} s, server CPU {run[5]:.2f} s, errors {run[1]}"
+                      f" {run[4][:1]}", flush=True)
+        print()
+        table = _table(gb, runs)
+        print()
+        ratios = {kind: table[f"{kind} round"] / table[f"{kind} 8 clients"] for kind in ("sync", "aio")}
+        print(f"sinks: clients={args.clients} sync_round_ratio={ratios['sync']:.3f} aio_round_ratio={ratios['aio']:.3f}"
+              f" aio_over_sync_round={table['aio round'] / table['sync round']:.3f}")
+        return
     workdir = tempfile.mkdtemp(prefix="clipd-round-")
-    runs: dict[str, list] = {"round": [], "8 clients": []}
+    runs = {"round": [], "8 clients": []}
     try:
         for repeat in range(args.repeats):
             for mode in (("round", "8 clients") if repeat % 2 == 0 else ("8 clients", "round")):
                 run = measure(mode, args.processes, args.clients, args.client_processes, workdir, repeat)
                 runs[mode].append(run)
-                print(f"  repeat {repeat + 1}: {mode:>9}: {run[0]:.2f} s, errors {run[1]}, reconnects {run[2]},"
-                      f" exact {run[3]} {run[4][:1]}", flush=True)
+                print(f"  repeat {repeat + 1}: {mode:>9}: {run[0]:.2f} s, server CPU {run[5]:.2f} s, errors {run[1]},"
+                      f" reconnects {run[2]}, exact {run[3]} {run[4][:1]}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
-    print(f"{'mode':<12}| {'wall s':>7} | {'GB/s':>6} | {'errors':>6} | {'reconnects':>10} | exact")
-    print("-" * 60)
-    table = {}
-    for mode, results in runs.items():
-        wall = statistics.median(r[0] for r in results)
-        table[mode] = gb / wall
-        print(f"{mode:<12}| {wall:7.2f} | {gb / wall:6.3f} | {max(r[1] for r in results):6d} |"
-              f" {statistics.median(r[2] for r in results):10.0f} | {all(r[3] for r in results)}")
+    table = _table(gb, runs)
     exact = all(r[3] for results in runs.values() for r in results)
     errors = max(r[1] for r in runs["round"])
     print()

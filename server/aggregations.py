@@ -75,6 +75,11 @@ class Result:
 SPREAD_MARK = "~"  # "alice~2": the third stream of client alice's submission spread over the shards
 
 
+def _client_of(client_id: str) -> str:
+    """The client a stream's id speaks for: ``alice`` for ``alice``, ``alice~1``, ``alice~2``, ..."""
+    return client_id.rpartition(SPREAD_MARK)[0] or client_id
+
+
 def shard_of(client_id: str, shards: int) -> int:
     """The shard that sums a client's batches: a fixed function of the id, the same in every process.
 
@@ -127,6 +132,10 @@ class Aggregation:
         self.device_rows = 1 << (rows.bit_length() - 1)  # a power of two
         self.created = time.time() if created is None else created
         self.cond = threading.Condition()
+        # Each open Submit stream's response side waits on its own event, woken only when its client's
+        # acknowledgement moves or the aggregation's state changes: waking every stream on every step and
+        # checkpoint costs (streams x steps) thread wake-ups, which is what thousands of clients in a round pay.
+        self._listeners: dict[str, list[threading.Event]] = {}
         self.state = State.WARMING_UP
         self.failure_reason = ""
         self.finished: float | None = None  # unix time it was finalized or failed
@@ -146,6 +155,9 @@ class Aggregation:
         self._durable = dict(marks)
         self._last_writer = {client: writer for client, (_, writer) in totals.clients.items()}
         self._open_writers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        # Client ids (accepted, or with a stream open) per client: the streams of a spread submission are one
+        # client for max_clients. Kept as it changes, so a new client costs O(1), not O(clients).
+        self._ids_per_client = collections.Counter(_client_of(c) for c in self._accepted)
         self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
         self._rate_base = self._examples
         self._device_stats: list = [None] * shards  # per shard: statistics of its device delta since its flush
@@ -188,11 +200,9 @@ class Aggregation:
     def _check_room_for(self, client_id: str) -> None:
         if self.max_clients is None or client_id in self._accepted or client_id in self._open_writers:
             return
-        # The streams of one spread submission (id, id~1, ...) are one client.
-        bases = {c.rpartition(SPREAD_MARK)[0] or c for c in self._accepted.keys() | self._open_writers.keys()}
-        if (client_id.rpartition(SPREAD_MARK)[0] or client_id) in bases:
+        if _client_of(client_id) in self._ids_per_client:  # another stream of a spread submission
             return
-        known = len(bases)
+        known = len(self._ids_per_client)
         if known >= self.max_clients:
             raise ResourceExhausted(f"aggregation {self.id} has {known} clients, the limit"
                                     f" is {self.max_clients} (max_clients)")
@@ -207,6 +217,8 @@ class Aggregation:
         with self.cond:
             self._check_takes_batches()
             self._check_room_for(client_id)
+            if client_id not in self._accepted and client_id not in self._open_writers:
+                self._ids_per_client[_client_of(client_id)] += 1
             others = [w for w, n in self._open_writers[client_id].items() if n and w != writer]
             if writer and others:
                 raise FailedPrecondition(
@@ -225,7 +237,37 @@ class Aggregation:
                 del writers[writer]
             if not writers:
                 del self._open_writers[client_id]
+                if client_id not in self._accepted:
+                    self._forget_id_locked(client_id)
+            self._wake_locked((client_id,))
             self.cond.notify_all()
+
+    def _forget_id_locked(self, client_id: str) -> None:
+        client = _client_of(client_id)
+        self._ids_per_client[client] -= 1
+        if self._ids_per_client[client] <= 0:
+            del self._ids_per_client[client]
+
+    def listen(self, client_id: str, event: threading.Event) -> None:
+        """``event`` is set whenever ``client_id``'s acknowledgement moves, a stream of it ends, or the
+        aggregation's state changes (until :meth:`unlisten`)."""
+        with self.cond:
+            self._listeners.setdefault(client_id, []).append(event)
+
+    def unlisten(self, client_id: str, event: threading.Event) -> None:
+        with self.cond:
+            events = self._listeners.get(client_id, [])
+            if event in events:
+                events.remove(event)
+            if not events:
+                self._listeners.pop(client_id, None)
+
+    def _wake_locked(self, clients=None) -> None:
+        """Sets the events of these clients' listeners (of every listener when None)."""
+        groups = self._listeners.values() if clients is None else (self._listeners.get(c, ()) for c in clients)
+        for events in groups:
+            for event in events:
+                event.set()
 
     def accept(self, client_id: str, sequence: int, writer: str = "") -> bool:
         """Reserves a batch: True if new, False if a duplicate of an accepted one."""
@@ -240,6 +282,8 @@ class Aggregation:
                 raise FailedPrecondition(
                     f"client {client_id!r}: batch {sequence} after {last}; sequence numbers go up by one from 1"
                 )
+            if client_id not in self._accepted and client_id not in self._open_writers:
+                self._ids_per_client[_client_of(client_id)] += 1
             self._accepted[client_id] = sequence
             self._last_writer[client_id] = writer
             self.pending += 1
@@ -294,6 +338,7 @@ class Aggregation:
             for client, (sequence, _) in clients.items():
                 if sequence > self._durable.get(client, 0):
                     self._durable[client] = sequence
+            self._wake_locked(clients)
             self.cond.notify_all()
 
     def drop(self, count: int) -> None:
@@ -306,6 +351,7 @@ class Aggregation:
         with self.cond:
             if self.state is State.WARMING_UP:
                 self.state = State.OPEN
+            self._wake_locked()
             self.cond.notify_all()
 
     def fail(self, reason: str) -> bool:
@@ -316,6 +362,7 @@ class Aggregation:
             self.state = State.FAILED
             self.failure_reason = reason
             self.finished = time.time()
+            self._wake_locked()
             self.cond.notify_all()
             return True
 
@@ -329,6 +376,7 @@ class Aggregation:
                 raise FailedPrecondition(f"aggregation {self.id} failed: {self.failure_reason}")
             if self.state in TAKES_BATCHES:
                 self.state = State.FINALIZING
+            self._wake_locked()
             self.cond.notify_all()
 
     def wait_drained(self, timeout: float | None = None) -> bool:
@@ -377,6 +425,7 @@ class Aggregation:
                 self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
                 self._device_stats = [None] * self.shards
                 self.mark_durable(totals.clients)
+                self._wake_locked()
                 self.result = self._result_locked()
                 return self.result
 
@@ -405,6 +454,7 @@ class Aggregation:
         with self.cond:
             self.state = State.CANCELLED
             self.result = None
+            self._wake_locked()
             self.cond.notify_all()
 
     # Reading ------------------------------------------------------------------------

@@ -38,6 +38,7 @@ OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 # Methods a submit token may call: the handler checks the token against the aggregation.
 SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", f"/{SERVICE_NAME}/GetAggregation", f"/{SERVICE_NAME}/GetPlacement")
+PENDING_CALLS = 16_384  # calls gRPC core holds for the server's loop before it drops any (server_options)
 OTHER_STREAMS = 16  # Health/Watch and reflection streams at once (beside max_streams Submit streams)
 
 
@@ -301,6 +302,11 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.max_connection_idle_ms", 15 * 60_000),  # connections with no RPC for 15 min are closed
+        # Calls that arrived before the server's loop took them: gRPC core drops them at random past
+        # 1,000 (the client sees a bare CANCELLED) and all past 3,000. A round of thousands of clients
+        # arrives at once; they wait here instead (each is small) and are taken in order.
+        ("grpc.server.max_pending_requests", PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 4 * PENDING_CALLS),
     ]
 
 

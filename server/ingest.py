@@ -47,15 +47,18 @@ def _timeout(context) -> float | None:
     return None if remaining is None or remaining > 1e6 else max(0.001, remaining)
 
 
-def passing_through(channel: grpc.Channel, index: int, submit=None) -> grpc.GenericRpcHandler:
+def passing_through(channel: grpc.Channel, index: int, submit=None, placement=None) -> grpc.GenericRpcHandler:
     """The Clipd service, every call passed through to ``channel`` with its metadata and ``index`` added.
 
-    ``submit``: Submit's own handler (raw bytes in and out) instead of passing it through too.
+    ``submit``: Submit's own handler (raw bytes in and out) instead of passing it through too;
+    ``placement``: GetPlacement's own handler (bytes in and out), likewise.
     """
     handlers = {}
     for method in SERVICE.methods:
         path = f"/{SERVICE.full_name}/{method.name}"
-        if method.name == "Submit":
+        if method.name == "GetPlacement" and placement is not None:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(placement)
+        elif method.name == "Submit":
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 submit or _pass(channel.stream_stream(path), index, streaming_in=True))
         elif method.server_streaming:

@@ -527,7 +527,11 @@ class _ShardHost:
         return f"{self.host}:{self.process.data_port}"
 
     def set_siblings(self, targets: dict) -> None:
-        self.process.set_siblings({int(i): t for i, t in targets.items()})
+        """The other hosts' endpoints (index -> host:port): where this one forwards, and its GetPlacement answer."""
+        siblings = {int(i): t for i, t in targets.items()}
+        self.process.set_siblings(siblings)
+        every = {**siblings, self.process.index: self.endpoint()}
+        self.process.set_placement([every.get(i, "") for i in range(self.process.count)])
 
     def call(self, name: str, request: dict) -> dict:
         return self.process.call(name, request)

@@ -327,17 +327,22 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         return not self.settings.admin_token or same(token, self.settings.admin_token)
 
     def check_submitter(self, token: str | None, aggregation_id: str, action: str) -> Aggregation:
-        """The aggregation, if ``token`` is the admin's or its submit token.
+        """The aggregation, if ``token`` is the admin's or its submit token (see :meth:`authorize`)."""
+        self.authorize(token, aggregation_id, action)
+        return self.registry.get(aggregation_id)  # a finalized one refuses batches there, as for the admin
+
+    def authorize(self, token: str | None, aggregation_id: str, action: str) -> None:
+        """Refuses unless ``token`` is the admin's or the submit token of ``aggregation_id``.
 
         No token, or one that is no credential of this server: UNAUTHENTICATED.
         A submit token of another aggregation: PERMISSION_DENIED (as for an
         unknown id, so ids do not leak to holders of other tokens).
         """
         if self.is_admin(token):
-            return self.registry.get(aggregation_id)
+            return
         created = self.registry.created(aggregation_id) if token is not None else None
         if created is not None and self.submit_tokens.check(token, aggregation_id, created):
-            return self.registry.get(aggregation_id)  # a finalized one refuses batches there, as for the admin
+            return
         if token is None or not self.is_credential(token):
             raise Unauthenticated("a valid 'authorization: Bearer <token>' is required")
         raise PermissionDenied(f"this token may not {action} aggregation {aggregation_id!r}")
@@ -368,6 +373,7 @@ class _SubmitSession:
         self.servicer = servicer
         self.token = token
         self.bound = threading.Event()
+        self.wake = threading.Event()  # set by the aggregation when this client's acknowledgement may move
         self.aggregation: Aggregation | None = None
         self.client = ""
         self.writer = ""
@@ -385,10 +391,7 @@ class _SubmitSession:
         """Ends this stream soon (UNAVAILABLE): its slot goes to another owner's client."""
         self.evicted = True
         self.bound.set()
-        aggregation = self.aggregation
-        if aggregation is not None:
-            with aggregation.cond:
-                aggregation.cond.notify_all()
+        self.wake.set()
 
     def read(self, requests) -> None:
         settings = self.servicer.settings
@@ -487,16 +490,25 @@ class _SubmitSession:
         if aggregation is not None and self.greeting is not None:
             sent = self.greeting.acknowledged_sequence
             yield self.greeting
-        ended = (State.CANCELLED, State.FAILED)
-        while aggregation is not None:
+        if aggregation is not None:
+            aggregation.listen(self.client, self.wake)  # its first read below sees any earlier change
+            try:
+                if (yield from self._acknowledge(aggregation, sent, context)):
+                    return  # the client is gone
+            finally:
+                aggregation.unlisten(self.client, self.wake)
+        if isinstance(self.error, ClipdError):
+            self.servicer.refuse(context, self.error, "Submit")
+        elif self.error is not None and context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, f"the request stream broke: {self.error}")
+
+    def _acknowledge(self, aggregation: Aggregation, sent: int, context):
+        """Acknowledges each move of the client's durable sequence until the stream's batches are all durable
+        or it ended otherwise (``self.error``); True if the client went away. Woken by the event given to
+        :meth:`Aggregation.listen`, never by other clients' steps and checkpoints."""
+        while True:
+            self.wake.clear()  # before reading: a wake-up after the read is not lost
             with aggregation.cond:
-                aggregation.cond.wait_for(
-                    lambda: aggregation.durable(self.client) > sent
-                    or (self.finished and (self.error is not None
-                                           or aggregation.durable(self.client) >= self.last_sequence))
-                    or aggregation.state in ended or self.evicted,
-                    timeout=self._wait_time(),
-                )
                 done = aggregation.durable(self.client)
                 examples = aggregation.examples
                 state = aggregation.state
@@ -504,21 +516,18 @@ class _SubmitSession:
                 sent = done
                 yield pb.SubmitResponse(acknowledged_sequence=done, aggregation_examples=examples)
             if self.finished and (self.error is not None or done >= self.last_sequence):
-                break
+                return
             if state is State.CANCELLED:
                 self.error = self.error or FailedPrecondition(f"aggregation {aggregation.id} was cancelled")
-                break
+                return
             if state is State.FAILED:
                 self.error = FailedPrecondition(f"aggregation {aggregation.id} failed: {aggregation.failure_reason}")
-                break
-            if not context.is_active():
                 return
+            if not context.is_active():
+                return True
             if self._idle():
-                break
-        if isinstance(self.error, ClipdError):
-            self.servicer.refuse(context, self.error, "Submit")
-        elif self.error is not None and context.is_active():
-            context.abort(grpc.StatusCode.CANCELLED, f"the request stream broke: {self.error}")
+                return
+            self.wake.wait(self._wait_time())
 
 
 def _same_request(aggregation: Aggregation, layers, policy, reject, privacy) -> bool:

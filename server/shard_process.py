@@ -63,7 +63,7 @@ from clipd.v1 import clipd_pb2
 from . import codec, wire
 from .aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of
 from .errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
-from .ingest import _pass, passing_through
+from .ingest import _pass, _pass_unary, passing_through
 from .credentials import bearer_token
 from .service import stream_owner
 from .settings import Settings
@@ -203,7 +203,10 @@ class ShardProcess:
                                   options=[*[(k, v) for k, v in server_options(settings) if k != "grpc.so_reuseport"],
                                            ("grpc.so_reuseport", 1)],
                                   interceptors=[_Guard("", self.servicer)])
-        self.public.add_generic_rpc_handlers((passing_through(self.control, index, submit=self._submit),))
+        self._placement: list[str] = []  # every shard process's endpoint, from the control (Serve)
+        self._pass_placement = _pass_unary(self.control.unary_unary(f"/{SERVICE.full_name}/GetPlacement"), index)
+        self.public.add_generic_rpc_handlers((passing_through(self.control, index, submit=self._submit,
+                                                              placement=self._get_placement),))
         self.health = health.HealthServicer()
         self._serving = health_pb2.HealthCheckResponse.SERVING
         for name in ("", SERVICE.full_name):  # until the control process says every shard process is up
@@ -378,9 +381,38 @@ class ShardProcess:
         return {}
 
     def _serve(self, request: dict) -> dict:
+        """Says SERVING; ``endpoints``: every shard process's, for GetPlacement (sent again when one moved)."""
+        self.set_placement(request.get("endpoints") or [])
         for name in ("", SERVICE.full_name):
             self.health.set(name, self._serving)
         return {}
+
+    def set_placement(self, endpoints: list[str]) -> None:
+        """Where shard process *i* is reached (endpoint *i*); an empty or partial list: GetPlacement is
+        passed through to the control, which always knows."""
+        self._placement = list(endpoints) if len(endpoints) == self.count and all(endpoints) else []
+
+    def _get_placement(self, request: bytes, context) -> bytes:
+        """GetPlacement answered here, from the store's record and the endpoints the control sent: a round of
+        thousands of clients asks it once each, and a call passed through to the control would hold one of
+        this process's threads for as long as the control takes (they would be Submit's)."""
+        endpoints = self._placement
+        if not endpoints:
+            return self._pass_placement(request, context)
+        try:
+            message = clipd_pb2.GetPlacementRequest.FromString(request)
+        except Exception:  # noqa: BLE001 (protobuf's DecodeError): as gRPC's own deserializer refuses it
+            context.abort(grpc.StatusCode.INTERNAL, "Exception deserializing request!")
+        try:
+            self.servicer.authorize(bearer_token(context.invocation_metadata()), message.aggregation_id, "submit to")
+            record = self.store.get(message.aggregation_id)
+            if record is None:
+                raise NotFound(f"no aggregation {message.aggregation_id!r}")
+        except ClipdError as e:
+            self.servicer.refuse(context, e, "GetPlacement")
+        shards = codec.spec_shards(record.spec)
+        return clipd_pb2.Placement(aggregation_id=record.aggregation_id, shards=shards,
+                            endpoints=[endpoints[owner_of(k, self.count)] for k in range(shards)]).SerializeToString()
 
     # Running -------------------------------------------------------------------------------------
     def start(self) -> ShardProcess:
@@ -466,6 +498,7 @@ class ShardProcesses:
         self.data_ports = [settings.shard_ports + i if settings.shard_ports else 0 for i in range(self.count)]
         self._processes: list[subprocess.Popen | None] = [None] * self.count
         self._served = [False] * self.count
+        self._told: list[str] = []  # the endpoints the serving shard processes answer GetPlacement with
         self.restarts = [0] * self.count
         self._channels = [grpc.insecure_channel(f"unix:{socket_path(self.private_dir, i)}") for i in range(self.count)]
         self._lock = threading.Lock()
@@ -522,16 +555,27 @@ class ShardProcesses:
 
         One that can't be told is killed (never two live owners of the same shards): it starts again.
         """
+        endpoints = self.endpoints()  # what its GetPlacement answers
         try:
             answer = json.loads(self._channels[index].unary_unary(f"/{INTERNAL}/{SERVE}")(
-                b"{}", timeout=30, wait_for_ready=True))
+                json.dumps({"endpoints": endpoints}).encode(), timeout=30, wait_for_ready=True))
         except grpc.RpcError:
             answer = None
         with self._lock:
             process = self._processes[index]
             if answer is not None and "error" not in answer and process is not None and process.poll() is None:
                 self._served[index] = True
-                return True
+                others = [i for i in range(self.count) if i != index and self._served[i]]
+            else:
+                others = None
+        if others is not None:
+            if endpoints != self._told:  # it came back on another port: the others answer GetPlacement too
+                for other in others:
+                    with contextlib.suppress(grpc.RpcError):
+                        self._channels[other].unary_unary(f"/{INTERNAL}/{SERVE}")(
+                            json.dumps({"endpoints": endpoints}).encode(), timeout=5)
+                self._told = endpoints
+            return True
         if process is not None:
             with contextlib.suppress(OSError):
                 process.kill()

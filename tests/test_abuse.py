@@ -258,6 +258,28 @@ def test_creation_limits_are_clear_refusals():
         server.stop(grace=1.0)
 
 
+def test_max_clients_counts_a_spread_submission_once_and_frees_a_client_that_left_with_nothing():
+    from clipd.engine import ClipPolicy, LayerSpec
+    from clipd.server.aggregations import Aggregation
+    from clipd.server.errors import ResourceExhausted
+
+    aggregation = Aggregation("a", (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20, max_clients=2)
+    for stream in ("alice", "alice~1", "alice~3"):  # one submission spread over 3 shards: one client
+        aggregation.attach(stream, "w1")
+    aggregation.attach("bob", "w2")
+    with pytest.raises(ResourceExhausted, match="2 clients"):
+        aggregation.attach("carol", "w3")
+    assert aggregation.accept("alice~1", 1, "w1")  # alice is kept by her accepted batch...
+    for stream in ("alice", "alice~1", "alice~3"):
+        aggregation.detach(stream, "w1")
+    with pytest.raises(ResourceExhausted):
+        aggregation.attach("carol", "w3")
+    aggregation.detach("bob", "w2")  # ...bob left before any batch of his was accepted: his place is free
+    aggregation.attach("carol", "w3")
+    with pytest.raises(ResourceExhausted):
+        aggregation.accept("dave", 1, "w4")
+
+
 def test_a_warm_up_that_takes_too_long_fails_its_aggregation_with_the_reason():
     server, port = create_server(Settings(**{**TEST_SETTINGS, "warmup_timeout": 0.001}))
     try:

@@ -233,7 +233,10 @@ def test_refusals_through_a_shard_process_are_those_of_one_process(behind_shards
         assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
         placement = stub.GetPlacement(pb.GetPlacementRequest(aggregation_id="via-shards"), timeout=30,
                                       metadata=[("authorization", f"Bearer {created.submit_token}")])
-        assert placement.shards == 2 and len(placement.endpoints) == 2
+        assert placement.shards == 2 and list(placement.endpoints) == server.devices.endpoints()  # answered there
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetPlacement(pb.GetPlacementRequest(aggregation_id="nope"), metadata=admin, timeout=30)
+        assert e.value.code() is grpc.StatusCode.NOT_FOUND
 
     # Plain (unrouted) streams on the public port, for clients of both shards: each lands on either process
     # and is forwarded to its owner when need be; the sum is exact.
