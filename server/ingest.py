@@ -104,11 +104,12 @@ class IngestServer:
 
         from .app import OTHER_STREAMS, server_options
         from .reflection import enable_reflection
+        from .tls import peer_channel
 
         self.settings, self.index = settings, index
         limit = settings.max_message_bytes + (1 << 16)
-        self.channel = grpc.insecure_channel(owner, options=[("grpc.max_receive_message_length", limit),
-                                                             ("grpc.max_send_message_length", limit)])
+        self.channel = peer_channel(settings, owner, [("grpc.max_receive_message_length", limit),
+                                                      ("grpc.max_send_message_length", limit)])
         options = [(k, v) for k, v in server_options(settings) if k != "grpc.so_reuseport"]
         self.server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(settings.max_streams + OTHER_STREAMS + settings.unary_workers,

@@ -57,6 +57,13 @@ class Settings:
     tls_cert_file: str = ""  # PEM certificate (chain): gRPC and the admin API (HTTPS) serve TLS with it
     tls_key_file: str = ""  # PEM private key of tls_cert_file
     tls_client_ca_file: str = ""  # PEM CA bundle: gRPC requires client certificates it signed (mutual TLS)
+    # How clipd's own processes on other hosts (Ray shard hosts, ingest actors) reach the server and each other
+    # under TLS: they verify the certificate against this CA bundle (default tls_client_ca_file, else the
+    # system's CAs) and present tls_cert_file as their client certificate (so, under mutual TLS, it must
+    # allow client authentication too). They connect by address: tls_peer_name is the name the certificate
+    # must hold (default: the address's host).
+    tls_peer_ca_file: str = ""
+    tls_peer_name: str = ""  # the name clipd's processes on other hosts expect in the server's certificate
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
     shards: int = 0  # shards of each new aggregation (client id -> shard); 0 = one per local JAX device
     processes: int = 0  # shard processes on the gRPC port (receive, parse, clip, sum); 0 = this process does it all
@@ -102,12 +109,9 @@ class Settings:
         if self.ray_shard_hosts and (not self.ray_address or self.ray_ingest_actors):
             raise ValueError("Settings.ray_shard_hosts: shard hosts run on a Ray cluster (set ray_address) and take"
                              " the place of ingest actors (not both)")
-        if self.ray_shard_hosts and self.tls_cert_file:
-            raise ValueError("Settings.ray_shard_hosts: not with TLS yet (the shard hosts reach the server and each"
-                             " other over plaintext gRPC); use --processes on one host")
         if self.ray_ingest_actors and self.tls_cert_file:
-            raise ValueError("Settings.ray_ingest_actors: not with TLS yet (the ingest actors reach the server"
-                             " over plaintext gRPC); use --processes on the server's host")
+            raise ValueError("Settings.ray_ingest_actors: not with TLS yet (tested with shard hosts only); use"
+                             " ray_shard_hosts, whose hosts reach the server and each other over TLS")
         if self.ray_gpus_per_shard < 0:
             raise ValueError(f"Settings.ray_gpus_per_shard must be >= 0, got {self.ray_gpus_per_shard}")
         if self.processes < 0:
@@ -139,7 +143,10 @@ class Settings:
             raise ValueError("Settings: tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("Settings.tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
-        for field in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        if (self.tls_peer_ca_file or self.tls_peer_name) and not self.tls_cert_file:
+            raise ValueError("Settings.tls_peer_ca_file and tls_peer_name are for TLS: set tls_cert_file and"
+                             " tls_key_file")
+        for field in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_peer_ca_file"):
             path = getattr(self, field)
             if path and not os.path.isfile(path):
                 raise ValueError(f"Settings.{field}: no such file {path!r}")

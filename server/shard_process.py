@@ -69,6 +69,7 @@ from .service import stream_owner
 from .settings import Settings
 from .shards import owner_of
 from .store import CLOSING, FAILED, FINALIZED, Store
+from .tls import peer_channel
 
 log = logging.getLogger(__name__)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
@@ -192,7 +193,7 @@ class ShardProcess:
         limit = settings.max_message_bytes + (1 << 16)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         self._options = options
-        self.control = grpc.insecure_channel(control or f"unix:{os.path.join(private_dir, 'control.sock')}", options)
+        self.control = peer_channel(settings, control or f"unix:{os.path.join(private_dir, 'control.sock')}", options)
         self._to_sibling: dict = {}
         if private_dir is not None:
             self.set_siblings({i: f"unix:{socket_path(private_dir, i)}" for i in range(self.count) if i != index})
@@ -240,7 +241,7 @@ class ShardProcess:
     def set_siblings(self, targets: dict[int, str]) -> None:
         """Where the other shard processes take the Submit streams this one forwards to them."""
         self._to_sibling = {
-            i: _pass(grpc.insecure_channel(t, self._options).stream_stream(f"/{SERVICE.full_name}/Submit"),
+            i: _pass(peer_channel(self.settings, t, self._options).stream_stream(f"/{SERVICE.full_name}/Submit"),
                      self.index, streaming_in=True) for i, t in targets.items()}
 
     # Opening an aggregation ------------------------------------------------------------------------

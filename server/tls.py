@@ -36,6 +36,24 @@ def grpc_server_credentials(settings: Settings) -> grpc.ServerCredentials | None
     return grpc.ssl_server_credentials([(key, chain)])
 
 
+def peer_channel(settings: Settings, target: str, options=()) -> grpc.Channel:
+    """A channel from one of clipd's processes to another (a Ray shard host to the server or to another host).
+
+    Plaintext on a unix socket (a private directory of one host) or when TLS is off; else TLS, verified
+    against ``tls_peer_ca_file`` (or ``tls_client_ca_file``, or the system's CAs) with ``tls_peer_name``
+    as the expected name when set, presenting ``tls_cert_file`` as the client certificate (mutual TLS).
+    """
+    if target.startswith("unix:") or not tls_enabled(settings):
+        return grpc.insecure_channel(target, options=list(options))
+    ca = settings.tls_peer_ca_file or settings.tls_client_ca_file
+    credentials = grpc.ssl_channel_credentials(
+        pathlib.Path(ca).read_bytes() if ca else None, pathlib.Path(settings.tls_key_file).read_bytes(),
+        pathlib.Path(settings.tls_cert_file).read_bytes())
+    options = [*options, *([("grpc.ssl_target_name_override", settings.tls_peer_name)] if settings.tls_peer_name
+                           else [])]
+    return grpc.secure_channel(target, credentials, options=options)
+
+
 def admin_ssl_kwargs(settings: Settings) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.Config``: HTTPS with the gRPC certificate, or nothing (HTTP).
 

@@ -297,6 +297,8 @@ def test_serve_has_one_flag_per_setting_with_the_old_spellings():
     with pytest.raises(SettingsError, match="ray_ingest_actors: not with TLS yet"):
         Settings.load({"ray_ingest_actors": 2, "ray_address": "h:1", "data_dir": "postgresql://h/db",
                        "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}, environ={})
+    with pytest.raises(SettingsError, match="tls_peer_ca_file and tls_peer_name are for TLS"):
+        Settings.load({"tls_peer_name": "clipd.internal"}, environ={})
     for field in ("processes", "shards", "ray_gpus_per_shard", "ray_ingest_actors"):
         with pytest.raises(SettingsError, match=f"{field} must be >= 0"):
             Settings.load({field: -1}, environ={})

@@ -330,45 +330,71 @@ def test_a_server_on_ray_sums_through_ingest_and_shard_actors_while_actors_are_k
     assert_result_exact(result, clients)
 
 
-def test_shard_hosts_on_ray_receive_and_sum_with_no_byte_through_the_server(pg, ray_cluster):
-    """``--ray-shard-hosts 2``: clients stream straight to the host that sums their shard; one host SIGKILLed.
+def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server(pg, ray_cluster, tmp_path):
+    """``--ray-shard-hosts 2`` under mutual TLS: clients stream straight to the host that sums their shard; one
+    host SIGKILLed.
 
-    Ray restarts the host, which opens the aggregation from the store again (its shard's checkpoint), the
-    clients ask for the placement again and resume; the result is exact and the server received no payload.
+    Every endpoint speaks TLS and asks for a client certificate: the hosts' ports (plaintext and a rogue CA's
+    client refused there), and the server's port, which the hosts reach with the server's certificate as
+    theirs (``peer_channel``). Ray restarts the killed host, which opens the aggregation from the store again
+    (its shard's checkpoint), the clients ask for the placement again and resume; the result is exact and
+    the server received no payload.
     """
     import threading
+
+    import grpc
 
     from clipd.client import Client
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
+    from clipd.v1 import clipd_pb2 as pb
+    from clipd.v1 import clipd_pb2_grpc as pb_grpc
     from conftest import TEST_SETTINGS
+    from test_tls import _issue
 
     from service_helpers import free_port, submitting
 
-    settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
+    ca, ca_pair = _issue(tmp_path, "ca", "clipd test CA", ca=True)
+    server_pem, _ = _issue(tmp_path, "server", "localhost", ca_pair, server=True, client_too=True)
+    client_pem, _ = _issue(tmp_path, "client", "clipd client", ca_pair)
+    _, rogue_pair = _issue(tmp_path, "rogue-ca", "rogue CA", ca=True)
+    rogue_pem, _ = _issue(tmp_path, "rogue-client", "clipd client", rogue_pair)
+    tls = {"tls_cert_file": str(server_pem.cert), "tls_key_file": str(server_pem.key),
+           "tls_client_ca_file": str(ca.cert)}
+    credentials = dict(root_certificates=ca.cert_bytes, client_certificate=client_pem.cert_bytes,
+                       client_key=client_pem.key_bytes)
+    settings = Settings(**{**TEST_SETTINGS, **tls, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
                            "ray_shard_hosts": 2, "ray_ingest_port": free_port()})
     server, _ = create_server(settings)
     target = f"127.0.0.1:{settings.ray_ingest_port}"  # the hosts' shared port, on any node
     clients = {f"client-{i}": [batch(2000 * i + j) for j in range(6)] for i in range(4)}
     started = threading.Semaphore(0)
     try:
-        with Client(target) as c:
+        with Client(target, **credentials) as c:
             aggregation = c.create_aggregation({layer.name: layer.shape for layer in LAYERS}, l2_norm_clip=CLIP,
                                                aggregation_id="on-hosts")
             placement = c.placement(aggregation)
         assert placement.shards == 2 and len(set(placement.endpoints)) == 2
+        for endpoint in placement.endpoints:  # each host's own port: TLS, and only this CA's client certificates
+            for channel in (grpc.insecure_channel(endpoint), grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(
+                    ca.cert_bytes, rogue_pem.key_bytes, rogue_pem.cert_bytes))):
+                with channel, pytest.raises(grpc.RpcError) as e:
+                    pb_grpc.ClipdStub(channel).GetPlacement(pb.GetPlacementRequest(aggregation_id=aggregation),
+                                                           timeout=10)
+                assert e.value.code() is grpc.StatusCode.UNAVAILABLE
 
         updates = slow_updates(clients, started)
 
         with submitting(target, aggregation, clients, updates, 6 * ROWS, retry_delay=0.05, retry_timeout=120,
-                        message_bytes=1 << 10):
+                        message_bytes=1 << 10, **credentials):
             for _ in clients:
                 assert started.acquire(timeout=60)
             victim = server.devices.describe_processes()[0]
             os.kill(victim["pid"], signal.SIGKILL)  # Ray restarts it; it opens the aggregation from the store
-        with Client(target) as c:
+        with Client(target, **credentials) as c:
             result = c.finalize(aggregation)
         assert server.servicer.payload_bytes == 0  # no payload byte reached the server
+        assert sum(server.guard.forwarded.values()) > 0  # the hosts reached the server's mutual-TLS port
         deadline = time.monotonic() + 30
         while server.devices.describe_processes()[0]["restarts"] < 1:
             assert time.monotonic() < deadline

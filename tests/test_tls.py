@@ -46,8 +46,11 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _issue(directory: pathlib.Path, stem: str, subject: str, issuer: tuple | None = None, *,
-           ca: bool = False, server: bool = False) -> tuple[Pem, tuple]:
-    """A P-256 key and a certificate for ``subject``, signed by ``issuer`` (cert, key), or self-signed."""
+           ca: bool = False, server: bool = False, client_too: bool = False) -> tuple[Pem, tuple]:
+    """A P-256 key and a certificate for ``subject``, signed by ``issuer`` (cert, key), or self-signed.
+
+    ``client_too``: a server certificate that may also authenticate as a client (clipd's hosts present it).
+    """
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     issuer_cert, issuer_key = issuer if issuer else (None, key)
@@ -69,7 +72,8 @@ def _issue(directory: pathlib.Path, stem: str, subject: str, issuer: tuple | Non
                           encipher_only=False, decipher_only=False), critical=True)
     else:
         builder = builder.add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH] * server
+                                  + [ExtendedKeyUsageOID.CLIENT_AUTH] * (client_too or not server)),
             critical=False)
     if issuer_cert is not None:
         builder = builder.add_extension(
