@@ -19,10 +19,17 @@ one float32 layer of 65,536 values = 256 KiB an update, global clipping at 1.0):
 Every client must finish without an error (the client's own retries are fine: a full set of
 stream slots answers RESOURCE_EXHAUSTED with a retry hint, and the client waits and tries
 again); the reconnects are counted. Each run's result is checked against a float64 numpy
-reference of the clipped sum. Columns: wall seconds, GB/s of payload, clients that saw an
-error, reconnects. The last line is::
+reference of the clipped sum. Columns: wall seconds, GB/s of payload, the server's CPU
+seconds (``clipd serve`` and its shard processes, or the sinks), clients that saw an error,
+reconnects. The last line is::
 
     round: clients=<n> exact=<True|False> errors=<n> throughput_ratio=<round GB/s over 8 clients'>
+
+and with ``--sinks``::
+
+    sinks: clients=<n> sync_round_ratio=<x> aio_round_ratio=<y> aio_over_sync_round=<z>
+
+Run::
 
     python benchmarks/round.py                        # 2,000 clients, 2 shard processes
     python benchmarks/round.py --clients 200 --client-processes 2 --repeats 1   # a quick one
