@@ -95,6 +95,7 @@ def _round_clients(target: str, aggregation: str, seeds: list[int], start, done)
         t.start()
     with contextlib.suppress(threading.BrokenBarrierError):
         ready.wait()
+    done.put("ready")  # every client of this process has its update and its channel, and waits for the start
     for t in threads:
         t.join()
     done.put((time.monotonic(), len(errors), sum(reconnects), errors[:3]))
@@ -107,6 +108,7 @@ def _bulk_client(target: str, aggregation: str, seeds: list[int], start, done) -
     updates = np.stack([_update(seed) for seed in seeds])
     with Client(target) as client:
         client.layers(aggregation)
+        done.put("ready")
         start.wait()
         report = client.submit(aggregation, {"x": updates}, client_id=f"bulk-{seeds[0]}")
     done.put((time.monotonic(), 0, report.reconnects, []))
@@ -118,7 +120,10 @@ def _run(kind, target: str, aggregation: str, groups: list[list[int]]) -> tuple[
     procs = [ctx.Process(target=kind, args=(target, aggregation, group, start, done)) for group in groups]
     for p in procs:
         p.start()
-    time.sleep(3.0 + len(groups[0]) / 200)  # every client has its update, its channel and its layers
+    for _ in procs:  # every client has its update, its channel and its layers
+        if done.get(timeout=900) != "ready":
+            raise RuntimeError("a client process reported before the start")
+    time.sleep(0.2)  # the last ones reach ``start.wait()``
     t0 = time.monotonic()
     start.set()
     ends = [done.get(timeout=900) for _ in procs]
@@ -174,6 +179,7 @@ def _bare_clients(target: str, aggregation: str, seeds: list[int], start, done) 
         t.start()
     with contextlib.suppress(threading.BrokenBarrierError):
         ready.wait()
+    done.put("ready")  # every client of this process has its update and its channel, and waits for the start
     for t in threads:
         t.join()
     done.put((time.monotonic(), len(errors), 0, errors[:3]))
