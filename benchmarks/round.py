@@ -68,6 +68,18 @@ def _update(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(WIDTH, dtype=np.float32) / 200
 
 
+def _together(one, items, ready: threading.Barrier, done) -> None:
+    """``one(item)`` in a thread per item; "ready" on ``done`` once each waits at ``ready`` (or one failed)."""
+    threads = [threading.Thread(target=one, args=(item,)) for item in items]
+    for t in threads:
+        t.start()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        ready.wait()
+    done.put("ready")  # every client of this process has its update and its channel, and waits for the start
+    for t in threads:
+        t.join()
+
+
 def _round_clients(target: str, aggregation: str, seeds: list[int], start, done) -> None:
     """One process of the round: a thread (and a Client) per seed, one update each."""
     from clipd.client import Client
@@ -90,14 +102,7 @@ def _round_clients(target: str, aggregation: str, seeds: list[int], start, done)
             errors.append(f"{e!r}: {getattr(e, 'details', '') or e}")
             ready.abort()
 
-    threads = [threading.Thread(target=one, args=(seed,)) for seed in seeds]
-    for t in threads:
-        t.start()
-    with contextlib.suppress(threading.BrokenBarrierError):
-        ready.wait()
-    done.put("ready")  # every client of this process has its update and its channel, and waits for the start
-    for t in threads:
-        t.join()
+    _together(one, seeds, ready, done)
     done.put((time.monotonic(), len(errors), sum(reconnects), errors[:3]))
 
 
@@ -174,14 +179,7 @@ def _bare_clients(target: str, aggregation: str, seeds: list[int], start, done) 
             errors.append(repr(e))
             ready.abort()
 
-    threads = [threading.Thread(target=one, args=(group,)) for group in groups]
-    for t in threads:
-        t.start()
-    with contextlib.suppress(threading.BrokenBarrierError):
-        ready.wait()
-    done.put("ready")  # every client of this process has its update and its channel, and waits for the start
-    for t in threads:
-        t.join()
+    _together(one, groups, ready, done)
     done.put((time.monotonic(), len(errors), 0, errors[:3]))
 
 
@@ -194,19 +192,13 @@ def bare_sink(port: int, kind: str) -> None:
     options = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 16 << 20),
                ("grpc.max_concurrent_streams", 4096)]
     if kind == "sync":
-        import concurrent.futures
+        from scale import serve_sync_sink  # benchmarks/ is this script's directory
 
         def submit(requests, context):
             for raw in requests:
                 yield _ack(wire.parse_submit_request(raw).sequence)
 
-        server = grpc.server(concurrent.futures.ThreadPoolExecutor(256), options=options)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "clipd.v1.Clipd", {"Submit": grpc.stream_stream_rpc_method_handler(submit)}),))
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        server.start()
-        print("ready", flush=True)
-        server.wait_for_termination()
+        serve_sync_sink(port, submit, 256, options)
         return
     import asyncio
 

@@ -123,10 +123,6 @@ def _bare_client(target: str, seed: int, examples: int, start, done) -> None:
 
 def bare_sink(port: int) -> None:
     """``python benchmarks/scale.py --bare-sink PORT``: one sink process (parses every message, keeps nothing)."""
-    import concurrent.futures
-
-    import grpc
-
     from clipd.server import wire
 
     def submit(requests, context):
@@ -134,8 +130,17 @@ def bare_sink(port: int) -> None:
             wire.parse_submit_request(raw)
         yield b"done"
 
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(64), options=[
-        ("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 16 << 20)])
+    serve_sync_sink(port, submit, 64, [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 16 << 20)])
+
+
+def serve_sync_sink(port: int, submit, threads: int, options) -> None:
+    """A plain sync ``grpc.server`` on ``127.0.0.1:port`` with ``submit`` (raw bytes in and out) as Clipd's
+    Submit; says "ready" on stdout once it listens, then serves until killed (also ``benchmarks/round.py``'s)."""
+    import concurrent.futures
+
+    import grpc
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(threads), options=options)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "clipd.v1.Clipd", {"Submit": grpc.stream_stream_rpc_method_handler(submit)}),))
     server.add_insecure_port(f"127.0.0.1:{port}")
