@@ -156,13 +156,17 @@ class ServerProcess:
             )
         deadline = time.monotonic() + 90
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
-            while True:
-                assert self.proc.poll() is None, f"clipd serve exited: {self.log()[-3000:]}"
-                try:
-                    grpc.channel_ready_future(channel).result(timeout=0.5)
-                    return
-                except grpc.FutureTimeoutError:
-                    assert time.monotonic() < deadline, "clipd serve did not start within 90 s"
+            ready = grpc.channel_ready_future(channel)  # one future, cancelled before the channel closes: a
+            try:  # future left polling a closed channel raises in gRPC's own thread
+                while True:
+                    assert self.proc.poll() is None, f"clipd serve exited: {self.log()[-3000:]}"
+                    try:
+                        ready.result(timeout=0.5)
+                        return
+                    except grpc.FutureTimeoutError:
+                        assert time.monotonic() < deadline, "clipd serve did not start within 90 s"
+            finally:
+                ready.cancel()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
