@@ -43,6 +43,7 @@ import json
 import multiprocessing
 import os
 import platform
+import queue
 import shutil
 import socket
 import statistics
@@ -88,6 +89,7 @@ def _client(target: str, aggregation: str, seed: int, examples: int, start, done
     updates = _updates(seed, examples)  # made before the clock starts
     with Client(target) as client:
         client.layers(aggregation)
+        done.put("ready")
         start.wait()
         report = client.submit(aggregation, updates, client_id=f"bench-{seed}")
     assert report.examples == examples, report
@@ -116,6 +118,7 @@ def _bare_client(target: str, seed: int, examples: int, start, done) -> None:
     with grpc.insecure_channel(target, limit) as channel:
         grpc.channel_ready_future(channel).result(timeout=30)
         submit = channel.stream_stream("/clipd.v1.Clipd/Submit")
+        done.put("ready")
         start.wait()
         assert list(submit(iter(messages), timeout=600)) == [b"done"]
     done.put(time.monotonic())
@@ -172,6 +175,7 @@ def measure_bare(processes: int, clients: int, examples: int, seed: int) -> tupl
 def _tcp_client(port: int, nbytes: int, start, done) -> None:
     payload = np.random.default_rng(0).bytes(1 << 22)
     with socket.create_connection(("127.0.0.1", port)) as s:
+        done.put("ready")
         start.wait()
         sent = 0
         while sent < nbytes:
@@ -207,7 +211,14 @@ def _run_clients(ctx, target, clients: int, make_args) -> float:
     procs = [ctx.Process(target=target, args=(*make_args(i), start, done)) for i in range(clients)]
     for p in procs:
         p.start()
-    time.sleep(2.0)  # every client has made its payload and connected (they wait on ``start``)
+    ready = 0
+    while ready < clients:  # every client has made its payload and connected (they wait on ``start``)
+        try:
+            ready += done.get(timeout=1.0) == "ready"
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a client process failed before the start") from None
+    time.sleep(0.1)  # the last one reaches ``start.wait()``
     t0 = time.monotonic()
     start.set()
     ends = [done.get(timeout=600) for _ in procs]
