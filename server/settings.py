@@ -57,7 +57,7 @@ class Settings:
     tls_cert_file: str = ""  # PEM certificate (chain): gRPC and the admin API (HTTPS) serve TLS with it
     tls_key_file: str = ""  # PEM private key of tls_cert_file
     tls_client_ca_file: str = ""  # PEM CA bundle: gRPC requires client certificates it signed (mutual TLS)
-    # How clipd's own processes on other hosts (Ray shard hosts, ingest actors) reach the server and each other
+    # How clipd's own processes on other hosts (Ray shard hosts) reach the server and each other
     # under TLS: they verify the certificate against this CA bundle (default tls_client_ca_file, else the
     # system's CAs) and present tls_cert_file as their client certificate (so, under mutual TLS, it must
     # allow client authentication too). They connect by address: tls_peer_name is the name the certificate

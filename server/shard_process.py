@@ -104,6 +104,7 @@ class _FirstMessage:
     def __init__(self, requests) -> None:
         self._requests, self._got, self._done = requests, [], threading.Event()
         self._since = time.monotonic()
+        self.evicted = False
 
     def _read(self) -> None:
         try:
@@ -123,7 +124,6 @@ class _FirstMessage:
     def evict(self) -> None:
         self.evicted = True
         self._done.set()
-
 
 
 class _ShardRegistry(Registry):
@@ -278,9 +278,12 @@ class ShardProcess:
         submit: it refuses, as one process does). Read from the store's record: nothing is opened for routing."""
         if isinstance(message, self._malformed) or not message.aggregation_id:
             return self.index
+        try:
+            self.servicer.authorize(token, message.aggregation_id, "submit to")
+        except ClipdError:
+            return self.index
         record = self.store.get(message.aggregation_id)
-        if record is None or not (self.servicer.is_admin(token) or self.servicer.submit_tokens.check(
-                token, record.aggregation_id, record.created)):
+        if record is None:
             return self.index
         return owner_of(shard_of(message.client_id, codec.spec_shards(record.spec)), self.count)
 
@@ -412,8 +415,9 @@ class ShardProcess:
         except ClipdError as e:
             self.servicer.refuse(context, e, "GetPlacement")
         shards = codec.spec_shards(record.spec)
-        return clipd_pb2.Placement(aggregation_id=record.aggregation_id, shards=shards,
-                            endpoints=[endpoints[owner_of(k, self.count)] for k in range(shards)]).SerializeToString()
+        placement = clipd_pb2.Placement(aggregation_id=record.aggregation_id, shards=shards,
+                                        endpoints=[endpoints[owner_of(k, self.count)] for k in range(shards)])
+        return placement.SerializeToString()
 
     # Running -------------------------------------------------------------------------------------
     def start(self) -> ShardProcess:

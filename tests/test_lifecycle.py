@@ -122,3 +122,31 @@ def test_a_stream_to_an_unknown_aggregation_fails_fast(client):
     with pytest.raises(NotFoundError):
         client.submit("no-such-aggregation-anywhere", make_updates(2))
     assert time.monotonic() - start < 10
+
+
+def test_a_stream_is_woken_for_its_own_client_and_for_state_changes_only():
+    """``Aggregation.listen``: a checkpoint covering alice wakes alice's streams, not bob's; a stream of alice
+    ending wakes hers; closing the aggregation wakes everyone; after ``unlisten`` nothing does."""
+    import threading
+
+    from clipd.engine import ClipPolicy, LayerSpec
+    from clipd.server.aggregations import Aggregation
+
+    aggregation = Aggregation("a", (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20)
+    alice, bob = threading.Event(), threading.Event()
+    aggregation.listen("alice", alice)
+    aggregation.listen("bob", bob)
+    aggregation.mark_durable({"alice": (1, "w1")})  # a checkpoint with alice's batch 1
+    assert alice.is_set() and not bob.is_set() and aggregation.durable("alice") == 1
+    alice.clear()
+    aggregation.attach("alice", "w1")
+    aggregation.detach("alice", "w1")  # her stream ended
+    assert alice.is_set() and not bob.is_set()
+    alice.clear()
+    aggregation.close()
+    assert alice.is_set() and bob.is_set()
+    alice.clear()
+    aggregation.unlisten("alice", alice)
+    aggregation.mark_durable({"alice": (2, "w1")})
+    aggregation.fail("a test")
+    assert not alice.is_set()
