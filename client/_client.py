@@ -468,7 +468,8 @@ class Client:
         sums = {}
         for k, name in enumerate(names):
             shape, dtype = shapes[k]
-            sums[name] = np.frombuffer(bytes(buffers[k]), dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+            # A view of the received bytes (no copy), writable: a trainer may update it in place.
+            sums[name] = np.frombuffer(buffers[k], dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
         return AggregateResult(
             sums=sums,
             examples=stats.examples,

@@ -389,6 +389,12 @@ class ClipAccumulator:
 
     merge = staticmethod(merge)
 
+    def program_key(self, rows: int) -> tuple:
+        """What the compiled step for batches of ``rows`` rows depends on (not the layer names, not
+        the bounds' values): two accumulators with equal keys run the same program."""
+        shapes = tuple((layer.shape, layer.dtype) for layer in self.layers)
+        return (self._config, shapes, self._limits.shape, str(self.compute_dtype), rows)
+
     @staticmethod
     def compiled_programs() -> int:
         """How many step programs have been compiled so far in this process."""

@@ -82,6 +82,17 @@ def bucket_sizes(device_rows: int) -> list[int]:
     return sorted({4**i for i in range(16) if 4**i < device_rows} | {device_rows})
 
 
+# The (device, program) pairs already compiled and run once in this process: an aggregation whose every
+# bucket is here opens at once (a DP-SGD trainer creates one aggregation per step, all alike).
+_warm_programs: set[tuple] = set()
+_warm_lock = threading.Lock()
+
+
+def _program_keys(aggregation: Aggregation, device) -> list[tuple]:
+    return [(device.platform, device.id, aggregation.accumulator.program_key(bucket))
+            for bucket in bucket_sizes(aggregation.device_rows)]
+
+
 def bucket_for(rows: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= rows)
 
@@ -127,6 +138,7 @@ class _Slot:
     dirty: bool = False  # batches summed since the last checkpoint started
     checkpoint_due: float = 0.0  # time.monotonic() when the next checkpoint may start
     committing: bool = False
+    queued: Any = None  # the totals last handed to the committer (a final commit of the same ones writes nothing)
 
 
 class DeviceWorker:
@@ -202,6 +214,11 @@ class DeviceWorker:
         with self._cond:
             self._warming.add(aggregation)
             self._shards[aggregation] = tuple(shards)
+        with _warm_lock:
+            compiled = _warm_programs.issuperset(_program_keys(aggregation, self.device))
+        if compiled:  # an earlier aggregation of the same shapes and policy compiled every step
+            self.call_soon(lambda: self._open(aggregation))
+            return
         threading.Thread(target=self._compile, args=(aggregation,), name=f"clipd-warmup-{aggregation.id}",
                          daemon=True).start()
         timer = threading.Timer(self.warmup_timeout, self._warm_up_overdue, args=(aggregation,))
@@ -230,9 +247,11 @@ class DeviceWorker:
         finished: concurrent.futures.Future = concurrent.futures.Future()
 
         def flush_and_commit():
+            slot = self._slots.get((aggregation, shard))
             totals = self._flush(aggregation, shard)
             self._slots.pop((aggregation, shard), None)
-            self._commits.put((aggregation, shard, totals, finished))
+            written = slot is not None and slot.queued is totals  # nothing summed since the last checkpoint
+            self._commits.put((aggregation, shard, totals, finished, not written))
 
         self._enqueue_call(flush_and_commit).add_done_callback(
             lambda call: call.exception() is not None and finished.set_exception(call.exception()))
@@ -483,8 +502,8 @@ class DeviceWorker:
         if slot is None or (aggregation, shard) not in self._slots:
             return  # the aggregation failed (or was dropped) meanwhile: nothing to commit
         with self._cond:
-            slot.committing, slot.dirty = True, False
-        self._commits.put((aggregation, shard, totals, None))
+            slot.committing, slot.dirty, slot.queued = True, False, totals
+        self._commits.put((aggregation, shard, totals, None, True))
 
     def _checkpoint_due(self) -> None:
         now = time.monotonic()
@@ -495,15 +514,23 @@ class DeviceWorker:
 
     def _commit_loop(self) -> None:
         """The committer thread: writes checkpoints in order, then acknowledges what they cover."""
+        failed: set[tuple[Aggregation, int]] = set()  # shards whose last checkpoint could not be written
         while True:
             item = self._commits.get()
             if item is None:
                 return
-            aggregation, shard, totals, final = item
+            aggregation, shard, totals, final, write = item
             started = time.monotonic()
             try:
-                self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epochs[shard])
+                if write:
+                    self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epochs[shard])
+                    failed.discard((aggregation, shard))
+                elif (aggregation, shard) in failed:  # the checkpoint this final commit relies on
+                    failed.discard((aggregation, shard))
+                    raise Unavailable(f"the last checkpoint of aggregation {aggregation.id} failed")
             except Exception as e:
+                if final is None:
+                    failed.add((aggregation, shard))
                 log.exception("checkpoint of aggregation %s failed", aggregation.id)
                 if final is not None:
                     final.set_exception(e)
@@ -536,6 +563,8 @@ class DeviceWorker:
                         return
                     layers = [np.zeros((bucket, *l.shape), l.dtype) for l in aggregation.layers]
                     jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(bucket, bool)))
+            with _warm_lock:
+                _warm_programs.update(_program_keys(aggregation, self.device))
         except Exception as e:
             reason = f"warm-up failed: {type(e).__name__}: {e}"
             self.call_soon(lambda: self._fail(aggregation, reason))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+import threading
 import time
 
 import pytest
@@ -150,3 +151,64 @@ def test_a_stream_is_woken_for_its_own_client_and_for_state_changes_only():
     aggregation.mark_durable({"alice": (2, "w1")})
     aggregation.fail("a test")
     assert not alice.is_set()
+
+
+def test_a_finalize_after_an_acknowledged_checkpoint_writes_it_once(tmp_path):
+    """An acknowledgement means a checkpoint holds every batch: the final commit of the same totals
+    writes nothing more, and the finalized result survives a restart from that checkpoint. An empty
+    aggregation has no checkpoint yet: its final commit writes one."""
+    server, client = _server(data_dir=str(tmp_path))
+    writes = []
+    save = server.store.save_checkpoint
+    server.store.save_checkpoint = lambda *a, **k: (writes.append(a[0]), save(*a, **k))[1]
+    updates = make_updates(40)
+    try:
+        agg = client.create_aggregation(LAYERS)
+        client.submit(agg, updates, client_id="ada")
+        during = len(writes)
+        assert during >= 1
+        result = client.finalize(agg)
+        assert len(writes) == during  # no second copy of the acknowledged totals
+        assert_result_matches(result, updates)
+        empty = client.create_aggregation(LAYERS)
+        assert client.finalize(empty).examples == 0
+        assert writes.count(empty) == 1
+    finally:
+        client.close()
+        server.stop(grace=0.5)
+    server, client = _server(data_dir=str(tmp_path))
+    try:
+        assert_result_matches(client.finalize(agg), updates)
+    finally:
+        client.close()
+        server.stop(grace=0.5)
+
+
+def test_an_aggregation_like_a_compiled_one_opens_without_running_its_steps_again(client, monkeypatch):
+    """A trainer makes one aggregation per step, all alike: only the first runs the warm-up steps."""
+    from clipd.engine import ClipAccumulator
+
+    warm_steps = []
+    update = ClipAccumulator.update
+
+    def counted(self, *args):
+        if threading.current_thread().name.startswith("clipd-warmup"):
+            warm_steps.append(self)
+        return update(self, *args)
+
+    monkeypatch.setattr(ClipAccumulator, "update", counted)
+
+    def open_one(shape) -> None:
+        agg = client.create_aggregation({"w": shape, "b": (3,)})
+        deadline = time.monotonic() + 60
+        while client.get_aggregation(agg).state != 2:  # OPEN
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    open_one((7, 13))  # a shape no other test uses: compiled here
+    first = len(warm_steps)
+    assert first >= 2  # one step per bucket size
+    open_one((7, 13))
+    assert len(warm_steps) == first
+    open_one((7, 14))  # another shape: compiled and run
+    assert len(warm_steps) == 2 * first
