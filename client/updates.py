@@ -178,7 +178,7 @@ def _leaves_by_position(update: Sequence[Any], layers: Sequence[Layer]) -> list[
 def _array(leaf: Any, layer: Layer) -> np.ndarray:
     """``leaf`` as a numpy array of a floating dtype (a JAX array is copied to the host here)."""
     try:
-        arr = np.asarray(leaf)
+        arr = np.asarray(_host_tensor(leaf))
     except (TypeError, ValueError) as e:
         raise InvalidUpdateError(f"layer {layer.name!r}: not an array ({e})", layer=layer.name,
                                  expected=layer.dtype, got=type(leaf).__name__) from None
@@ -189,6 +189,15 @@ def _array(leaf: Any, layer: Layer) -> np.ndarray:
             layer=layer.name, expected=layer.dtype, got=str(arr.dtype),
         )
     return arr
+
+
+def _host_tensor(leaf: Any) -> Any:
+    """A PyTorch tensor as a numpy array: detached from autograd, on the CPU. A CPU tensor is viewed,
+    not copied (torch's ``numpy()`` shares its memory); anything else is returned as it is. No import
+    of torch: a tensor is whatever has ``detach``, ``cpu`` and ``numpy``."""
+    if all(hasattr(leaf, name) for name in ("detach", "cpu", "numpy")):
+        return leaf.detach().cpu().numpy()
+    return leaf
 
 
 def _is_floating(dtype: np.dtype) -> bool:

@@ -4,8 +4,9 @@
 #   Debian packages (when apt-get is there and they are missing): chromium (the dashboard is checked in
 #   headless Chromium), prometheus (promtool checks the /metrics format) and postgresql-15 (initdb and pg_ctl
 #   run a throwaway cluster for the PostgresStore tests).
-#   Python: this project in editable mode with its [server] and [test] extras (the service; the reference
-#   libraries that serve as oracles: optax, jax-privacy, declearn; pytest, hypothesis), then the suite.
+#   Python: torch 2.13.0 (CPU build), then this project in editable mode with its [server] and [test] extras
+#   (the service; the reference libraries that serve as oracles: optax, jax-privacy, declearn, opacus; the
+#   DP-SGD examples' scikit-learn and matplotlib; pytest, hypothesis), then the suite.
 #
 #   Then the Flower tests (tests/flower), in environments of their own under .cache/ (git-ignored, kept
 #   between runs, rebuilt when pyproject.toml changes):
@@ -47,6 +48,8 @@ fi
 # tests/test_postgres_store.py runs a throwaway cluster with Debian's initdb and pg_ctl (not on PATH by default).
 [ -d /usr/lib/postgresql/15/bin ] && export PATH="$PATH:/usr/lib/postgresql/15/bin"
 
+# torch first, pinned (as in the [test] extra): its CPU build here; opacus, installed after it, then takes it.
+python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[server,test]"
 
 if [ "$flower_only" -eq 0 ]; then

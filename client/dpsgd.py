@@ -1,0 +1,242 @@
+"""DP-SGD through clipd: a trainer sends each step's per-example gradients; the server clips, sums, noises
+and accounts them, and the trainer applies the noised mean it gets back.
+
+Each step is one aggregation under a privacy policy and so one release on the
+trainer's ledger: the examples of a step are a Poisson sample of the data set
+(each joins with probability ``q``, drawn by the trainer), the server clips
+each example's gradient to ``C`` (``l2_norm_clip``, over all layers together:
+Opacus' flat clipping), sums them, adds Gaussian noise of stddev ``z * C`` per
+coordinate and divides by the expected batch size ``q * n`` (the public
+denominator: the true count would leak), then composes the step's
+``PoissonSampled(Gaussian(z))`` into the ledger's epsilon (dp_accounting's RDP
+accountant by default). What the trainer gets back is what Opacus' optimizer
+puts into ``p.grad``.
+
+Example (a server on localhost:50051; ``per_example_grads`` from
+``torch.func.vmap(grad(loss))`` or ``jax.vmap(jax.grad(loss))``)::
+
+    with Client("localhost:50051") as client:
+        dp = DpSgd(client, {"w": (10, 3), "b": (3,)}, l2_norm_clip=1.0, noise_multiplier=1.1,
+                   sampling_rate=256 / 60_000, dataset_size=60_000, delta=1e-5)
+        for _ in range(steps):
+            chosen = np.flatnonzero(rng.random(n) < dp.sampling_rate)   # Poisson sampling
+            step = dp.step(per_example_grads(params, chosen))  # {"w": (B, 10, 3), "b": (B, 3)}
+            params = {k: params[k] - lr * step.gradient[k] for k in params}
+        dp.epsilon   # of the whole run so far, at delta
+
+The sampling must really be Poisson with rate ``q`` and secret randomness
+(``np.random.default_rng()`` seeds from the OS): the epsilon assumes it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from clipd.v1 import clipd_pb2 as pb
+
+from .privacy import Privacy
+
+PHASES = ("create", "submit", "finalize", "cancel")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One DP-SGD step's release."""
+
+    gradient: dict[str, np.ndarray]  # the noised sum of clipped gradients / (q * n), per layer
+    examples: int  # how many per-example gradients were sent (not private: the trainer's own knowledge)
+    release: pb.Release  # the noise, the bound, epsilon of this step and of the ledger so far
+    aggregation_id: str
+    seconds: dict[str, float]  # wall time of each phase of the step: create, submit, finalize, cancel
+
+    @property
+    def epsilon(self) -> float:
+        """The ledger's epsilon after this step (the whole run so far), at the ledger's delta."""
+        return self.release.ledger_epsilon
+
+
+class DpSgd:
+    """The clip, noise and accounting part of DP-SGD, done by a clipd server (see the module's docstring).
+
+    Args:
+      client: a :class:`~clipd.client.Client`.
+      layers: the model's parameters, as for ``create_aggregation``: ``{name: shape}`` or
+        ``layers_like(params)``; each step's gradients name the same layers.
+      l2_norm_clip: ``C``, the bound on one example's gradient over all layers.
+      policy: ``global`` (default: the whole gradient clipped to ``C``, Opacus' flat clipping) or
+        ``per_layer_uniform`` (each of the K layers clipped to ``C / sqrt(K)`` on its own: Opacus'
+        per-layer clipping with equal thresholds; the example's bound is still ``C``).
+      noise_multiplier: ``z``: noise of stddev ``z * C`` per coordinate of the sum.
+      sampling_rate: ``q``, each example's probability of joining a step (1: every example, every step).
+      dataset_size: ``n``; the mean divides by ``q * n``.
+      delta: the ledger's delta.
+      ledger_id: the run's ledger (a new one by default); another trainer's steps on the same ledger
+        add to the same epsilon.
+      max_epsilon: the ledger's budget (0: none): the step that would pass it is refused with
+        ``FailedPreconditionError`` before anything of it is sent.
+      accountant: ``rdp`` (default) or ``pld``.
+      metrics_noise_multiplier: with ``z_m > 0`` each release also carries noised per-layer clip counts
+        and a noised example count (``release.layer_clipped``, ``release.examples``, and the admin
+        API); the sum's noise is raised so that the step as a whole keeps ``z``.
+      keep: keep each step's finalized aggregation on the server (for the admin API) instead of
+        cancelling it; :meth:`cancel_kept` drops them.
+      seed: TEST MODE: reproducible noise (the release is then not private).
+      pipeline: create the next step's aggregation, and drop the finished one, on a thread of
+        the helper's own while the trainer computes its next gradients (default); ``False``: each
+        step does every call in turn. The next step's creation reserves its release on the ledger
+        early: a budget it can't afford is raised by the next :meth:`step`, before anything is sent.
+
+    Use it as a context manager (or call :meth:`close`): closing cancels the aggregation made ahead.
+    """
+
+    def __init__(self, client, layers: Any, *, l2_norm_clip: float, noise_multiplier: float, policy: str = "global",
+                 sampling_rate: float, dataset_size: int, delta: float, ledger_id: str | None = None,
+                 max_epsilon: float = 0.0, accountant: str = "rdp", metrics_noise_multiplier: float = 0.0,
+                 keep: bool = False, seed: int | None = None, pipeline: bool = True) -> None:
+        if not 0.0 < sampling_rate <= 1.0:
+            raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
+        if dataset_size < 1:
+            raise ValueError(f"dataset_size must be at least 1, got {dataset_size}")
+        self.client = client
+        self.layers = layers
+        self.l2_norm_clip = float(l2_norm_clip)
+        self.policy = policy
+        self.sampling_rate = float(sampling_rate)
+        self.dataset_size = int(dataset_size)
+        self.keep = keep
+        self.kept: list[str] = []
+        self.pipeline = pipeline
+        self._next: concurrent.futures.Future | None = None  # the next step's aggregation, being created
+        self._cancels: list[concurrent.futures.Future] = []
+        self.steps = 0
+        self.epsilon = 0.0
+        poisson = sampling_rate < 1.0
+        self.privacy = Privacy(
+            ledger_id=ledger_id or f"dpsgd-{uuid.uuid4().hex[:12]}", delta=delta,
+            noise_multiplier=noise_multiplier, sampling="poisson" if poisson else "none",
+            sampling_rate=sampling_rate if poisson else 0.0, max_epsilon=max_epsilon, accountant=accountant,
+            public_denominator=self.expected_batch_size, release_mean=True,
+            metrics_noise_multiplier=metrics_noise_multiplier, seed=seed,
+        ).to_proto()
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q * n``: what the noised sum is divided by (Opacus' ``expected_batch_size``)."""
+        return self.sampling_rate * self.dataset_size
+
+    @property
+    def ledger_id(self) -> str:
+        return self.privacy.ledger_id
+
+    def step(self, per_example_gradients: Any) -> Step:
+        """Clips, sums, noises and accounts one step's per-example gradients; returns the noised mean.
+
+        ``per_example_gradients``: ``{layer: array of (B, *shape)}`` (numpy, torch on the CPU, JAX), the
+        gradients of the step's B sampled examples; ``B = 0`` (an empty Poisson sample) is a step too:
+        the release is noise alone.
+        """
+        seconds = dict.fromkeys(PHASES, 0.0)
+        started = time.perf_counter()
+        if self._next is not None:
+            upcoming, self._next = self._next, None
+            aggregation = upcoming.result()  # raises what creating it raised (a spent budget)
+        else:
+            aggregation = self._create()
+        seconds["create"] = _lap(started)
+        examples = _batch_size(per_example_gradients)
+        if examples:
+            started = time.perf_counter()
+            self.client.submit(aggregation, per_example_gradients, client_id="trainer")
+            seconds["submit"] = _lap(started)
+        started = time.perf_counter()
+        result = self.client.finalize(aggregation)
+        seconds["finalize"] = _lap(started)
+        if self.keep:
+            self.kept.append(aggregation)
+        elif self.pipeline:
+            self._cancels = [f for f in self._cancels if not f.done()]
+            self._cancels.append(_in_background(self.client.cancel, aggregation))
+        else:
+            started = time.perf_counter()
+            self.client.cancel(aggregation)  # drops the kept sums; the ledger keeps the release
+            seconds["cancel"] = _lap(started)
+        if self.pipeline:
+            self._next = _in_background(self._create)
+        self.steps += 1
+        self.epsilon = result.release.ledger_epsilon
+        return Step(result.sums, examples, result.release, aggregation, seconds)
+
+    def _create(self) -> str:
+        return self.client.create_aggregation(self.layers, policy=self.policy, l2_norm_clip=self.l2_norm_clip,
+                                              privacy=self.privacy)
+
+    def close(self) -> None:
+        """Cancels the aggregation made ahead for a next step (its reservation on the ledger goes with it)."""
+        upcoming, self._next = self._next, None
+        concurrent.futures.wait(self._cancels)
+        self._cancels = []
+        if upcoming is not None and upcoming.exception() is None:
+            self.client.cancel(upcoming.result())
+
+    def __enter__(self) -> DpSgd:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def cancel_kept(self) -> None:
+        """Drops the finalized aggregations kept with ``keep=True`` (their releases stay on the ledger)."""
+        while self.kept:
+            self.client.cancel(self.kept.pop())
+
+
+def _in_background(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread (one that never keeps the trainer's process alive at exit)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits for it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="clipd-dpsgd", daemon=True).start()
+    return future
+
+
+def _lap(started: float) -> float:
+    return time.perf_counter() - started
+
+
+def _batch_size(gradients: Any) -> int:
+    """B, the leading axis of the first array of a {layer: (B, *shape)} mapping or list."""
+    first = next(iter(gradients.values())) if isinstance(gradients, dict) else gradients[0]
+    shape = getattr(first, "shape", None)
+    if shape is None:
+        shape = np.shape(first)
+    return int(shape[0]) if len(shape) else 1
+
+
+def poisson_sample(dataset_size: int, sampling_rate: float, rng: np.random.Generator | None = None) -> np.ndarray:
+    """The indices of a Poisson sample: each of ``dataset_size`` examples joins with probability ``q``.
+
+    ``rng`` defaults to a generator seeded from the OS (what the privacy guarantee assumes);
+    pass a seeded one only for reproducible experiments.
+
+    >>> poisson_sample(10, 1.0).tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    """
+    rng = rng if rng is not None else np.random.default_rng()
+    if sampling_rate >= 1.0:
+        return np.arange(dataset_size)
+    return np.flatnonzero(rng.random(dataset_size) < sampling_rate)
+
+
+__all__ = ["DpSgd", "Step", "poisson_sample", "PHASES"]

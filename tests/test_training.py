@@ -1,0 +1,219 @@
+"""Real training through clipd: Opacus (1.6, real) as the oracle of one step, the two DP-SGD examples
+learning scikit-learn's digits against an embedded server, and the DpSgd helper's promises."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import pathlib
+import sys
+import warnings
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting import dp_event as dpe
+from dp_accounting.rdp import rdp_privacy_accountant
+from opacus import GradSampleModule
+from opacus.accountants import RDPAccountant
+from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
+from torch import nn
+
+from clipd.client import Client, FailedPreconditionError, NotFoundError
+from clipd.client.dpsgd import DpSgd, poisson_sample
+from clipd.client.updates import Layer, as_batch
+from clipd.server.app import create_server
+from clipd.server.settings import Settings
+from conftest import TEST_SETTINGS
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """A server with the durable (SQLite) store, as a trainer would use it."""
+    data_dir = tmp_path_factory.mktemp("clipd-training")
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "data_dir": str(data_dir), "max_device_rows": 64}))
+    with Client(f"127.0.0.1:{port}") as client:
+        yield client
+    server.stop(grace=1.0)
+
+
+def example(name: str):
+    """An example script as a module (they import their shared ``dpsgd_common`` from examples/)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module(name)
+
+
+def rdp_epsilon(sampling_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(dpe.PoissonSampledDpEvent(sampling_rate, dpe.GaussianDpEvent(noise_multiplier)), steps)
+    return accountant.get_epsilon(delta)
+
+
+# Opacus as the oracle of one step ---------------------------------------------------------------
+def _opacus_step(per_layer: bool, clip: float, batch: int = 48, seed: int = 3):
+    """A real Opacus step on the examples' MLP (noise 0, loss summed): the per-sample gradients its
+    GradSampleModule computed, and the clipped sum its optimizer put into each ``p.grad``."""
+    torch.manual_seed(seed)
+    model = GradSampleModule(example("dpsgd_torch").Mlp(), loss_reduction="sum")
+    params = [p for p in model.parameters()]
+    k = len(params)
+    if per_layer:
+        optimizer = DPPerLayerOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=0.0,
+                                        max_grad_norm=[clip / math.sqrt(k)] * k, expected_batch_size=batch,
+                                        loss_reduction="sum")
+    else:
+        optimizer = DPOptimizer(torch.optim.SGD(params, lr=0.1), noise_multiplier=0.0, max_grad_norm=clip,
+                                expected_batch_size=batch, loss_reduction="sum")
+    x = torch.rand(batch, 64) * torch.logspace(-1.5, 0.5, batch).unsqueeze(1)  # norms on both sides of C
+    y = torch.randint(0, 10, (batch,))
+    with warnings.catch_warnings():  # torch notes that the input needs no gradient: it doesn't
+        warnings.simplefilter("ignore", UserWarning)
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    grad_samples = {name: p.grad_sample.detach().clone() for name, p in model.named_parameters()}
+    assert optimizer.pre_step()  # clip, accumulate, add (zero) noise, scale: p.grad
+    summed = {name: p.grad.detach().numpy().copy() for name, p in model.named_parameters()}
+    return {name.removeprefix("_module."): g for name, g in grad_samples.items()}, \
+        {name.removeprefix("_module."): s for name, s in summed.items()}
+
+
+def _opacus_clip_counts(grad_samples: dict[str, torch.Tensor], bounds: dict[str, float] | float) -> dict[str, int]:
+    """How many examples Opacus scales down, by its formula: factor = C / (norm + 1e-6), clamped to 1."""
+    flat = {n: g.reshape(len(g), -1).norm(2, dim=-1) for n, g in grad_samples.items()}
+    if isinstance(bounds, float):  # flat clipping: one norm over all layers
+        total = torch.stack(list(flat.values()), dim=1).norm(2, dim=1)
+        count = int((bounds / (total + 1e-6) < 1.0).sum())
+        return {n: count for n in grad_samples}
+    return {n: int((bounds[n] / (norms + 1e-6) < 1.0).sum()) for n, norms in flat.items()}
+
+
+def _clipd_sum(client, grad_samples, policy: str, clip: float):
+    layers = {name: tuple(g.shape[1:]) for name, g in grad_samples.items()}
+    aggregation = client.create_aggregation(layers, policy=policy, l2_norm_clip=clip)
+    client.submit(aggregation, grad_samples)  # the torch tensors as they are
+    result = client.finalize(aggregation)
+    client.cancel(aggregation)
+    return result
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per_layer"])
+def test_one_step_sums_what_opacus_clipping_sums_with_the_same_clip_counts(client, per_layer):
+    clip = 2.0  # the examples' gradient norms spread from 1.1 to 6.4
+    grad_samples, opacus_sums = _opacus_step(per_layer, clip)
+    k = len(grad_samples)
+    bounds = {n: clip / math.sqrt(k) for n in grad_samples} if per_layer else clip
+    counts = _opacus_clip_counts(grad_samples, bounds)
+    batch = len(next(iter(grad_samples.values())))
+    assert sum(0 < c < batch for c in counts.values()) >= 2  # some examples clipped, some not: a real test
+    result = _clipd_sum(client, grad_samples, "per_layer_uniform" if per_layer else "global", clip)
+    assert result.clip_counts == counts
+    for name, expected in opacus_sums.items():
+        np.testing.assert_allclose(result.sums[name], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_the_opacus_parity_fails_with_another_clip_bound(client):
+    """The negative control: the same gradients clipped to 1.2 C are not Opacus' step at C."""
+    grad_samples, opacus_sums = _opacus_step(False, 2.0)
+    result = _clipd_sum(client, grad_samples, "global", 2.4)
+    assert result.clip_counts != _opacus_clip_counts(grad_samples, 2.0)
+    assert not all(np.allclose(result.sums[n], s, rtol=1e-5, atol=1e-5 * np.abs(s).max())
+                   for n, s in opacus_sums.items())
+
+
+def test_a_noiseless_dpsgd_step_is_opacus_mean_over_the_expected_batch_size(client):
+    """DpSgd's release divides by q * n as Opacus' optimizer does (loss_reduction="mean")."""
+    grad_samples, opacus_sums = _opacus_step(False, 2.0, batch=48)
+    layers = {name: tuple(g.shape[1:]) for name, g in grad_samples.items()}
+    with DpSgd(client, layers, l2_norm_clip=2.0, noise_multiplier=0.0, sampling_rate=0.25, dataset_size=192,
+               delta=1e-5) as dp:
+        step = dp.step(grad_samples)
+    assert step.release.noise_stddev == 0.0 and math.isinf(step.epsilon)  # no noise: no privacy, and said so
+    for name, expected in opacus_sums.items():
+        np.testing.assert_allclose(step.gradient[name], expected / 48, rtol=1e-5, atol=1e-7)
+
+
+# The examples learn -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dpsgd_torch", "dpsgd_jax"])
+def test_the_example_learns_digits_through_clipd_at_the_epsilon_dp_accounting_gives(name, tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    out = tmp_path / "out"
+    summary = example(name).main(["--epochs", "3", "--quiet", "--seed-sampling", "--out", str(out)])
+    assert summary["steps"] == 18  # 3 epochs of round(1,438 / 256) steps
+    assert summary["accuracy"] > 0.6, summary["history"]  # chance is 0.1; about 0.88 at this point
+    accuracies = [h["accuracy"] for h in summary["history"]]
+    assert accuracies[-1] > accuracies[0] or accuracies[0] > 0.6
+    q = summary["sampling_rate"]
+    assert q == pytest.approx(256 / 1438)
+    assert summary["epsilon"] == pytest.approx(rdp_epsilon(q, 2.0, 18, 1e-5), rel=1e-9)
+    opacus = RDPAccountant()
+    opacus.history = [(2.0, q, 18)]
+    assert summary["opacus_rdp_epsilon"] == pytest.approx(opacus.get_epsilon(1e-5), rel=1e-12)
+    assert summary["opacus_rdp_epsilon"] == pytest.approx(summary["epsilon"], rel=1e-3)  # see the README
+    for record in summary["history"]:
+        assert set(record["clip_fraction"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+        assert all(0.0 <= f <= 1.0 for f in record["clip_fraction"].values())
+    framework = name.removeprefix("dpsgd_")
+    assert (out / f"dpsgd_{framework}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / f"dpsgd_{framework}.json").read_text())["steps"] == 18
+
+
+# The DpSgd helper ---------------------------------------------------------------------------------
+def test_a_spent_budget_refuses_the_next_step_before_any_of_it_is_sent(client):
+    layers = {"w": (4,)}
+    rng = np.random.default_rng(0)
+    one = rdp_epsilon(0.5, 1.0, 1, 1e-5)
+    with DpSgd(client, layers, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.5, dataset_size=8,
+               delta=1e-5, max_epsilon=rdp_epsilon(0.5, 1.0, 3, 1e-5) * 1.0001) as dp:
+        for _ in range(3):
+            dp.step({"w": rng.standard_normal((4, 4)).astype(np.float32)})
+        assert dp.epsilon > one
+        with pytest.raises(FailedPreconditionError, match="budget"):
+            dp.step({"w": rng.standard_normal((4, 4)).astype(np.float32)})
+    ledger = client.ledger(dp.ledger_id)
+    assert len(ledger.entries) == 3  # the refused step left nothing on the ledger
+    assert ledger.epsilon == pytest.approx(rdp_epsilon(0.5, 1.0, 3, 1e-5), rel=1e-9)
+
+
+def test_closing_cancels_the_aggregation_made_ahead(client):
+    with DpSgd(client, {"w": (2,)}, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.1, dataset_size=100,
+               delta=1e-5) as dp:
+        dp.step({"w": np.ones((3, 2), np.float32)})
+        ahead = dp._next.result()
+        assert client.get_aggregation(ahead).state in (1, 2)  # WARMING_UP or OPEN: its release reserved
+    with pytest.raises(NotFoundError):  # cancelled before any batch: gone
+        client.get_aggregation(ahead)
+    assert len(client.ledger(dp.ledger_id).entries) == 1
+    # A new release on the ledger plans for the committed step and itself, no reservation left over.
+    again = client.create_aggregation({"w": (2,)}, l2_norm_clip=1.0, privacy=dp.privacy)
+    assert client.get_aggregation(again).planned_ledger_epsilon == pytest.approx(
+        rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9)
+    client.cancel(again)
+
+
+def test_an_empty_poisson_sample_is_a_step_of_noise_alone(client):
+    with DpSgd(client, {"w": (2,)}, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.01, dataset_size=10,
+               delta=1e-5, pipeline=False) as dp:
+        step = dp.step({"w": np.zeros((0, 2), np.float32)})
+    assert step.examples == 0 and step.seconds["submit"] == 0.0
+    assert np.all(step.gradient["w"] != 0.0)  # noised
+    assert step.epsilon == pytest.approx(rdp_epsilon(0.01, 1.0, 1, 1e-5), rel=1e-9)
+
+
+def test_torch_tensors_go_into_the_client_without_a_copy():
+    layers = [Layer("w", (3,), "float32")]
+    gradients = torch.randn(5, 3)
+    assert np.shares_memory(as_batch([gradients], layers)[0], gradients.numpy())
+    tracked = torch.randn(5, 3, requires_grad=True) * 2  # part of an autograd graph: detached, not refused
+    np.testing.assert_array_equal(as_batch([tracked], layers)[0], tracked.detach().numpy())
+
+
+def test_poisson_sampling_draws_each_example_with_probability_q():
+    rng = np.random.default_rng(5)
+    sizes = [len(poisson_sample(1000, 0.1, rng)) for _ in range(400)]
+    assert np.mean(sizes) == pytest.approx(100, rel=0.02)
+    assert np.std(sizes) == pytest.approx(math.sqrt(1000 * 0.1 * 0.9), rel=0.15)  # binomial, not fixed-size
