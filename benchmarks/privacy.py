@@ -11,8 +11,10 @@ Two tables, medians of ``--repeats`` runs, each with a reference measured in the
    Each run is a fresh aggregation; warm-up (compilation) is excluded.
 2. Epsilon of a ledger of R identical releases (Poisson q = 0.01, z = 1):
    clipd's ``engine._privacy.epsilon`` (identical events composed once with
-   their count; its cache cleared before each run, so this is the cold cost) against composing the R events one by one into the same
-   dp_accounting accountant (what a naive replay of a ledger does).
+   their count; its caches cleared before each run, so this is the cold cost)
+   against composing the R events one by one into the same dp_accounting
+   accountant (what a naive replay of a ledger does). Then what one more
+   release costs once the event's RDP curve is known (a trainer's steps).
 
 Run: ``python benchmarks/privacy.py`` (``--quick`` for a smoke run).
 """
@@ -77,7 +79,8 @@ def main() -> None:
     for releases in ([10, 100] if args.quick else [10, 100, 1000]):
         ours, naive = [], []
         for _ in range(repeats):
-            dp._epsilon_of_counts.cache_clear()  # cold: what the first ask after a new release costs
+            dp._epsilon_of_counts.cache_clear()  # cold: nothing of this event computed before
+            dp._rdp_curve.cache_clear()
             started = time.perf_counter()
             eps = dp.epsilon([event] * releases, 1e-5, "rdp", "add_remove_one")
             ours.append(time.perf_counter() - started)
@@ -90,6 +93,12 @@ def main() -> None:
             assert abs(eps - reference) <= 1e-9 * reference, (eps, reference)
         a, b = statistics.median(ours), statistics.median(naive)
         print(f"{releases:>8} | {a * 1e3:>9.2f} | {b * 1e3:>13.2f} | {b / a:>16.2f}")
+    warm, text = [], dp.event_to_json(event)  # a ledger holds its events as JSON
+    for releases in range(1000, 1000 + repeats):  # each a ledger length not asked before; the event's curve known
+        started = time.perf_counter()
+        dp.epsilon_of_json([text] * releases, 1e-5, "rdp", "add_remove_one")
+        warm.append(time.perf_counter() - started)
+    print(f"a further release of a known event (what a trainer's step pays): {statistics.median(warm) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -261,7 +261,10 @@ class Client:
         return list(self._call(self._stub.ListAggregations, pb.ListAggregationsRequest()).aggregations)
 
     def cancel(self, aggregation_id: str) -> pb.Aggregation:
-        return self._call(self._stub.CancelAggregation, pb.CancelAggregationRequest(aggregation_id=aggregation_id))
+        cancelled = self._call(self._stub.CancelAggregation, pb.CancelAggregationRequest(aggregation_id=aggregation_id))
+        self._layers.pop(aggregation_id, None)  # what this client kept of it (a trainer cancels one per step)
+        self._forget_placement(aggregation_id)
+        return cancelled
 
     def stats(self, aggregation_id: str) -> pb.AggregationStats:
         return self._call(self._stub.GetStats, pb.GetStatsRequest(aggregation_id=aggregation_id))

@@ -174,8 +174,10 @@ class DpSgd:
         return Step(result.sums, examples, result.release, aggregation, seconds)
 
     def _create(self) -> str:
-        return self.client.create_aggregation(self.layers, policy=self.policy, l2_norm_clip=self.l2_norm_clip,
-                                              privacy=self.privacy)
+        aggregation = self.client.create_aggregation(self.layers, policy=self.policy,
+                                                     l2_norm_clip=self.l2_norm_clip, privacy=self.privacy)
+        self.client.placement(aggregation)  # asked now (the client keeps it), not when the step submits
+        return aggregation
 
     def close(self) -> None:
         """Cancels the aggregation made ahead for a next step (its reservation on the ledger goes with it)."""

@@ -313,15 +313,18 @@ def add_gaussian_noise(sums: Sequence[np.ndarray], stddev: float, key: jax.Array
     The noise is drawn in the sum dtype (float32 at least) from one subkey per
     layer, so no two layers (and, with a fresh key, no two releases) share noise.
     """
-    keys = jax.random.split(key, max(1, len(sums)))
-    out = []
-    for k, (total, dtype) in enumerate(zip(sums, dtypes)):
-        dtype = np.promote_types(dtype, np.float32)
-        value = jnp.asarray(np.asarray(total, dtype=dtype))
-        if stddev > 0:
-            value = value + jax.random.normal(keys[k], value.shape, dtype=value.dtype) * jnp.asarray(stddev, value.dtype)
-        out.append(np.asarray(jax.device_get(value)))
-    return tuple(out)
+    values = tuple(np.asarray(total, dtype=np.promote_types(dtype, np.float32)) for total, dtype in zip(sums, dtypes))
+    if stddev <= 0:
+        return values
+    return tuple(np.asarray(v) for v in jax.device_get(_noised(key, values, np.float64(stddev))))
+
+
+@jax.jit
+def _noised(key: jax.Array, values: tuple[jax.Array, ...], stddev: jax.Array) -> tuple[jax.Array, ...]:
+    """One program for every layer (one dispatch per release, not five per layer)."""
+    keys = jax.random.split(key, max(1, len(values)))
+    return tuple(v + jax.random.normal(keys[k], v.shape, dtype=v.dtype) * stddev.astype(v.dtype)
+                 for k, v in enumerate(values))
 
 
 def gaussian_noise(n: int, stddev: float, key: jax.Array) -> np.ndarray:

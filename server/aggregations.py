@@ -229,6 +229,11 @@ class Aggregation:
             return (self._durable.get(client_id, 0), self._accepted.get(client_id, 0),
                     self._last_writer.get(client_id, ""))
 
+    @property
+    def receiving(self) -> bool:
+        """Whether a Submit stream is open on the aggregation (more batches may come)."""
+        return bool(self._open_writers)
+
     def detach(self, client_id: str, writer: str) -> None:
         with self.cond:
             writers = self._open_writers[client_id]

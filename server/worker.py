@@ -61,6 +61,7 @@ from .store import Store
 log = logging.getLogger(__name__)
 STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming
 FILL_WAIT = 0.002  # how long a step less than half full waits for more batches (seconds)
+FILL_POLL = 0.0002  # how often that wait looks whether the aggregation's streams have all ended
 FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
 
 
@@ -309,11 +310,13 @@ class DeviceWorker:
     def _more_for(self, aggregation: Aggregation, shard: int, rows: int, deadline: float = 0.0) -> _Work | None:
         """The next queued batch if it belongs to the shard and fits in ``rows`` more rows.
 
-        With an empty queue it waits until ``deadline`` (``time.monotonic()``) for one to arrive.
+        With an empty queue it waits until ``deadline`` (``time.monotonic()``) for one to arrive, while a
+        stream of the aggregation is still open: once every stream has ended (a trainer's one batch per
+        step, a client's last), nothing more can come, and the step runs at once.
         """
         with self._cond:
-            if not self._queue and deadline > time.monotonic():
-                self._cond.wait(deadline - time.monotonic())
+            while not self._queue and aggregation.receiving and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(min(FILL_POLL, left))  # a stream's end does not notify this condition
             if self._queue:
                 head = self._queue[0]
                 if (isinstance(head, _Work) and head.aggregation is aggregation and head.shard == shard

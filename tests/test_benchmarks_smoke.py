@@ -156,3 +156,17 @@ def test_round_benchmark_compares_bare_sync_and_aio_sinks():
                                               rate["aio round"] / rate["aio 8 clients"],
                                               rate["aio round"] / rate["sync round"])):
         assert abs(float(got) - expected) <= 0.1 * expected + 0.002, out.stdout  # wall is printed to 10 ms
+
+
+def test_training_benchmark_quick_run():
+    """benchmarks/training.py: Opacus' local step beside clipd's (a real `clipd serve`), and where it goes."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "training.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in out.stdout.splitlines() if "|" in line}
+    for name in ("opacus (all local)", "clipd, pipelined (default)", "clipd, sequential"):
+        assert _positive(rows[name][0])
+    for phase in ("create", "submit (until acknowledged)", "finalize (with the release)"):
+        assert _positive(rows[f"client: {phase}"][0])
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("training: opacus_ms=") and "overhead_ms=" in last and "service_ms=" in last

@@ -1,0 +1,236 @@
+"""What a DP-SGD step costs through clipd, against the same step done locally by Opacus.
+
+The model, data and step of ``examples/dpsgd_torch.py`` (an MLP of 2,410 parameters on
+scikit-learn's digits, Poisson sampling with an expected batch of ``--batch-size``), ``--steps`` steps
+after ``--warmup`` (compilation), medians:
+
+- ``opacus``: Opacus 1.6 does the whole step in the trainer's process: per-sample gradients
+  (GradSampleModule hooks), flat clipping, Gaussian noise, the RDP accountant's step, SGD.
+- ``clipd``: per-sample gradients with ``torch.func`` in the trainer; clipping, noise and accounting
+  by a real `clipd serve` process on loopback (its durable SQLite store in a temporary directory,
+  or ``--store memory``) through ``DpSgd``, pipelined (the next step's aggregation created and the
+  last one dropped while the trainer computes) and ``sequential`` (every call in turn).
+- ``grads``: the trainer's own part of a clipd step (sampling, ``torch.func`` per-example gradients,
+  SGD), measured alone: ``clipd - grads`` is what the service adds.
+
+Then where a sequential step's time goes: the client's calls (create, submit until acknowledged,
+finalize with the release, cancel) and, inside the server, the checkpoint that the acknowledgement
+waits for, the noise, the ledger's epsilon and the ledger commit (timed by wrapping those functions
+of the embedded server). The last line:
+``training: opacus_ms=<a> clipd_ms=<b> grads_ms=<c> overhead_ms=<b-a> service_ms=<b-c>``.
+
+Run: ``python benchmarks/training.py`` (``--quick`` for a smoke run). Needs torch, opacus, scikit-learn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import logging
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def median_ms(values) -> float:
+    return 1e3 * statistics.median(values) if values else 0.0
+
+
+def opacus_steps(data, args) -> list[float]:
+    """Seconds per step of Opacus doing it all locally (its DataLoader's Poisson sampling replaced by
+    the same sampling as clipd's trainer, so that both steps see the same batches)."""
+    import torch
+    from opacus import GradSampleModule
+    from opacus.accountants import RDPAccountant
+    from opacus.optimizers import DPOptimizer
+
+    from clipd.client.dpsgd import poisson_sample
+    from dpsgd_torch import Mlp
+
+    torch.manual_seed(0)
+    n = len(data.y_train)
+    q = args.batch_size / n
+    model = GradSampleModule(Mlp())
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), noise_multiplier=args.z,
+                            max_grad_norm=1.0, expected_batch_size=int(args.batch_size))
+    accountant = RDPAccountant()
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    rng, times = np.random.default_rng(1), []
+    for step in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        batch = torch.from_numpy(poisson_sample(n, q, rng))
+        optimizer.zero_grad()
+        with warnings.catch_warnings():  # torch notes that the input needs no gradient: it doesn't
+            warnings.simplefilter("ignore", UserWarning)
+            torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+        accountant.step(noise_multiplier=args.z, sample_rate=q)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def clipd_steps(data, args, client, pipeline: bool, grads_only: bool = False, warm=lambda: None):
+    """Seconds per step through clipd (or of the trainer's part alone), and the seconds of each call."""
+    import torch
+
+    from clipd.client.dpsgd import DpSgd, poisson_sample
+    from dpsgd_torch import Mlp, per_example_gradients
+
+    torch.manual_seed(0)
+    n = len(data.y_train)
+    model = Mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    layers = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    rng, times, phases = np.random.default_rng(1), [], collections.defaultdict(list)
+    with DpSgd(client, layers, l2_norm_clip=1.0, noise_multiplier=args.z, sampling_rate=args.batch_size / n,
+               dataset_size=n, delta=1e-5, pipeline=pipeline) as dp:
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                warm()
+            started = time.perf_counter()
+            batch = torch.from_numpy(poisson_sample(n, dp.sampling_rate, rng))
+            grads = per_example_gradients(model, x[batch], y[batch])
+            if grads_only:  # the same update with the plain mean (what the trainer itself computes)
+                gradient = {k: g.mean(0).numpy() for k, g in grads.items()}
+            else:
+                result = dp.step(grads)
+                gradient = result.gradient
+            for name, p in model.named_parameters():
+                p.grad = torch.from_numpy(gradient[name])
+            optimizer.step()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - started)
+                if not grads_only:
+                    for phase, seconds in result.seconds.items():
+                        phases[phase].append(seconds)
+    return times, phases
+
+
+@contextlib.contextmanager
+def clipd_serve(data_dir: str):
+    """``clipd serve`` on a free loopback port, in a process of its own (as a trainer would reach it)."""
+    server = subprocess.Popen([sys.executable, "-m", "clipd", "serve", "--grpc-port", "0", "--admin-port", "-1",
+                               "--data-dir", data_dir, "--max-device-rows", "512", "--log-level", "warning"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()  # "clipd serving gRPC on 127.0.0.1:PORT" once listening
+        if "serving" not in line:
+            raise RuntimeError(f"clipd serve did not start: {line!r}")
+        yield line.split(" on ")[1].split(",")[0].strip()
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@contextlib.contextmanager
+def server_timers():
+    """Wraps the embedded server's checkpoint, noise, epsilon and ledger commit with timers."""
+    from clipd.engine import _privacy as dp
+    from clipd.server import privacy, sqlite_store
+
+    timers = collections.defaultdict(list)
+    originals = []
+
+    def wrap(owner, name, label):
+        original = getattr(owner, name)
+        originals.append((owner, name, original))
+
+        def timed(*a, **k):
+            started = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                timers[label].append(time.perf_counter() - started)
+
+        setattr(owner, name, timed)
+
+    wrap(sqlite_store.SQLiteStore, "save_checkpoint", "checkpoint (acknowledgement)")
+    wrap(sqlite_store.SQLiteStore, "create", "store the new aggregation")
+    wrap(dp, "add_gaussian_noise", "noise")
+    wrap(dp, "epsilon_of_json", "ledger epsilon (each create and release)")
+    wrap(sqlite_store.SQLiteStore, "commit_release", "ledger commit")
+    wrap(privacy.Ledgers, "release", "release (noise + epsilon + ledger commit)")
+    try:
+        yield timers
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch-size", type=float, default=256.0)
+    parser.add_argument("--z", type=float, default=2.0)
+    parser.add_argument("--store", choices=["durable", "memory"], default="durable")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 8, 2
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+    import torch
+
+    torch.set_num_threads(1)  # the trainer and the server share the machine's cores, as in the example
+    from clipd.client import Client
+    from clipd.server.app import create_server
+    from clipd.server.settings import Settings
+    from dpsgd_common import load_digits
+
+    data = load_digits()
+    print(f"DP-SGD step, MLP of 2,410 parameters, expected batch {args.batch_size:g} of {len(data.y_train)},"
+          f" z = {args.z:g}; {args.steps} steps after {args.warmup}; clipd store: {args.store}")
+    opacus = opacus_steps(data, args)
+    with tempfile.TemporaryDirectory() as workdir:
+        store = lambda name: os.path.join(workdir, name) if args.store == "durable" else "memory"  # noqa: E731
+        with clipd_serve(store("served")) as target, Client(target) as client:  # a server process of its own
+            grads, _ = clipd_steps(data, args, client, pipeline=False, grads_only=True)
+            pipelined, _ = clipd_steps(data, args, client, pipeline=True)
+            sequential, _ = clipd_steps(data, args, client, pipeline=False)
+        # Where the time goes: the same sequential steps against a server in this process, timed inside.
+        server, port = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1, max_device_rows=512,
+                                              data_dir=store("embedded")))
+        try:
+            with Client(f"127.0.0.1:{port}") as client, server_timers() as timers:
+                _, phases = clipd_steps(data, args, client, pipeline=False, warm=timers.clear)
+        finally:
+            server.stop(grace=1.0)
+
+    base = median_ms(opacus)
+    print()
+    print(f"{'step':<34} | {'ms/step':>8} | {'vs opacus':>9}")
+    for name, times in (("opacus (all local)", opacus), ("trainer's part alone (grads, SGD)", grads),
+                        ("clipd, pipelined (default)", pipelined), ("clipd, sequential", sequential)):
+        print(f"{name:<34} | {median_ms(times):>8.2f} | {median_ms(times) / base:>9.2f}")
+    print()
+    print(f"{'where a sequential step goes (server in-process)':<50} | {'median ms':>9}")
+    for phase in ("create", "submit", "finalize", "cancel"):
+        label = {"submit": "submit (until acknowledged)", "finalize": "finalize (with the release)"}.get(phase, phase)
+        print(f"{'client: ' + label:<50} | {median_ms(phases[phase]):>9.2f}")
+    for label, values in timers.items():
+        per_step = sum(values) / args.steps
+        print(f"{'server, per step: ' + label:<50} | {per_step * 1e3:>9.2f}")
+    clipd_ms, grads_ms = median_ms(pipelined), median_ms(grads)
+    print(f"training: opacus_ms={base:.2f} clipd_ms={clipd_ms:.2f} grads_ms={grads_ms:.2f}"
+          f" overhead_ms={clipd_ms - base:.2f} service_ms={clipd_ms - grads_ms:.2f}")
+
+
+if __name__ == "__main__":
+    main()
