@@ -100,6 +100,7 @@ class Ledgers:
         self._lock = threading.Lock()
         self._ledger_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._reserved: dict[str, dict[str, _Reservation]] = collections.defaultdict(dict)
+        self._events: dict[str, list[str]] = {}  # the committed events read so far, per ledger (see events)
 
     def _locked(self, ledger_id: str) -> threading.Lock:
         with self._lock:
@@ -107,8 +108,12 @@ class Ledgers:
 
     # Reading ---------------------------------------------------------------------------
     def events(self, ledger_id: str) -> list[str]:
-        """The committed events of a ledger, as JSON."""
-        return [e.event for e in self.store.ledger_entries(ledger_id)]
+        """The committed events of a ledger, as JSON: the ones read before and those committed since (by this
+        process or another on a shared store): a trainer's ledger gains one per step, and is read at each
+        creation and release."""
+        known = self._events.setdefault(ledger_id, [])
+        known.extend(e.event for e in self.store.ledger_entries(ledger_id, start=len(known)))
+        return list(known)
 
     def current_bound(self, policy: dp.PrivacyPolicy) -> float:
         """The adaptive bound of the ledger's next aggregation: the last release's next bound, or the initial one."""

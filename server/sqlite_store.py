@@ -425,10 +425,10 @@ class SQLiteStore(Store):
     def ledgers(self) -> list[LedgerRecord]:
         return [LedgerRecord(*row) for row in self._query("SELECT id, config, created FROM ledgers ORDER BY created")]
 
-    def ledger_entries(self, ledger_id: str) -> list[LedgerEntry]:
+    def ledger_entries(self, ledger_id: str, start: int = 0) -> list[LedgerEntry]:
         return [LedgerEntry(*row) for row in self._query(
             "SELECT aggregation_id, event, time, epsilon_after, next_bound FROM ledger_entries"
-            " WHERE ledger = ? ORDER BY position", (ledger_id,))]
+            " WHERE ledger = ? AND position >= ? ORDER BY position", (ledger_id, start))]
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float) -> None:

@@ -154,8 +154,9 @@ class Store(abc.ABC):
     def ledgers(self) -> list[LedgerRecord]: ...
 
     @abc.abstractmethod
-    def ledger_entries(self, ledger_id: str) -> list[LedgerEntry]:
-        """The ledger's entries in the order they were committed ([] if it does not exist)."""
+    def ledger_entries(self, ledger_id: str, start: int = 0) -> list[LedgerEntry]:
+        """The ledger's entries in the order they were committed, from the ``start``-th on ([] if it does
+        not exist). Entries are never removed nor changed: what was read once stays true."""
 
     @abc.abstractmethod
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
@@ -263,9 +264,9 @@ class MemoryStore(Store):
         with self._lock:
             return sorted(self._ledgers.values(), key=lambda r: r.created)
 
-    def ledger_entries(self, ledger_id: str) -> list[LedgerEntry]:
+    def ledger_entries(self, ledger_id: str, start: int = 0) -> list[LedgerEntry]:
         with self._lock:
-            return list(self._entries.get(ledger_id, []))
+            return list(self._entries.get(ledger_id, [])[start:])
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float) -> None:

@@ -260,6 +260,8 @@ class StoreContract:
         entries = store.ledger_entries("L")
         assert [e.aggregation_id for e in entries] == ["r1", "r2"]
         assert entries[1] == LedgerEntry("r2", '{"e": 1}', 11.0, 3.0, 0.5) and entries[0].next_bound is None
+        assert store.ledger_entries("L", start=1) == entries[1:]  # what a reader has not seen yet
+        assert store.ledger_entries("L", start=2) == [] and store.ledger_entries("nope", start=1) == []
 
     def test_a_stale_position_is_a_conflict_and_writes_nothing(self, store):
         store.ensure_ledger(LedgerRecord("L", "{}"))
