@@ -202,7 +202,7 @@ def main() -> None:
         store = lambda name: os.path.join(workdir, name) if args.store == "durable" else "memory"  # noqa: E731
         with clipd_serve(store("served")) as target, Client(target) as client:  # a server process of its own
             grads, _ = clipd_steps(data, args, client, pipeline=False, grads_only=True)
-            pipelined, _ = clipd_steps(data, args, client, pipeline=True)
+            pipelined, pipelined_phases = clipd_steps(data, args, client, pipeline=True)
             sequential, _ = clipd_steps(data, args, client, pipeline=False)
         # Where the time goes: the same sequential steps against a server in this process, timed inside.
         server, port = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1, max_device_rows=512,
@@ -219,6 +219,9 @@ def main() -> None:
     for name, times in (("opacus (all local)", opacus), ("trainer's part alone (grads, SGD)", grads),
                         ("clipd, pipelined (default)", pipelined), ("clipd, sequential", sequential)):
         print(f"{name:<34} | {median_ms(times):>8.2f} | {median_ms(times) / base:>9.2f}")
+    print(f"pipelined step, median ms: waiting for the aggregation made ahead"
+          f" {median_ms(pipelined_phases['create']):.2f}, submit {median_ms(pipelined_phases['submit']):.2f},"
+          f" finalize {median_ms(pipelined_phases['finalize']):.2f}")
     print()
     print(f"{'where a sequential step goes (server in-process)':<50} | {'median ms':>9}")
     for phase in ("create", "submit", "finalize", "cancel"):
