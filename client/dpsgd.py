@@ -150,14 +150,21 @@ class DpSgd:
         else:
             aggregation = self._create()
         seconds["create"] = _lap(started)
-        examples = _batch_size(per_example_gradients)
-        if examples:
+        try:
+            examples = _batch_size(per_example_gradients)
+            if examples:
+                started = time.perf_counter()
+                self.client.submit(aggregation, per_example_gradients, client_id="trainer")
+                seconds["submit"] = _lap(started)
             started = time.perf_counter()
-            self.client.submit(aggregation, per_example_gradients, client_id="trainer")
-            seconds["submit"] = _lap(started)
-        started = time.perf_counter()
-        result = self.client.finalize(aggregation)
-        seconds["finalize"] = _lap(started)
+            result = self.client.finalize(aggregation)
+            seconds["finalize"] = _lap(started)
+        except BaseException:
+            # A step that failed (bad gradients, a server gone for longer than the client retries): its
+            # aggregation goes, and with it its reservation on the ledger. Cancelling one that was released
+            # after all drops only the kept sums: the ledger keeps what was spent.
+            _in_background(self.client.cancel, aggregation)
+            raise
         if self.keep:
             self.kept.append(aggregation)
         elif self.pipeline:

@@ -66,18 +66,18 @@ def release_rounds(client, privacy: Privacy, rounds: int, layers=None, examples=
 # Accounting ---------------------------------------------------------------------------------
 def test_a_long_mixed_ledger_has_dp_accounting_epsilon_event_by_event():
     """The ledger's RDP is summed from each distinct event's curve (computed once): it must equal
-    dp_accounting's RdpAccountant composing every event in turn, here 200 steps of a trainer with two
+    dp_accounting's RdpAccountant composing every event in turn, here 30 steps of a trainer with two
     other kinds of release between them, under both neighbouring relations."""
     from clipd.engine import _privacy as dp
 
     step = dpe.PoissonSampledDpEvent(0.05, dpe.GaussianDpEvent(1.1))
     other = dpe.PoissonSampledDpEvent(0.2, dpe.ComposedDpEvent([dpe.GaussianDpEvent(2.0), dpe.GaussianDpEvent(9.0)]))
-    events = [step] * 120 + [other, dpe.GaussianDpEvent(30.0)] + [step] * 80
+    events = [step] * 18 + [other, dpe.GaussianDpEvent(30.0)] + [step] * 12
     oracle = rdp_epsilon(events, 1e-6)
     got = dp.epsilon(events, 1e-6, dp.Accountant.RDP, dp.Neighbouring.ADD_REMOVE_ONE)
     assert got == pytest.approx(oracle, rel=1e-12)
-    assert 1.0 < oracle < 100.0  # a meaningful ledger, neither 0 nor inf
-    replace = [dpe.GaussianDpEvent(3.0)] * 50
+    assert 0.5 < oracle < 100.0  # a meaningful ledger, neither 0 nor inf
+    replace = [dpe.GaussianDpEvent(3.0)] * 20
     assert dp.epsilon(replace, 1e-5, dp.Accountant.RDP, dp.Neighbouring.REPLACE_ONE) == pytest.approx(
         rdp_epsilon(replace, 1e-5, dp_accounting.NeighboringRelation.REPLACE_ONE), rel=1e-12)
 

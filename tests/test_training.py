@@ -9,6 +9,7 @@ import logging
 import math
 import pathlib
 import sys
+import time
 import warnings
 
 import dp_accounting
@@ -193,6 +194,28 @@ def test_closing_cancels_the_aggregation_made_ahead(client):
     assert client.get_aggregation(again).planned_ledger_epsilon == pytest.approx(
         rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9)
     client.cancel(again)
+
+
+def test_a_failed_step_leaves_no_reservation_on_the_ledger(client):
+    """Gradients of the wrong shape fail the step before anything is sent; the step's aggregation goes."""
+    from clipd.client import InvalidUpdateError
+
+    with DpSgd(client, {"w": (2,)}, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.1, dataset_size=100,
+               delta=1e-5, pipeline=False) as dp:
+        dp.step({"w": np.ones((3, 2), np.float32)})
+        with pytest.raises(InvalidUpdateError):
+            dp.step({"w": np.ones((3, 5), np.float32)})
+        deadline = time.monotonic() + 10
+        while True:  # the cancel runs in the background
+            again = client.create_aggregation({"w": (2,)}, l2_norm_clip=1.0, privacy=dp.privacy)
+            planned = client.get_aggregation(again).planned_ledger_epsilon
+            client.cancel(again)
+            if planned == pytest.approx(rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert planned == pytest.approx(rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9)  # 1 committed + itself
+        assert dp.step({"w": np.ones((3, 2), np.float32)}).epsilon == pytest.approx(
+            rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9)
 
 
 def test_an_empty_poisson_sample_is_a_step_of_noise_alone(client):
