@@ -51,12 +51,11 @@ def opacus_steps(data, args) -> list[float]:
     """Seconds per step of Opacus doing it all locally (its DataLoader's Poisson sampling replaced by
     the same sampling as clipd's trainer, so that both steps see the same batches)."""
     import torch
+    from clipd.client.dpsgd import poisson_sample
+    from dpsgd_torch import Mlp
     from opacus import GradSampleModule
     from opacus.accountants import RDPAccountant
     from opacus.optimizers import DPOptimizer
-
-    from clipd.client.dpsgd import poisson_sample
-    from dpsgd_torch import Mlp
 
     torch.manual_seed(0)
     n = len(data.y_train)
@@ -84,7 +83,6 @@ def opacus_steps(data, args) -> list[float]:
 def clipd_steps(data, args, client, pipeline: bool, grads_only: bool = False, warm=lambda: None):
     """Seconds per step through clipd (or of the trainer's part alone), and the seconds of each call."""
     import torch
-
     from clipd.client.dpsgd import DpSgd, poisson_sample
     from dpsgd_torch import Mlp, per_example_gradients
 
@@ -199,7 +197,7 @@ def main() -> None:
           f" z = {args.z:g}; {args.steps} steps after {args.warmup}; clipd store: {args.store}")
     opacus = opacus_steps(data, args)
     with tempfile.TemporaryDirectory() as workdir:
-        store = lambda name: os.path.join(workdir, name) if args.store == "durable" else "memory"  # noqa: E731
+        store = lambda name: os.path.join(workdir, name) if args.store == "durable" else "memory"
         with clipd_serve(store("served")) as target, Client(target) as client:  # a server process of its own
             grads, _ = clipd_steps(data, args, client, pipeline=False, grads_only=True)
             pipelined, pipelined_phases = clipd_steps(data, args, client, pipeline=True)

@@ -38,7 +38,6 @@ import uuid
 from typing import Any
 
 import numpy as np
-
 from clipd.v1 import clipd_pb2 as pb
 
 from .privacy import Privacy
@@ -248,4 +247,4 @@ def poisson_sample(dataset_size: int, sampling_rate: float, rng: np.random.Gener
     return np.flatnonzero(rng.random(dataset_size) < sampling_rate)
 
 
-__all__ = ["DpSgd", "Step", "poisson_sample", "PHASES"]
+__all__ = ["PHASES", "DpSgd", "Step", "poisson_sample"]

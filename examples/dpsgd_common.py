@@ -46,7 +46,7 @@ def load_digits() -> Digits:
     x = (data.data / 16.0).astype(np.float32)
     y = data.target.astype(np.int64)
     order = np.random.default_rng(SPLIT_SEED).permutation(len(y))
-    test = int(round(len(y) * TEST_FRACTION))
+    test = round(len(y) * TEST_FRACTION)
     return Digits(x[order[test:]], y[order[test:]], x[order[:test]], y[order[:test]])
 
 
@@ -108,8 +108,8 @@ def clipd_server(args) -> Iterator[tuple[str, str | None]]:
             server.stop(grace=1.0)
 
 
-def admin_clip_fractions(admin_url: str | None, aggregations: Sequence[str], layers: Sequence[str],
-                         token: str | None = None) -> dict[str, float]:
+def admin_clip_fractions(admin_url: str | None, aggregations: Sequence[str], token: str | None = None
+                         ) -> dict[str, float]:
     """Per layer: the fraction of the epoch's examples whose layer was clipped, from the admin API.
 
     Each step's release carries noised per-layer clip counts and a noised example count (only those:
@@ -118,16 +118,18 @@ def admin_clip_fractions(admin_url: str | None, aggregations: Sequence[str], lay
     """
     if admin_url is None or not aggregations:
         return {}
-    clipped, examples = np.zeros(len(layers)), 0.0
+    clipped, examples, layers = 0.0, 0.0, []
     for aggregation in aggregations:
         request = urllib.request.Request(f"{admin_url}/api/v1/aggregations/{aggregation}")
         if token:
             request.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(request, timeout=10) as response:
-            release = json.load(response)["privacy"]["release"]
+            view = json.load(response)
+        release = view["privacy"]["release"]
         if not release or not release["layer_clipped"]:
             return {}
-        clipped += np.asarray(release["layer_clipped"], np.float64)
+        layers = [layer["name"] for layer in view["layers"]]  # the order of the release's counts
+        clipped = clipped + np.asarray(release["layer_clipped"], np.float64)
         examples += release["examples"]
     return {name: float(np.clip(c / max(examples, 1.0), 0.0, 1.0)) for name, c in zip(layers, clipped)}
 
@@ -161,6 +163,25 @@ class Epoch:
     accuracy: float
     clip_fraction: dict[str, float]
     seconds: float
+
+
+def open_dpsgd(args, client, layers: dict[str, tuple[int, ...]], dataset_size: int, admin: str | None):
+    """The run's :class:`~clipd.client.dpsgd.DpSgd` from the flags (its steps kept for the admin API)."""
+    from clipd.client.dpsgd import DpSgd
+
+    return DpSgd(client, layers, l2_norm_clip=args.clip, noise_multiplier=args.noise_multiplier,
+                 policy=clipd_policy(args.clipping), sampling_rate=args.batch_size / dataset_size,
+                 dataset_size=dataset_size, delta=args.delta, max_epsilon=args.max_epsilon,
+                 metrics_noise_multiplier=args.metrics_noise_multiplier, keep=admin is not None)
+
+
+def end_epoch(args, dp, admin: str | None, epoch: int, accuracy: float, started: float) -> Epoch:
+    """The epoch's record (clip fractions from the admin API, then its steps' aggregations dropped), printed."""
+    fractions = admin_clip_fractions(admin, dp.kept, args.token)
+    dp.cancel_kept()
+    record = Epoch(epoch, dp.steps, dp.epsilon, accuracy, fractions, time.perf_counter() - started)
+    report_epoch(record, args.delta)
+    return record
 
 
 def steps_per_epoch(args, dataset_size: int) -> int:

@@ -22,14 +22,13 @@ import collections
 import sys
 import time
 
-import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-import dpsgd_common as common
+import dpsgd_common as common  # examples/dpsgd_common.py: data, flags, server, report
 from clipd.client import Client, FailedPreconditionError
-from clipd.client.dpsgd import DpSgd, poisson_sample
+from clipd.client.dpsgd import poisson_sample
 
 
 class Mlp(nn.Module):
@@ -74,10 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     per_epoch = common.steps_per_epoch(args, n)
     history, phases = [], collections.defaultdict(list)
     with common.clipd_server(args) as (target, admin), Client(target, token=args.token) as client, \
-            DpSgd(client, layers, l2_norm_clip=args.clip, noise_multiplier=args.noise_multiplier,
-                  policy=common.clipd_policy(args.clipping), sampling_rate=args.batch_size / n, dataset_size=n,
-                  delta=args.delta, max_epsilon=args.max_epsilon,
-                  metrics_noise_multiplier=args.metrics_noise_multiplier, keep=admin is not None) as dp:
+            common.open_dpsgd(args, client, layers, n, admin) as dp:
         for epoch in range(1, args.epochs + 1):
             started, bar = time.perf_counter(), common.Progress(epoch, args.epochs, per_epoch, args.quiet)
             for done in range(1, per_epoch + 1):
@@ -96,11 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if common.stop(args, dp):
                     break
             bar.close()
-            fractions = common.admin_clip_fractions(admin, dp.kept, list(layers), args.token)
-            dp.cancel_kept()
-            history.append(common.Epoch(epoch, dp.steps, dp.epsilon, accuracy(model, x_test, y_test), fractions,
-                                        time.perf_counter() - started))
-            common.report_epoch(history[-1], args.delta)
+            history.append(common.end_epoch(args, dp, admin, epoch, accuracy(model, x_test, y_test), started))
             if common.stop(args, dp) or done < per_epoch:
                 break
     return common.finish(args, "torch", history, dp, phases)

@@ -12,7 +12,6 @@ import sys
 import time
 import warnings
 
-import dp_accounting
 import numpy as np
 import pytest
 import torch
