@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import logging
 import os
 import pathlib
@@ -119,15 +120,20 @@ def clipd_steps(data, args, client, pipeline: bool, grads_only: bool = False, wa
 
 @contextlib.contextmanager
 def clipd_serve(data_dir: str):
-    """``clipd serve`` on a free loopback port, in a process of its own (as a trainer would reach it)."""
+    """``clipd serve`` on a free loopback port, in a process of its own (as a trainer would reach it): yields
+    a function that waits until it listens and returns its address."""
     server = subprocess.Popen([sys.executable, "-m", "clipd", "serve", "--grpc-port", "0", "--admin-port", "-1",
                                "--data-dir", data_dir, "--max-device-rows", "512", "--log-level", "warning"],
                               stdout=subprocess.PIPE, text=True)
-    try:
-        line = server.stdout.readline()  # "clipd serving gRPC on 127.0.0.1:PORT" once listening
+    @functools.cache
+    def target() -> str:  # waits (once) for "clipd serving gRPC on 127.0.0.1:PORT": listening
+        line = server.stdout.readline()
         if "serving" not in line:
             raise RuntimeError(f"clipd serve did not start: {line!r}")
-        yield line.split(" on ")[1].split(",")[0].strip()
+        return line.split(" on ")[1].split(",")[0].strip()
+
+    try:
+        yield target
     finally:
         server.terminate()
         try:
@@ -183,25 +189,28 @@ def main() -> None:
     if args.quick:
         args.steps, args.warmup = 6, 2  # and no in-process breakdown of the server's part
     logging.getLogger("absl").setLevel(logging.ERROR)
-
-    import torch
-
-    torch.set_num_threads(1)  # the trainer and the server share the machine's cores, as in the example
-    from clipd.client import Client
-    from clipd.server.app import create_server
-    from clipd.server.settings import Settings
-    from dpsgd_common import load_digits
-
-    data = load_digits()
-    print(f"DP-SGD step, MLP of 2,410 parameters, expected batch {args.batch_size:g} of {len(data.y_train)},"
-          f" z = {args.z:g}; {args.steps} steps after {args.warmup}; clipd store: {args.store}")
-    opacus = opacus_steps(data, args)
     with tempfile.TemporaryDirectory() as workdir:
         store = lambda name: os.path.join(workdir, name) if args.store == "durable" else "memory"
-        with clipd_serve(store("served")) as target, Client(target) as client:  # a server process of its own
-            grads, _ = clipd_steps(data, args, client, pipeline=False, grads_only=True)
-            pipelined, pipelined_phases = clipd_steps(data, args, client, pipeline=True)
-            sequential, phases = clipd_steps(data, args, client, pipeline=False)
+        # The server process starts while this one imports torch and Opacus (waited for before any timing).
+        with clipd_serve(store("served")) as served:
+            import torch
+
+            torch.set_num_threads(1)  # the trainer and the server share the machine's cores, as in the example
+            from clipd.client import Client
+            from clipd.server.app import create_server
+            from clipd.server.settings import Settings
+            from dpsgd_common import load_digits
+
+            data = load_digits()
+            print(f"DP-SGD step, MLP of 2,410 parameters, expected batch {args.batch_size:g} of"
+                  f" {len(data.y_train)}, z = {args.z:g}; {args.steps} steps after {args.warmup};"
+                  f" clipd store: {args.store}")
+            target = served()
+            opacus = opacus_steps(data, args)
+            with Client(target) as client:  # a server process of its own
+                grads, _ = clipd_steps(data, args, client, pipeline=False, grads_only=True)
+                pipelined, pipelined_phases = clipd_steps(data, args, client, pipeline=True)
+                sequential, phases = clipd_steps(data, args, client, pipeline=False)
         timers: dict = {}
         if not args.quick:  # where the time goes inside: the same sequential steps, a server in this process
             server, port = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1,
