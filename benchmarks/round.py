@@ -53,6 +53,7 @@ import threading
 import time
 
 import numpy as np
+from scale import stop_process  # benchmarks/scale.py (benchmarks/ is this script's directory)
 
 WIDTH = 65_536  # float32: 256 KiB an update
 CLIP = 1.0
@@ -303,11 +304,7 @@ def measure(mode: str, processes: int, clients: int, client_processes: int, work
             np.allclose(result.sums["x"], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max()))
         return wall, errors, reconnects, exact, samples, cpu
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server)
 
 
 def _table(gb: float, runs: dict[str, list]) -> dict[str, float]:

@@ -256,11 +256,16 @@ class Server:
         raise RuntimeError("the admin API did not answer")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (clipd serve stops gracefully), then SIGKILL if it is still there after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def measure_clipd(processes: int, clients: int, examples: int, workdir: str, seed: int

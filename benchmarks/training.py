@@ -39,6 +39,7 @@ import time
 import warnings
 
 import numpy as np
+from scale import stop_process  # benchmarks/scale.py (benchmarks/ is this script's directory)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -135,11 +136,7 @@ def clipd_serve(data_dir: str):
     try:
         yield target
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server)
 
 
 @contextlib.contextmanager

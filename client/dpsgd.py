@@ -15,9 +15,9 @@ puts into ``p.grad``.
 Example (a server on localhost:50051; ``per_example_grads`` from
 ``torch.func.vmap(grad(loss))`` or ``jax.vmap(jax.grad(loss))``)::
 
-    with Client("localhost:50051") as client:
-        dp = DpSgd(client, {"w": (10, 3), "b": (3,)}, l2_norm_clip=1.0, noise_multiplier=1.1,
-                   sampling_rate=256 / 60_000, dataset_size=60_000, delta=1e-5)
+    with Client("localhost:50051") as client, \
+            DpSgd(client, {"w": (10, 3), "b": (3,)}, l2_norm_clip=1.0, noise_multiplier=1.1,
+                  sampling_rate=256 / 60_000, dataset_size=60_000, delta=1e-5) as dp:
         for _ in range(steps):
             chosen = np.flatnonzero(rng.random(n) < dp.sampling_rate)   # Poisson sampling
             step = dp.step(per_example_grads(params, chosen))  # {"w": (B, 10, 3), "b": (B, 3)}
@@ -41,6 +41,7 @@ import numpy as np
 from clipd.v1 import clipd_pb2 as pb
 
 from .privacy import Privacy
+from .updates import flatten
 
 PHASES = ("create", "submit", "finalize", "cancel")
 
@@ -224,12 +225,9 @@ def _lap(started: float) -> float:
 
 
 def _batch_size(gradients: Any) -> int:
-    """B, the leading axis of the first array of a {layer: (B, *shape)} mapping or list."""
-    first = next(iter(gradients.values())) if isinstance(gradients, dict) else gradients[0]
-    shape = getattr(first, "shape", None)
-    if shape is None:
-        shape = np.shape(first)
-    return int(shape[0]) if len(shape) else 1
+    """B, the leading axis of the first array of a ``{layer: (B, *shape)}`` pytree."""
+    shape = np.shape(flatten(gradients)[0][1])  # np.shape reads a tensor's .shape: no copy
+    return int(shape[0]) if shape else 1
 
 
 def poisson_sample(dataset_size: int, sampling_rate: float, rng: np.random.Generator | None = None) -> np.ndarray:

@@ -212,3 +212,25 @@ def test_an_aggregation_like_a_compiled_one_opens_without_running_its_steps_agai
     assert len(warm_steps) == first
     open_one((7, 14))  # another shape: compiled and run
     assert len(warm_steps) == 2 * first
+
+
+def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is_open():
+    """FILL_WAIT gathers small batches into one step; once every stream has ended nothing more can come (a
+    trainer's one batch per step), and the step must not wait."""
+    from clipd.engine import ClipPolicy, LayerSpec
+    from clipd.server.aggregations import Aggregation
+    from clipd.server.store import MemoryStore
+    from clipd.server.worker import DeviceWorker
+
+    worker = DeviceWorker(MemoryStore())
+    aggregation = Aggregation("a", (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20)
+    try:
+        started = time.monotonic()
+        assert worker._more_for(aggregation, 0, 8, deadline=started + 0.5) is None
+        assert time.monotonic() - started < 0.25  # no stream open: no wait
+        aggregation.attach("alice", "w1")
+        started = time.monotonic()
+        assert worker._more_for(aggregation, 0, 8, deadline=started + 0.3) is None
+        assert time.monotonic() - started >= 0.29  # alice may still send: it waited to the deadline
+    finally:
+        worker.stop(timeout=5)

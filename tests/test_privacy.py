@@ -64,6 +64,23 @@ def release_rounds(client, privacy: Privacy, rounds: int, layers=None, examples=
 
 
 # Accounting ---------------------------------------------------------------------------------
+def test_a_ledger_read_once_still_sees_the_entries_another_process_commits():
+    """Ledgers keeps the events it has read and asks the store for newer ones only; on a shared store another
+    server commits releases too, and each must count."""
+    from clipd.server.privacy import Ledgers
+    from clipd.server.store import AggregationRecord, LedgerEntry, LedgerRecord, MemoryStore
+
+    store = MemoryStore()
+    store.ensure_ledger(LedgerRecord("L", "{}"))
+    ours = Ledgers(store)
+    assert ours.events("L") == []
+    for position, event in enumerate(['{"e": 0}', '{"e": 1}', '{"e": 2}']):
+        store.create(AggregationRecord(f"a{position}", "{}"))  # released by another server on this store
+        store.commit_release(f"a{position}", b"r", "L", LedgerEntry(f"a{position}", event, 0.0, 1.0), position,
+                             finished=1.0)
+        assert ours.events("L") == [f'{{"e": {k}}}' for k in range(position + 1)]
+
+
 def test_a_long_mixed_ledger_has_dp_accounting_epsilon_event_by_event():
     """The ledger's RDP is summed from each distinct event's curve (computed once): it must equal
     dp_accounting's RdpAccountant composing every event in turn, here 30 steps of a trainer with two
