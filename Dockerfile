@@ -18,10 +18,6 @@ ARG CLIPD_EXTRAS=server
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY clipd ./clipd
-COPY proto ./proto
-COPY engine ./engine
-COPY server ./server
-COPY client ./client
 RUN pip install --no-cache-dir ".[${CLIPD_EXTRAS}]" && useradd --system --create-home clipd \
     && mkdir -p /var/cache/clipd/jax /var/lib/clipd && chown clipd /var/cache/clipd/jax /var/lib/clipd
 USER clipd

@@ -38,7 +38,7 @@ def main() -> None:
     import ray.cluster_utils
 
     from clipd.client import Client
-    from clipd.server import ray_shards
+    from clipd.server.shards import ray_actors as ray_shards
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
 

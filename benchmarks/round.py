@@ -188,7 +188,7 @@ def bare_sink(port: int, kind: str) -> None:
     """``python benchmarks/round.py --bare-sink PORT sync|aio``: one sink process."""
     import grpc
 
-    from clipd.server import wire
+    from clipd.server.rpc import wire
 
     options = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 16 << 20),
                ("grpc.max_concurrent_streams", 4096)]

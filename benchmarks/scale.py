@@ -126,7 +126,7 @@ def _bare_client(target: str, seed: int, examples: int, start, done) -> None:
 
 def bare_sink(port: int) -> None:
     """``python benchmarks/scale.py --bare-sink PORT``: one sink process (parses every message, keeps nothing)."""
-    from clipd.server import wire
+    from clipd.server.rpc import wire
 
     def submit(requests, context):
         for raw in requests:

@@ -143,7 +143,8 @@ def clipd_serve(data_dir: str):
 def server_timers():
     """Wraps the embedded server's checkpoint, noise, epsilon and ledger commit with timers."""
     from clipd.engine import _privacy as dp
-    from clipd.server import privacy, sqlite_store
+    from clipd.server import privacy
+    from clipd.server.stores import sqlite as sqlite_store
 
     timers = collections.defaultdict(list)
     originals = []

@@ -1,6 +1,7 @@
 """Regenerates the Python gRPC code from proto/clipd/v1/clipd.proto.
 
-Run from anywhere: ``python proto/generate.py`` (or ``python proto/generate.py OUT_DIR``).
+Run from anywhere: ``python proto/generate.py`` writes ``clipd/v1/`` of the repository (or under
+``OUT_DIR`` with ``python proto/generate.py OUT_DIR``).
 The output is committed; tests/test_proto.py regenerates it into a temporary
 folder and fails on drift.
 
@@ -103,4 +104,4 @@ def generate(out_dir: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else PROTO_ROOT)
+    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else REPO_ROOT)

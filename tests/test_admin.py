@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from clipd.client import Client
-from clipd.server.admin import quantile_from_histogram
+from clipd.server.admin.app import quantile_from_histogram
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 from conftest import TEST_SETTINGS

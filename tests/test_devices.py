@@ -18,7 +18,7 @@ import zlib
 
 
 from clipd.client import Client
-from clipd.server.sqlite_store import SQLiteStore
+from clipd.server.stores.sqlite import SQLiteStore
 from service_helpers import ServerProcess, assert_exact_global_clip, free_port, get_json, random_batch, submitting
 
 DEVICES = 4

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clipd.server import wire
+from clipd.server.rpc import wire
 from clipd.v1 import clipd_pb2 as pb
 
 SUBMIT = "/clipd.v1.Clipd/Submit"

@@ -219,8 +219,8 @@ def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is
     trainer's one batch per step), and the step must not wait."""
     from clipd.engine import ClipPolicy, LayerSpec
     from clipd.server.aggregations import Aggregation
-    from clipd.server.store import MemoryStore
-    from clipd.server.worker import DeviceWorker
+    from clipd.server.stores.base import MemoryStore
+    from clipd.server.shards.worker import DeviceWorker
 
     worker = DeviceWorker(MemoryStore())
     aggregation = Aggregation("a", (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20)

@@ -14,7 +14,7 @@ import numpy as np
 
 from clipd.engine import ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine._accumulator import _accumulate
-from clipd.server.worker import FLUSH_STEPS
+from clipd.server.shards.worker import FLUSH_STEPS
 
 N_EXAMPLES = 10_000_000
 WIDTH = 8

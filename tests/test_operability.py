@@ -24,9 +24,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from clipd.cli import build_parser
 from clipd.server import logs
-from clipd.server.apidocs import openapi_30
+from clipd.server.admin.apidocs import openapi_30
 from clipd.server.app import create_server
-from clipd.server.reflection import V1_FILE_NAME, v1_file_descriptor_proto
+from clipd.server.rpc.reflection import V1_FILE_NAME, v1_file_descriptor_proto
 from clipd.server.settings import Settings, SettingsError
 from conftest import TEST_SETTINGS
 

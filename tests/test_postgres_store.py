@@ -27,8 +27,8 @@ import zlib
 import psycopg
 import pytest
 
-from clipd.server.postgres_store import SCHEMA_VERSION, PostgresStore
-from clipd.server.store import FINALIZED, OPEN, AggregationRecord, LedgerConflict, LedgerEntry, LedgerRecord, open_store
+from clipd.server.stores.postgres import SCHEMA_VERSION, PostgresStore
+from clipd.server.stores.base import FINALIZED, OPEN, AggregationRecord, LedgerConflict, LedgerEntry, LedgerRecord, open_store
 
 from test_store import StoreContract, record, state_at
 
@@ -158,7 +158,7 @@ class TestPostgresStore(StoreContract):
             store.close()
 
     def test_a_version_1_database_opens_with_its_checkpoints_as_shard_0(self):
-        from clipd.server import postgres_store
+        from clipd.server.stores import postgres as postgres_store
 
         dsn = self.cluster.new_database()
         blob = state_at(4).to_bytes()
@@ -214,7 +214,7 @@ class TestPostgresStore(StoreContract):
                 if damage == "crc_agrees":  # damaged before its row was written: the blob's own checksum
                     conn.execute("UPDATE checkpoints SET crc32 = %s WHERE generation = 2",
                                  (zlib.crc32(blob),))
-            with caplog.at_level(logging.WARNING, logger="clipd.server.postgres_store"):
+            with caplog.at_level(logging.WARNING, logger="clipd.server.stores.postgres"):
                 assert store.load_checkpoint("agg-7") == state_at(1)
             warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
             assert len(warnings) == 1 and "agg-7" in warnings[0] and "generation 2" in warnings[0]
@@ -290,8 +290,8 @@ class TestPostgresStore(StoreContract):
             "import sys, time",
             "import numpy as np",
             "from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState",
-            "from clipd.server.postgres_store import PostgresStore",
-            "from clipd.server.store import AggregationRecord",
+            "from clipd.server.stores.postgres import PostgresStore",
+            "from clipd.server.stores.base import AggregationRecord",
             inspect.getsource(state_at),
             "store = PostgresStore(sys.argv[1])",
             "store.create(AggregationRecord('agg', '{}', created=5.0))",

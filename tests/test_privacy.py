@@ -68,7 +68,7 @@ def test_a_ledger_read_once_still_sees_the_entries_another_process_commits():
     """Ledgers keeps the events it has read and asks the store for newer ones only; on a shared store another
     server commits releases too, and each must count."""
     from clipd.server.privacy import Ledgers
-    from clipd.server.store import AggregationRecord, LedgerEntry, LedgerRecord, MemoryStore
+    from clipd.server.stores.base import AggregationRecord, LedgerEntry, LedgerRecord, MemoryStore
 
     store = MemoryStore()
     store.ensure_ledger(LedgerRecord("L", "{}"))
@@ -290,7 +290,7 @@ def test_budget_is_checked_again_at_finalize():
     from clipd.server.aggregations import Aggregation
     from clipd.server.errors import FailedPrecondition
     from clipd.server.privacy import Ledgers
-    from clipd.server.store import AggregationRecord, LedgerEntry, MemoryStore
+    from clipd.server.stores.base import AggregationRecord, LedgerEntry, MemoryStore
 
     store = MemoryStore()
     ledgers = Ledgers(store)

@@ -30,7 +30,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clipd.client import Client, _client, wire
-from clipd.server import aggregations, limits, shard_process
+from clipd.server import aggregations
+from clipd.server.rpc import limits
+from clipd.server.shards import process as shard_process
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb

@@ -9,7 +9,7 @@ import re
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-GENERATED_DIR = ROOT / "proto" / "clipd" / "v1"
+GENERATED_DIR = ROOT / "clipd" / "v1"
 GENERATED = ["clipd_pb2.py", "clipd_pb2.pyi", "clipd_pb2_grpc.py"]
 
 

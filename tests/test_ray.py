@@ -26,10 +26,10 @@ import ray.cluster_utils  # noqa: E402
 
 from clipd.engine import LayerSpec, PartialState  # noqa: E402
 from clipd.engine._policy import ClipPolicy  # noqa: E402
-from clipd.server.codec import spec_to_json  # noqa: E402
-from clipd.server.postgres_store import PostgresStore  # noqa: E402
-from clipd.server.ray_shards import FencedOut, ShardOwner, shard_actor, submit_with_retry  # noqa: E402
-from clipd.server.store import AggregationRecord, MemoryStore  # noqa: E402
+from clipd.server.rpc.codec import spec_to_json  # noqa: E402
+from clipd.server.stores.postgres import PostgresStore  # noqa: E402
+from clipd.server.shards.ray_actors import FencedOut, ShardOwner, shard_actor, submit_with_retry  # noqa: E402
+from clipd.server.stores.base import AggregationRecord, MemoryStore  # noqa: E402
 
 from test_postgres_store import pg_cluster  # noqa: E402,F401  (a fixture)
 

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState
-from clipd.server.sqlite_store import SCHEMA_VERSION, SQLiteStore
-from clipd.server.store import (FAILED, FINALIZED, OPEN, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry,
+from clipd.server.stores.sqlite import SCHEMA_VERSION, SQLiteStore
+from clipd.server.stores.base import (FAILED, FINALIZED, OPEN, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry,
                                 LedgerRecord, MemoryStore, Store)
 
 def state_at(n: int) -> PartialState:
@@ -378,7 +378,7 @@ class TestSQLiteStore(StoreContract):
 
     def test_a_version_2_store_opens_with_its_checkpoints_as_shard_0(self, tmp_path):
         """Upgrade in place: a store written before shards keeps its checkpoints (they become shard 0)."""
-        from clipd.server import sqlite_store
+        from clipd.server.stores import sqlite as sqlite_store
 
         data = tmp_path / "data"
         (data / "states" / "1").mkdir(parents=True)
@@ -471,7 +471,7 @@ class TestSQLiteStore(StoreContract):
         try:
             {"truncate": self._truncate, "flip_byte": self._flip_byte, "unlink": pathlib.Path.unlink}[damage](
                 newest)
-            with caplog.at_level(logging.WARNING, logger="clipd.server.sqlite_store"):
+            with caplog.at_level(logging.WARNING, logger="clipd.server.stores.sqlite"):
                 loaded = store.load_checkpoint("agg-7")
             assert loaded == state_at(1)
             warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -496,7 +496,7 @@ class TestSQLiteStore(StoreContract):
         with pytest.raises(RuntimeError, match="in use by another clipd process"):
             SQLiteStore(data)
         probe = subprocess.run(
-            [sys.executable, "-c", "from clipd.server.sqlite_store import SQLiteStore; SQLiteStore(%r)" % data],
+            [sys.executable, "-c", "from clipd.server.stores.sqlite import SQLiteStore; SQLiteStore(%r)" % data],
             capture_output=True, text=True, timeout=60)
         assert probe.returncode != 0 and "in use by another clipd process" in probe.stderr
         first.close()
@@ -513,7 +513,7 @@ class TestSQLiteStore(StoreContract):
             conn.execute("UPDATE checkpoints SET crc32 = ? WHERE generation = 2", (zlib.crc32(blob),))
         store = SQLiteStore(str(data))
         try:
-            with caplog.at_level(logging.WARNING, logger="clipd.server.sqlite_store"):
+            with caplog.at_level(logging.WARNING, logger="clipd.server.stores.sqlite"):
                 assert store.load_checkpoint("agg-7") == state_at(1)
             assert any("checksum" in r.getMessage() for r in caplog.records)
         finally:
@@ -524,7 +524,7 @@ class TestSQLiteStore(StoreContract):
         try:
             self._flip_byte(newest)
             self._truncate(newest.with_name("1.state"))
-            with caplog.at_level(logging.WARNING, logger="clipd.server.sqlite_store"):
+            with caplog.at_level(logging.WARNING, logger="clipd.server.stores.sqlite"):
                 assert store.load_checkpoint("agg-7") is None
             messages = " | ".join(r.getMessage() for r in caplog.records)
             assert "generation 2" in messages and "generation 1" in messages
@@ -603,8 +603,8 @@ class TestSQLiteStore(StoreContract):
             "import sys",
             "import numpy as np",
             "from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState",
-            "from clipd.server.sqlite_store import SQLiteStore",
-            "from clipd.server.store import AggregationRecord",
+            "from clipd.server.stores.sqlite import SQLiteStore",
+            "from clipd.server.stores.base import AggregationRecord",
             inspect.getsource(state_at),
             "store = SQLiteStore(sys.argv[1])",
             "store.create(AggregationRecord('agg', '{}'))",

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clipd.client import wire as client_wire
-from clipd.server import wire as server_wire
+from clipd.server.rpc import wire as server_wire
 from clipd.v1 import clipd_pb2 as pb
 
 chunks = st.lists(

@@ -11,7 +11,7 @@ import ctypes.util
 import threading
 import time
 
-from .errors import ResourceExhausted
+from clipd.server.errors import ResourceExhausted
 
 
 class Reservation:

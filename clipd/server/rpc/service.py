@@ -29,21 +29,28 @@ import grpc
 import numpy as np
 
 from clipd.engine import BoundKind
+from clipd.server.aggregations import Aggregation, Registry, Result, State
+from clipd.server.credentials import SubmitTokens, bearer_token, same
+from clipd.server.errors import (
+    AlreadyExists,
+    ClipdError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
+from clipd.server.logs import event
+from clipd.server.privacy import Ledgers
+from clipd.server.rpc import codec
+from clipd.server.rpc.batches import BatchAssembler
+from clipd.server.rpc.limits import ByteBudget, StreamSlots
+from clipd.server.settings import Settings
+from clipd.server.shards.local import Devices
+from clipd.server.stores.base import FINALIZED, AggregationRecord, Store
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
-
-from . import codec
-from .aggregations import Aggregation, Registry, Result, State
-from .batches import BatchAssembler
-from .credentials import SubmitTokens, bearer_token, same
-from .errors import (AlreadyExists, ClipdError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                     Unauthenticated, Unavailable)
-from .limits import ByteBudget, StreamSlots
-from .logs import event
-from .privacy import Ledgers
-from .settings import Settings
-from .store import FINALIZED, AggregationRecord, Store
-from .shards import Devices
 
 log = logging.getLogger(__name__)
 MIN_CHUNK_BYTES = 64 * 1024  # Finalize: smaller chunks are refused (millions of messages for one sum)

@@ -8,10 +8,9 @@ from typing import NamedTuple
 import numpy as np
 
 from clipd.engine import LayerSpec
-
-from .codec import dtype_of
-from .errors import InvalidArgument, ResourceExhausted
-from .limits import ByteBudget, Reservation
+from clipd.server.errors import InvalidArgument, ResourceExhausted
+from clipd.server.rpc.codec import dtype_of
+from clipd.server.rpc.limits import ByteBudget, Reservation
 
 
 class Batch(NamedTuple):

@@ -1,4 +1,4 @@
-"""A :class:`~clipd.server.store.Store` in PostgreSQL: metadata, ledgers and blobs in one database.
+"""A :class:`~clipd.server.stores.base.Store` in PostgreSQL: metadata, ledgers and blobs in one database.
 
 ``PostgresStore("postgresql://user@host:port/db")`` (psycopg 3; ``pip install clipd[postgres]``).
 Several clipd processes may share one database: every write is one
@@ -14,7 +14,7 @@ Tables (created on open; ``clipd_schema`` holds the schema version)::
     ledgers         id, config, created
     ledger_entries  (ledger, position) -> entry; never deleted (privacy spent stays spent)
 
-Semantics are those of :class:`~clipd.server.sqlite_store.SQLiteStore`:
+Semantics are those of :class:`~clipd.server.stores.sqlite.SQLiteStore`:
 
 - Durable on return: every write is a committed transaction, and the session
   sets ``synchronous_commit = on`` (the commit waits for the WAL flush,
@@ -46,9 +46,17 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from clipd.engine import CorruptStateError, PartialState
-
-from .store import (FINALIZED, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
-                    Store, check_state, newest_intact)
+from clipd.server.stores.base import (
+    FINALIZED,
+    AggregationRecord,
+    FencedOut,
+    LedgerConflict,
+    LedgerEntry,
+    LedgerRecord,
+    Store,
+    check_state,
+    newest_intact,
+)
 
 log = logging.getLogger(__name__)
 

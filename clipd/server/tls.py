@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from .settings import Settings
+from clipd.server.settings import Settings
 
 
 def tls_enabled(settings: Settings) -> bool:

@@ -37,10 +37,9 @@ from dp_accounting import dp_event as dpe
 
 from clipd.engine import PartialState
 from clipd.engine import _privacy as dp
-
-from .aggregations import TAKES_BATCHES, Aggregation, State
-from .errors import FailedPrecondition
-from .store import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, Store
+from clipd.server.aggregations import TAKES_BATCHES, Aggregation, State
+from clipd.server.errors import FailedPrecondition
+from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, Store
 
 RELEASE_MAGIC = b"CLIPDREL1\n"
 NON_PRIVATE = dp.event_to_json(dpe.NonPrivateDpEvent())  # a debug aggregation's entry: epsilon infinite

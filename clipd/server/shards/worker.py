@@ -1,6 +1,6 @@
 """The device worker: the one thread that owns the JAX device state of the shards on one device.
 
-A server runs one worker per local JAX device (:class:`clipd.server.shards.Devices`);
+A server runs one worker per local JAX device (:class:`clipd.server.shards.local.Devices`);
 each aggregation is split into shards by client id and every shard is summed
 by one worker. Everything below is about one worker and its shards.
 
@@ -51,12 +51,11 @@ import jax
 import numpy as np
 
 from clipd.engine import PartialState
-
-from .aggregations import Aggregation, State
-from .batches import Batch
-from .errors import Unavailable
-from .logs import event
-from .store import Store
+from clipd.server.aggregations import Aggregation, State
+from clipd.server.errors import Unavailable
+from clipd.server.logs import event
+from clipd.server.rpc.batches import Batch
+from clipd.server.stores.base import Store
 
 log = logging.getLogger(__name__)
 STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import gc
 import logging
 import os
@@ -15,141 +14,32 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from clipd.v1 import clipd_pb2
-
-from . import codec, wire
-from .aggregations import Aggregation, Registry
-from .reflection import enable_reflection
-from .credentials import SubmitTokens, bearer_token, same
-from .errors import ClipdError, PermissionDenied, Unauthenticated
-from .limits import StreamSlots, trim_heap
-from .logs import event
-from .ingest import INGEST_METADATA, reserve_port
-from .privacy import Ledgers, Release
-from .service import ClipdServicer, lenient
-from .settings import Settings
-from .store import CLOSING, FAILED, FINALIZED, Store, open_store
-from .shards import Devices
+from clipd.server.aggregations import Aggregation, Registry
+from clipd.server.credentials import SubmitTokens
+from clipd.server.logs import event
+from clipd.server.privacy import Ledgers, Release
+from clipd.server.rpc import codec
+from clipd.server.rpc.limits import trim_heap
+from clipd.server.rpc.reflection import enable_reflection
+from clipd.server.rpc.server import (
+    OTHER_STREAMS,
+    SERVICE_NAME,
+    Guard,
+    clipd_handlers,
+    server_options,
+)
+from clipd.server.rpc.service import ClipdServicer
+from clipd.server.settings import Settings
+from clipd.server.shards.ingest import reserve_port
+from clipd.server.shards.local import Devices
+from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store, open_store
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"].full_name
-OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-# Methods a submit token may call: the handler checks the token against the aggregation.
-SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", f"/{SERVICE_NAME}/GetAggregation", f"/{SERVICE_NAME}/GetPlacement")
-PENDING_CALLS = 16_384  # calls gRPC core holds for the server's loop before it drops any (server_options)
-OTHER_STREAMS = 16  # Health/Watch and reflection streams at once (beside max_streams Submit streams)
-
-
-class _Guard(grpc.ServerInterceptor):
-    """Roles and long-lived streams, before any handler runs.
-
-    Roles (with an admin token set): health and reflection are open; Submit and
-    GetAggregation need some bearer token (the handler checks it against the
-    aggregation: a submit token may submit to its aggregation and read its spec);
-    every other RPC needs the admin token: no credential is UNAUTHENTICATED, a
-    submit token is PERMISSION_DENIED. Health ``Watch`` and reflection streams take one of
-    ``OTHER_STREAMS`` slots, so they can't use up the threads of anything else.
-    """
-
-    def __init__(self, admin_token: str, servicer: ClipdServicer) -> None:
-        self._admin_token = admin_token
-        self._servicer = servicer
-        self.forwarded: collections.Counter = collections.Counter()  # calls per shard process or ingest actor
-        self.ingest_indexes: frozenset[str] = frozenset()  # the values INGEST_METADATA may have
-        self._other_streams = StreamSlots(OTHER_STREAMS, "health-watch and reflection stream")
-
-    def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == INGEST_METADATA and value in self.ingest_indexes:  # set by our shard processes or ingest actors only
-                self.forwarded[value] += 1
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        if method.startswith(OPEN_METHODS):
-            return self._limited(handler, method) if handler.response_streaming else handler
-        if not self._admin_token:
-            return handler
-        token = bearer_token(handler_call_details.invocation_metadata)
-        if method in SUBMIT_TOKEN_METHODS or same(token, self._admin_token):
-            return handler
-        if token is None or not self._servicer.is_credential(token):
-            return _refusing(handler, self._servicer, Unauthenticated(
-                "a valid 'authorization: Bearer <token>' is required"), method)
-        return _refusing(handler, self._servicer, PermissionDenied(
-            f"{method.rsplit('/', 1)[-1]} needs the admin credential; a submit token may only Submit"), method)
-
-    def _limited(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        inner = handler.unary_stream or handler.stream_stream
-        slots, servicer = self._other_streams, self._servicer
-
-        def limited(request, context):
-            try:
-                slots.acquire()
-            except ClipdError as e:
-                servicer.refuse(context, e, method)
-            try:
-                yield from inner(request, context)
-            finally:
-                slots.release()
-
-        return _with_behavior(handler, limited)
-
-
-def _with_behavior(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[handler.request_streaming, handler.response_streaming]
-    return make(behavior, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-
-
-def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: ClipdError, method: str):
-    def refuse(request, context):
-        servicer.refuse(context, error, method)
-
-    def refuse_streaming(request, context):
-        servicer.refuse(context, error, method)
-        yield  # never reached: a generator, as a streaming response needs
-
-    # The request is not parsed: a refused caller costs no deserialization.
-    handler = handler._replace(request_deserializer=None)
-    return _with_behavior(handler, refuse_streaming if handler.response_streaming else refuse)
-
-
-def _clipd_handlers(servicer) -> list[grpc.GenericRpcHandler]:
-    """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies)."""
-    service = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    handlers = {}
-    for method in service.methods:
-        parse = getattr(clipd_pb2, method.input_type.name).FromString
-        if method.name == "Submit":
-            parse = wire.parse_submit_request
-        parse = lenient(parse)  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
-        handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
-            getattr(servicer, method.name),
-            request_deserializer=parse,
-            response_serializer=getattr(clipd_pb2, method.output_type.name).SerializeToString,
-        )
-    return [grpc.method_handlers_generic_handler(service.full_name, handlers)]
-
-
 class ClipdServer:
     """The running service: gRPC server, device workers, registry, and (optionally) the admin API.
 
     With ``settings.processes`` = N > 0, this is the control process: it serves gRPC on a private
-    unix socket only, and N shard processes (:mod:`clipd.server.shard_process`) listen on the gRPC
+    unix socket only, and N shard processes (:mod:`clipd.server.shards.process`) listen on the gRPC
     port (and each on its own), receive, clip and sum, and forward every other call to it.
     """
 
@@ -164,17 +54,17 @@ class ClipdServer:
         self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations, settings.max_total_parameters)
         if settings.processes:  # the port is held here, bound (not listening) until the shard processes take it
-            from .shard_process import ShardProcesses
+            from clipd.server.shards.process import ShardProcesses
 
             self._port_holder = reserve_port(settings.host, settings.grpc_port)
             self.port = self._port_holder.getsockname()[1]
             self.devices = ShardProcesses(settings, self.store, self.port)
         elif settings.ray_shard_hosts:  # shard hosts on the cluster's nodes receive and sum themselves
-            from .ray_shards import RayShardHosts
+            from clipd.server.shards.ray_actors import RayShardHosts
 
             self.devices = RayShardHosts(settings, self.store, settings.grpc_port)
         elif settings.ray_address:  # every shard a Ray actor on the cluster, checkpointing to the shared store
-            from .ray_shards import RayShards
+            from clipd.server.shards.ray_actors import RayShards
 
             self.devices = RayShards(settings.ray_address, settings.data_dir, self.store, settings.shards,
                                      settings.ray_gpus_per_shard)
@@ -186,7 +76,7 @@ class ClipdServer:
         tokens = SubmitTokens(self.store.submit_token_key())
         self.servicer = ClipdServicer(settings, self.registry, self.devices, self.store, tokens, self.ledgers)
         self.health = health.HealthServicer()
-        self.guard = _Guard(settings.admin_token, self.servicer)
+        self.guard = Guard(settings.admin_token, self.servicer)
         # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more
         # that only unary RPCs and health checks can use, whatever the streams do. No global RPC cap
         # (gRPC's refuses health checks too): Submit streams beyond max_streams are refused, others wait.
@@ -196,10 +86,10 @@ class ClipdServer:
             options=server_options(settings),
             interceptors=[self.guard],
         )
-        self.grpc.add_generic_rpc_handlers(_clipd_handlers(self.servicer))
+        self.grpc.add_generic_rpc_handlers(clipd_handlers(self.servicer))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
-        from .tls import grpc_server_credentials
+        from clipd.server.tls import grpc_server_credentials
 
         if settings.processes:  # the shard processes listen on the port (and terminate TLS)
             self.grpc.add_insecure_port(f"unix:{os.path.join(self.devices.private_dir, 'control.sock')}")
@@ -244,12 +134,12 @@ class ClipdServer:
         if self.settings.processes:  # returns once every shard process is ready
             self.devices.start(self.registry)
         elif self.settings.ray_shard_hosts:  # they reach this server's port for everything but Submit
-            from .ray_shards import cluster_address
+            from clipd.server.shards.ray_actors import cluster_address
 
             self.devices.control = f"{cluster_address(self.settings.host)}:{self.port}"
             self.devices.start(self.registry)
         elif self.settings.ray_ingest_actors:  # endpoints on the cluster's nodes, forwarding to this port
-            from .ray_shards import RayIngest, cluster_address
+            from clipd.server.shards.ray_actors import RayIngest, cluster_address
 
             self.ingest = RayIngest(self.settings, f"{cluster_address(self.settings.host)}:{self.port}")
         self._janitor.start()
@@ -259,7 +149,7 @@ class ClipdServer:
         log.info("clipd gRPC on %s:%d (%d x %s)", self.settings.host, self.port, len(self.devices),
                  self.devices.device_kind)
         if self.settings.admin_port >= 0:
-            from .admin import start_admin
+            from clipd.server.admin.app import start_admin
 
             self.admin = start_admin(self, self.settings)
             log.info("clipd admin API on %s://%s:%d", self.admin.scheme, self.settings.host, self.admin.port)
@@ -287,27 +177,6 @@ class ClipdServer:
         self.store.close()
         if self.admin is not None:
             self.admin.stop()
-
-
-def server_options(settings: Settings) -> list[tuple[str, int]]:
-    """gRPC channel arguments: message limits and keepalive enforcement."""
-    return [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-        # Probe connections quiet for 60 s and drop those whose peer does not answer in 20 s
-        # (a vanished client frees its streams); refuse clients that ping more than every 10 s.
-        ("grpc.keepalive_time_ms", 60_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        ("grpc.http2.max_ping_strikes", 2),
-        ("grpc.max_connection_idle_ms", 15 * 60_000),  # connections with no RPC for 15 min are closed
-        # Calls that arrived before the server's loop took them: gRPC core drops them at random past
-        # 1,000 (the client sees a bare CANCELLED) and all past 3,000. A round of thousands of clients
-        # arrives at once; they wait here instead (each is small) and are taken in order.
-        ("grpc.server.max_pending_requests", PENDING_CALLS),
-        ("grpc.server.max_pending_requests_hard_limit", 4 * PENDING_CALLS),
-    ]
 
 
 def recover(store: Store, registry: Registry, devices: Devices, settings: Settings, ledgers: Ledgers) -> None:

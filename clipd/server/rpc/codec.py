@@ -12,10 +12,9 @@ import numpy as np
 
 from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite
 from clipd.engine import _privacy as dp
+from clipd.server.aggregations import State, Stats
+from clipd.server.errors import InvalidArgument
 from clipd.v1 import clipd_pb2 as pb
-
-from .aggregations import State, Stats
-from .errors import InvalidArgument
 
 DTYPES: dict[int, np.dtype] = {
     pb.FLOAT32: np.dtype("<f4"),

@@ -58,18 +58,23 @@ import grpc
 import numpy as np
 
 from clipd.engine import PartialState
+from clipd.server.aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of
+from clipd.server.credentials import bearer_token
+from clipd.server.errors import (
+    ClipdError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    NotFound,
+    Unavailable,
+)
+from clipd.server.rpc import codec, wire
+from clipd.server.rpc.service import stream_owner
+from clipd.server.settings import Settings
+from clipd.server.shards.ingest import _pass, _pass_unary, passing_through
+from clipd.server.shards.local import owner_of
+from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
+from clipd.server.tls import peer_channel
 from clipd.v1 import clipd_pb2
-
-from . import codec, wire
-from .aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of
-from .errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
-from .ingest import _pass, _pass_unary, passing_through
-from .credentials import bearer_token
-from .service import stream_owner
-from .settings import Settings
-from .shards import owner_of
-from .store import CLOSING, FAILED, FINALIZED, Store
-from .tls import peer_channel
 
 log = logging.getLogger(__name__)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
@@ -163,18 +168,18 @@ class ShardProcess:
 
     def __init__(self, settings: Settings, index: int, public_port: int, data_port: int, private_dir: str | None,
                  control: str | None = None) -> None:
-        """``private_dir``: the unix sockets of ``--processes``; None on Ray (:class:`clipd.server.ray_shards.ShardHost`):
+        """``private_dir``: the unix sockets of ``--processes``; None on Ray (:class:`clipd.server.shards.ray_actors.ShardHost`):
         ``control`` is then the server's address, the siblings' are set by :meth:`set_siblings` and the
         control's calls are the actor's methods."""
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-        from .app import OTHER_STREAMS, _Guard, server_options
-        from .credentials import SubmitTokens
-        from .reflection import enable_reflection
-        from .service import ClipdServicer, Malformed, lenient
-        from .shards import Devices
-        from .store import open_store
-        from .tls import grpc_server_credentials
+        from clipd.server.credentials import SubmitTokens
+        from clipd.server.rpc.reflection import enable_reflection
+        from clipd.server.rpc.server import OTHER_STREAMS, Guard, server_options
+        from clipd.server.rpc.service import ClipdServicer, Malformed, lenient
+        from clipd.server.shards.local import Devices
+        from clipd.server.stores.base import open_store
+        from clipd.server.tls import grpc_server_credentials
 
         self.settings, self.index, self.count = settings, index, settings.processes
         self.private_dir = private_dir
@@ -203,7 +208,7 @@ class ShardProcess:
         self.public = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="clipd-shard"),
                                   options=[*[(k, v) for k, v in server_options(settings) if k != "grpc.so_reuseport"],
                                            ("grpc.so_reuseport", 1)],
-                                  interceptors=[_Guard("", self.servicer)])
+                                  interceptors=[Guard("", self.servicer)])
         self._placement: list[str] = []  # every shard process's endpoint, from the control (Serve)
         self._pass_placement = _pass_unary(self.control.unary_unary(f"/{SERVICE.full_name}/GetPlacement"), index)
         self.public.add_generic_rpc_handlers((passing_through(self.control, index, submit=self._submit,
@@ -442,14 +447,14 @@ def socket_path(private_dir: str, index: int) -> str:
 
 
 def main() -> None:
-    """A shard process (``python -m clipd.server.shard_process``, started by the control process).
+    """A shard process (``python -m clipd.server.shards.process``, started by the control process).
 
     Reads its orders as one JSON line on stdin, answers ``ready <its own port>`` on stdout once it
     listens, and serves until SIGTERM, or until the control process (its parent) is gone.
     """
     orders = json.loads(sys.stdin.readline())
     settings = Settings(**orders["settings"])
-    from . import logs
+    from clipd.server import logs
 
     logs.configure(settings.log_level, settings.log_format)
     parent = os.getppid()
@@ -492,7 +497,7 @@ def child_environment(index: int, processes: int, environ=os.environ) -> dict[st
 class ShardProcesses:
     """The control process's shards: N shard processes, started, watched and restarted; the calls that span them.
 
-    It has the calls of :class:`~clipd.server.shards.Devices` that the servicer uses, so the servicer is the
+    It has the calls of :class:`~clipd.server.shards.local.Devices` that the servicer uses, so the servicer is the
     same in every mode.
     """
 
@@ -521,7 +526,7 @@ class ShardProcesses:
     # Starting and watching -----------------------------------------------------------------------------
     def _spawn(self, index: int, timeout: float = 120.0) -> bool:
         """A new interpreter (not a fork: this process has gRPC and JAX threads); True once it is ready."""
-        process = subprocess.Popen([sys.executable, "-m", "clipd.server.shard_process"], stdin=subprocess.PIPE,
+        process = subprocess.Popen([sys.executable, "-m", "clipd.server.shards.process"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True, env=child_environment(index, self.count))
         orders = {"settings": dataclasses.asdict(self.settings), "port": self.port, "index": index,
                   "data_port": self.data_ports[index], "private_dir": self.private_dir}

@@ -1,4 +1,4 @@
-"""The crash-safe one-machine :class:`~clipd.server.store.Store`: SQLite metadata, one file per checkpoint.
+"""The crash-safe one-machine :class:`~clipd.server.stores.base.Store`: SQLite metadata, one file per checkpoint.
 
 Layout of ``data_dir``::
 
@@ -49,10 +49,18 @@ import zlib
 from collections.abc import Iterator
 
 from clipd.engine import CorruptStateError, PartialState
-
-from .credentials import load_key
-from .store import (FINALIZED, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry, LedgerRecord,
-                    Store, check_state, newest_intact)
+from clipd.server.credentials import load_key
+from clipd.server.stores.base import (
+    FINALIZED,
+    AggregationRecord,
+    FencedOut,
+    LedgerConflict,
+    LedgerEntry,
+    LedgerRecord,
+    Store,
+    check_state,
+    newest_intact,
+)
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,11 @@ import time
 import jax
 
 from clipd.engine import PartialState
-
-from .aggregations import Aggregation
-from .batches import Batch
-from .errors import DeadlineExceeded, Unavailable
-from .store import Store
-from .worker import DeviceWorker
+from clipd.server.aggregations import Aggregation
+from clipd.server.errors import DeadlineExceeded, Unavailable
+from clipd.server.rpc.batches import Batch
+from clipd.server.shards.worker import DeviceWorker
+from clipd.server.stores.base import Store
 
 
 def owner_of(shard: int, processes: int) -> int:

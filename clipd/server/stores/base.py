@@ -9,7 +9,7 @@ newer sequence numbers.
 Implementations:
 - :class:`MemoryStore`: in this process only (``data_dir = "memory"``): nothing
   survives a restart. For benchmarks and for callers that do not want disk.
-- :class:`clipd.server.sqlite_store.SQLiteStore`: one machine, crash-safe.
+- :class:`clipd.server.stores.sqlite.SQLiteStore`: one machine, crash-safe.
 
 Every implementation passes the abstract tests in ``tests/test_store.py``.
 """
@@ -313,14 +313,14 @@ def open_store(data_dir: str, *, sibling: bool = False) -> Store:
     in that directory (created if need be).
 
     ``sibling``: opened by a shard process beside the clipd that holds the store (a SQLite directory is
-    then shared, not locked; see :class:`~clipd.server.sqlite_store.SQLiteStore`).
+    then shared, not locked; see :class:`~clipd.server.stores.sqlite.SQLiteStore`).
     """
     if data_dir == "memory":
         return MemoryStore()
     if data_dir.startswith(("postgresql://", "postgres://")):  # a shared store (the [postgres] extra)
-        from .postgres_store import PostgresStore
+        from clipd.server.stores.postgres import PostgresStore
 
         return PostgresStore(data_dir)
-    from .sqlite_store import SQLiteStore
+    from clipd.server.stores.sqlite import SQLiteStore
 
     return SQLiteStore(data_dir, sibling=sibling)

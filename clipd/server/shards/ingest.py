@@ -1,11 +1,11 @@
 """Ingest endpoints: a gRPC server that passes every call through to the clipd server, byte for byte.
 
 Ray's ingest actors (``clipd serve --ray ADDRESS --ray-ingest-actors N``, see
-:class:`clipd.server.ray_shards.IngestActor`) run one on each node: clients
+:class:`clipd.server.shards.ray_actors.IngestActor`) run one on each node: clients
 connect to the node's port, and the endpoint forwards every RPC, metadata (the
 bearer token) included, to the clipd server. The helpers that forward a call
 and relay its status serve the shard processes of ``--processes`` too
-(:mod:`clipd.server.shard_process`).
+(:mod:`clipd.server.shards.process`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import socket
 
 import grpc
 
+from clipd.server.rpc.server import INGEST_METADATA
+from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2
 
-from .settings import Settings
-
-INGEST_METADATA = "x-clipd-ingest"  # which endpoint or shard process forwarded a call (counted by the server)
 PEER_METADATA = "x-clipd-peer"  # the forwarded call's own peer (its fair share of stream slots)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
 
@@ -102,9 +101,9 @@ class IngestServer:
     def __init__(self, settings: Settings, port: int, owner: str, index: int) -> None:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-        from .app import OTHER_STREAMS, server_options
-        from .reflection import enable_reflection
-        from .tls import peer_channel
+        from clipd.server.rpc.reflection import enable_reflection
+        from clipd.server.rpc.server import OTHER_STREAMS, server_options
+        from clipd.server.tls import peer_channel
 
         self.settings, self.index = settings, index
         limit = settings.max_message_bytes + (1 << 16)
@@ -120,7 +119,7 @@ class IngestServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection((SERVICE.full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
                           self.server)
-        from .tls import grpc_server_credentials
+        from clipd.server.tls import grpc_server_credentials
 
         address = f"{settings.host}:{port}"
         credentials = grpc_server_credentials(settings)

@@ -5,7 +5,7 @@
 Each shard of an aggregation is owned by one :class:`ShardOwner`: it sums the
 clipped batches sent to that shard (exactly once per client, by sequence
 number) and commits its totals to the store after every batch, under the
-epoch it claimed with :meth:`~clipd.server.store.Store.claim_shard`. A
+epoch it claimed with :meth:`~clipd.server.stores.base.Store.claim_shard`. A
 :class:`ShardActor` is a ShardOwner in a Ray actor that Ray restarts after a
 crash (``max_restarts=-1``); the restarted actor runs its constructor again:
 it claims a newer epoch and restores the shard from the store's checkpoint.
@@ -71,18 +71,16 @@ try:
     import ray.util
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "clipd.server.ray_shards needs Ray: pip install 'clipd[ray]' (ray>=2.60,<3)"
+        "clipd.server.shards.ray_actors needs Ray: pip install 'clipd[ray]' (ray>=2.60,<3)"
     ) from e
 
 import jax
 
 from clipd.engine import ClipAccumulator, PartialState
-
-from .shard_process import ShardProcesses
-
-from .codec import spec_from_json, spec_shards
-from .errors import DeadlineExceeded, FailedPrecondition
-from .store import FencedOut, Store
+from clipd.server.errors import DeadlineExceeded, FailedPrecondition
+from clipd.server.rpc.codec import spec_from_json, spec_shards
+from clipd.server.shards.process import ShardProcesses
+from clipd.server.stores.base import FencedOut, Store
 
 __all__ = ["ShardOwner", "ShardActor", "shard_actor", "submit_with_retry", "FencedOut", "RayShards"]
 
@@ -194,7 +192,7 @@ class _ShardActor(ShardOwner):
     """A ShardOwner on a ``PostgresStore(dsn)`` of its own (the actor's process opens it)."""
 
     def __init__(self, dsn: str, aggregation_id: str, shard: int, spec_json: str) -> None:
-        from .postgres_store import PostgresStore
+        from clipd.server.stores.postgres import PostgresStore
 
         super().__init__(PostgresStore(dsn), aggregation_id, shard, spec_json)
 
@@ -340,7 +338,7 @@ class _ShardLink:
 class RayShards:
     """Every shard of every aggregation as a :class:`ShardActor` on a Ray cluster (``clipd serve --ray ADDRESS``).
 
-    The same calls as :class:`clipd.server.shards.Devices`, so the servicer is
+    The same calls as :class:`clipd.server.shards.local.Devices`, so the servicer is
     the same: a batch goes to its client's shard actor, which sums it and
     commits the shard's checkpoint to the shared store (PostgreSQL) before the
     stream acknowledges it. Ray restarts a dead actor, which restores its
@@ -370,7 +368,7 @@ class RayShards:
 
     def warm_up(self, aggregation) -> None:
         """Starts the aggregation's shard actors (each claims its shard and restores it), then opens it."""
-        from .codec import spec_to_json
+        from clipd.server.rpc.codec import spec_to_json
 
         spec = spec_to_json(aggregation.layers, aggregation.policy, aggregation.reject_non_finite,
                             aggregation.privacy, aggregation.shards)
@@ -448,14 +446,14 @@ class RayShards:
 class _IngestActor:
     """An ingest endpoint on a Ray node: clients connect to it, it forwards every RPC to the clipd server.
 
-    A :class:`clipd.server.ingest.IngestServer`: it terminates the clients'
+    A :class:`clipd.server.shards.ingest.IngestServer`: it terminates the clients'
     connections on this node and passes each call through.
     Several on one node share the port (SO_REUSEPORT).
     """
 
     def __init__(self, settings: dict, owner: str, index: int) -> None:
-        from .ingest import IngestServer
-        from .settings import Settings
+        from clipd.server.settings import Settings
+        from clipd.server.shards.ingest import IngestServer
 
         self.server = IngestServer(Settings(**settings), settings["ray_ingest_port"], owner, index).start()
 
@@ -507,7 +505,7 @@ class RayIngest:
 class _ShardHost:
     """A shard process on a Ray node (``--ray-shard-hosts N``): it receives, clips and sums its own shards.
 
-    The same :class:`clipd.server.shard_process.ShardProcess` as ``--processes`` runs, with TCP instead of unix
+    The same :class:`clipd.server.shards.process.ShardProcess` as ``--processes`` runs, with TCP instead of unix
     sockets: clients connect to ``ray_ingest_port`` on any node (or, routed, to the host's own port), a Submit
     for another host's shard goes to that host's own port, every other call to the clipd server. The server's
     calls (open, finish, statistics, forget) are this actor's :meth:`call`. Ray restarts a dead host, which
@@ -515,8 +513,8 @@ class _ShardHost:
     """
 
     def __init__(self, fields: dict, index: int, control: str) -> None:
-        from .settings import Settings
-        from .shard_process import ShardProcess
+        from clipd.server.settings import Settings
+        from clipd.server.shards.process import ShardProcess
 
         settings = Settings(**fields)
         self.host = cluster_address(settings.advertise_host or settings.host)  # as clients and hosts reach it
@@ -545,13 +543,13 @@ ShardHost = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.25, max_c
 
 
 class RayShardHosts(ShardProcesses):
-    """The server's shard hosts on a Ray cluster: the calls of :class:`~clipd.server.shard_process.ShardProcesses`
+    """The server's shard hosts on a Ray cluster: the calls of :class:`~clipd.server.shards.process.ShardProcesses`
     over actors instead of child processes (placement, finalize, statistics are the same)."""
 
     def __init__(self, settings, store: Store, port: int) -> None:
         import dataclasses
 
-        from .errors import Unavailable
+        from clipd.server.errors import Unavailable
 
         self._unavailable = Unavailable
         self.settings, self.store, self.port = settings, store, port

@@ -18,8 +18,7 @@ import zlib
 import numpy as np
 
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
-
-from .errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
+from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
 
 
 class State(str, enum.Enum):

@@ -18,11 +18,11 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .aggregations import Aggregation, Stats
-from .apidocs import mount_docs
-from .credentials import bearer_token, same
-from .errors import NotFound
-from .settings import Settings
+from clipd.server.admin.apidocs import mount_docs
+from clipd.server.aggregations import Aggregation, Stats
+from clipd.server.credentials import bearer_token, same
+from clipd.server.errors import NotFound
+from clipd.server.settings import Settings
 
 STATIC = pathlib.Path(__file__).resolve().parent / "static"
 SESSION_COOKIE = "clipd_admin"
@@ -403,7 +403,7 @@ def start_admin(server, settings: Settings) -> AdminServer:
     It never asks for client certificates, even when gRPC requires them
     (``tls_client_ca_file``): the admin API authenticates with the bearer token.
     """
-    from .tls import admin_ssl_kwargs
+    from clipd.server.tls import admin_ssl_kwargs
 
     app = create_admin_app(server, settings)
     ssl_kwargs = admin_ssl_kwargs(settings)
