@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import json
 import threading
 import time
 import uuid
@@ -18,6 +19,7 @@ import zlib
 import numpy as np
 
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
+from clipd.engine import _privacy as dp
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
 
 
@@ -97,6 +99,41 @@ def shard_of(client_id: str, shards: int) -> int:
     if mark and stream.isdigit():
         return (zlib.crc32(base.encode()) + int(stream)) % shards
     return zlib.crc32(client_id.encode()) % shards
+
+
+def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool,
+                 privacy: dp.PrivacyPolicy | None = None, shards: int = 1) -> str:
+    """An aggregation's layers, policy (with the bound in use), privacy policy and shard count as JSON, for the store."""
+    spec = {
+        "shards": shards,
+        "layers": [[l.name, list(l.shape), l.dtype] for l in layers],
+        "policy": {"kind": policy.kind.value, "l2_norm_clip": policy.l2_norm_clip,
+                   "layer_clips": list(policy.layer_clips), "rescale_to_unit_norm": policy.rescale_to_unit_norm,
+                   "non_finite": policy.non_finite.value},
+        "reject_non_finite": reject_non_finite,
+    }
+    if privacy is not None:
+        spec["privacy"] = dataclasses.asdict(privacy)
+    return json.dumps(spec)
+
+
+def spec_from_json(text: str) -> tuple[tuple[LayerSpec, ...], ClipPolicy, bool, dp.PrivacyPolicy | None]:
+    """The inverse of :func:`spec_to_json`."""
+    spec = json.loads(text)
+    layers = tuple(LayerSpec(name, tuple(shape), dtype) for name, shape, dtype in spec["layers"])
+    privacy = None
+    if "privacy" in spec:
+        fields = dict(spec["privacy"])
+        fields["sampling"] = dp.Sampling(**fields["sampling"])
+        if fields["adaptive"] is not None:
+            fields["adaptive"] = dp.AdaptiveClipping(**fields["adaptive"])
+        privacy = dp.PrivacyPolicy(**fields)
+    return layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy
+
+
+def spec_shards(text: str) -> int:
+    """How many shards the aggregation of :func:`spec_to_json`'s text has (1 if it predates shards)."""
+    return int(json.loads(text).get("shards", 1))
 
 
 class Aggregation:

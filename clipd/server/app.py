@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clipd.server.aggregations import Aggregation, Registry
 from clipd.server.credentials import SubmitTokens
+from clipd.server.lifecycle import fail
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers, Release
 from clipd.server.rpc import codec
@@ -75,6 +76,7 @@ class ClipdServer:
         recover(self.store, self.registry, self.devices, settings, self.ledgers)
         tokens = SubmitTokens(self.store.submit_token_key())
         self.servicer = ClipdServicer(settings, self.registry, self.devices, self.store, tokens, self.ledgers)
+        self.lifecycle = self.servicer.lifecycle
         self.health = health.HealthServicer()
         self.guard = Guard(settings.admin_token, self.servicer)
         # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more
@@ -111,7 +113,7 @@ class ClipdServer:
         while not self.stopped.wait(period):
             for aggregation in self.registry.expired(time.time() - self.settings.retention_seconds):
                 try:
-                    self.servicer.cancel(aggregation.id)
+                    self.lifecycle.cancel(aggregation.id)
                     event(log, "aggregation.expired", aggregation=aggregation.id,
                           retention_seconds=self.settings.retention_seconds)
                 except Exception:  # already gone, or the store failed: try again next round
@@ -214,9 +216,9 @@ def recover(store: Store, registry: Registry, devices: Devices, settings: Settin
         if finalized and (totals is not None or release is not None):
             aggregation.restore_result(record.finished, release)
         elif finalized:
-            aggregation.fail("the final checkpoint can't be read back")
+            fail(aggregation, None, "the final checkpoint can't be read back")
         elif record.state == FAILED:
-            aggregation.fail(record.reason)
+            fail(aggregation, None, record.reason)
             aggregation.finished = record.finished
         else:
             if privacy is not None:

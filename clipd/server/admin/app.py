@@ -342,7 +342,7 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
 
     @app.delete("/api/v1/aggregations/{aggregation_id}")
     def cancel_aggregation(_: Writer, aggregation: AggregationParam) -> dict[str, Any]:
-        return aggregation_view(server.servicer.cancel(aggregation.id))
+        return aggregation_view(server.lifecycle.cancel(aggregation.id))
 
     @app.get("/api/v1/server")
     def server_view(_: Reader) -> dict[str, Any]:

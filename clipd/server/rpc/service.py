@@ -18,7 +18,6 @@ reservation are released.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -26,13 +25,10 @@ import threading
 import time
 
 import grpc
-import numpy as np
 
-from clipd.engine import BoundKind
-from clipd.server.aggregations import Aggregation, Registry, Result, State
+from clipd.server.aggregations import Aggregation, Registry, State
 from clipd.server.credentials import SubmitTokens, bearer_token, same
 from clipd.server.errors import (
-    AlreadyExists,
     ClipdError,
     FailedPrecondition,
     InvalidArgument,
@@ -41,14 +37,14 @@ from clipd.server.errors import (
     Unauthenticated,
     Unavailable,
 )
+from clipd.server.lifecycle import Lifecycle, Shards
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers
 from clipd.server.rpc import codec
 from clipd.server.rpc.batches import BatchAssembler
 from clipd.server.rpc.limits import ByteBudget, StreamSlots
 from clipd.server.settings import Settings
-from clipd.server.shards.local import Devices
-from clipd.server.stores.base import FINALIZED, AggregationRecord, Store
+from clipd.server.stores.base import Store
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
@@ -113,13 +109,12 @@ def check_client_id(value: str) -> str:
 
 
 class ClipdServicer(pb_grpc.ClipdServicer):
-    def __init__(self, settings: Settings, registry: Registry, devices: Devices, store: Store,
+    def __init__(self, settings: Settings, registry: Registry, shards: Shards, store: Store,
                  submit_tokens: SubmitTokens, ledgers: Ledgers | None = None) -> None:
         self.settings = settings
         self.ledgers = ledgers if ledgers is not None else Ledgers(store)
         self.registry = registry
-        self.devices = devices
-        self.store = store
+        self.lifecycle = Lifecycle(settings, registry, shards, store, self.ledgers)
         self.submit_tokens = submit_tokens
         self.budget = ByteBudget(settings.max_buffered_bytes)
         self.stream_slots = StreamSlots(settings.max_streams, "Submit stream")
@@ -150,58 +145,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         policy, reject = codec.policy_from_proto(request.policy, len(layers))
         requested = _check_id(request.aggregation_id, "aggregation_id") if request.aggregation_id else ""
         privacy = codec.privacy_from_proto(request.privacy) if request.HasField("privacy") else None
-        plan = None
-        if privacy is not None:
-            policy, plan = self._private_policy(policy, privacy, layers)
-
-        shards = self.settings.shards or len(self.devices)
-
-        def make(aggregation_id: str) -> Aggregation:
-            return Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
-                               self.settings.staging_bytes, max_clients=self.settings.max_clients,
-                               privacy=privacy, plan=plan, shards=shards)
-
-        def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it
-            record = AggregationRecord(aggregation.id, codec.spec_to_json(layers, policy, reject, privacy, shards),
-                                       created=aggregation.created)
-
-            def create(ledger_entry=None) -> None:
-                if not self.store.create(record, ledger_entry=ledger_entry):
-                    raise AlreadyExists(f"aggregation {aggregation.id!r} exists in the store")
-
-            if privacy is None:
-                create()
-            else:
-                aggregation.planned_epsilon = self.ledgers.admit(aggregation, privacy, plan, create)
-            claim_shards(self.store, aggregation, self.settings)
-            self.devices.warm_up(aggregation)
-
-        aggregation, created = self.registry.create(requested, make, publish)
-        if not created and not _same_request(aggregation, layers, policy, reject, privacy):
-            raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
-        if created:
-            event(log, "aggregation.created", aggregation=aggregation.id, layers=len(layers),
-                  parameters=aggregation.parameters, policy=policy.kind.value,
-                  ledger=privacy.ledger_id if privacy else None)
-        return self._describe(aggregation)
-
-    def _private_policy(self, policy, privacy, layers):
-        """The clip policy with the ledger's adaptive bound, and the release plan; ``InvalidArgument`` if unfit."""
-        if privacy.adaptive is not None:
-            if policy.kind is not BoundKind.GLOBAL or policy.rescale_to_unit_norm:
-                raise InvalidArgument("privacy.adaptive: adaptive clipping needs a GLOBAL clip policy without"
-                                      " rescale_to_unit_norm")
-            policy = dataclasses.replace(policy, l2_norm_clip=self.ledgers.current_bound(privacy))
-        if policy.rescale_to_unit_norm:
-            raise InvalidArgument("privacy: rescale_to_unit_norm changes the sensitivity; release the plain clipped sum")
-        bound = policy.example_bound(layers)
-        if not math.isfinite(bound):
-            raise InvalidArgument("privacy: an infinite bound (no clipping) has no finite sensitivity")
-        try:
-            plan = privacy.plan(bound, len(layers))
-        except ValueError as e:
-            raise InvalidArgument(f"privacy: {e}") from None
-        return policy, plan
+        return self._describe(self.lifecycle.create(requested, layers, policy, reject, privacy))
 
     @_status_on_error
     def GetAggregation(self, request: pb.GetAggregationRequest, context) -> pb.Aggregation:
@@ -221,18 +165,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     @_status_on_error
     def CancelAggregation(self, request: pb.CancelAggregationRequest, context) -> pb.Aggregation:
-        return self._describe(self.cancel(request.aggregation_id))
-
-    def cancel(self, aggregation_id: str) -> Aggregation:
-        """Drops an aggregation (or a finished one's result): queued batches, device state, store."""
-        aggregation = self.registry.remove(aggregation_id)
-        was = aggregation.state
-        aggregation.cancel()
-        self.ledgers.forget(aggregation)
-        self.store.delete(aggregation.id)  # first: a shard process can't open it again from the store
-        self.devices.forget(aggregation)
-        event(log, "aggregation.deleted", aggregation=aggregation.id, was=was.value)
-        return aggregation
+        return self._describe(self.lifecycle.cancel(request.aggregation_id))
 
     @_status_on_error
     def GetStats(self, request: pb.GetStatsRequest, context) -> pb.AggregationStats:
@@ -243,7 +176,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             if isinstance(request, Malformed):
                 raise InvalidArgument(f"malformed Finalize request: {request.reason}")
             limit = self.chunk_limit(request.max_chunk_bytes)
-            result = self.finalize(request.aggregation_id)
+            result = self.lifecycle.finalize(request.aggregation_id)
         except ClipdError as e:
             self.refuse(context, e, "Finalize")
         yield pb.FinalizeResponse(stats=codec.stats_to_proto(result.stats))
@@ -257,29 +190,6 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             raise InvalidArgument(f"max_chunk_bytes: at least {MIN_CHUNK_BYTES} (or 0 for the default),"
                                   f" got {requested}")
         return min(requested or DEFAULT_CHUNK_BYTES, self.settings.max_message_bytes)
-
-    def finalize(self, aggregation_id: str) -> Result:
-        """Closes the aggregation, waits for its last batch, commits and keeps the result (idempotent)."""
-        aggregation = self.registry.get(aggregation_id)
-        timeout = self.settings.finalize_timeout
-        first = aggregation.result is None
-        private = aggregation.privacy is not None
-        def commit_final() -> list:
-            """Every shard's final checkpoint; without privacy, then FINALIZED (a release does that itself)."""
-            shard_totals = self.devices.commit_final(aggregation, timeout)
-            if not private:
-                self.store.set_state(aggregation.id, FINALIZED, finished=time.time())
-            return shard_totals
-
-        result = aggregation.finalize(commit_final, timeout,
-            release=(lambda totals: self.ledgers.release(aggregation, totals, aggregation.accumulator.sum_dtypes))
-            if private else None)
-        if first:
-            event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
-            finished = getattr(self.devices, "finished", None)
-            if finished is not None:  # shard processes: they may drop their copies now
-                finished(aggregation)
-        return result
 
     def _describe(self, aggregation: Aggregation) -> pb.Aggregation:
         return pb.Aggregation(
@@ -308,7 +218,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         """Where each shard is summed (the admin, or a holder of the aggregation's submit token)."""
         aggregation = self.check_submitter(bearer_token(context.invocation_metadata()), request.aggregation_id,
                                            "submit to")
-        endpoints = self.devices.endpoints()
+        endpoints = self.lifecycle.shards.endpoints()
         return pb.Placement(aggregation_id=aggregation.id, shards=aggregation.shards,
                             endpoints=[endpoints[k % len(endpoints)] for k in range(aggregation.shards)]
                             if endpoints else [])
@@ -438,22 +348,9 @@ class _SubmitSession:
                 self.aggregation.detach(self.client, self.writer)  # wakes the response side too
 
     def _take(self, batch) -> None:
-        """Hands a whole batch on (or lets go of it: a duplicate, or refused)."""
+        """Hands a whole batch on to the aggregation's lifecycle (which may let go of it: a duplicate)."""
         self.servicer.payload_bytes += batch.nbytes  # one reader thread per stream: a rare lost += is harmless
-        try:
-            if self.aggregation.reject_non_finite:
-                _check_finite(batch, self.aggregation)
-            if not self.aggregation.accept(self.client, batch.sequence, self.writer):
-                batch.release()  # a duplicate of an accepted batch
-                return
-            try:
-                self.servicer.devices.submit(self.aggregation, self.client, self.writer, batch)
-            except ClipdError:
-                self.aggregation.drop(1)
-                raise
-        except BaseException:
-            batch.release()
-            raise
+        self.servicer.lifecycle.submit(self.aggregation, self.client, self.writer, batch)
 
     def _bind(self, message) -> None:
         aggregation = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
@@ -537,26 +434,6 @@ class _SubmitSession:
             self.wake.wait(self._wait_time())
 
 
-def _same_request(aggregation: Aggregation, layers, policy, reject, privacy) -> bool:
-    """Whether a create request repeats the existing aggregation's (an adaptive bound may have moved since)."""
-    if privacy is not None and privacy.adaptive is not None:
-        policy = dataclasses.replace(policy, l2_norm_clip=aggregation.policy.l2_norm_clip)
-    return (aggregation.layers, aggregation.policy, aggregation.reject_non_finite, aggregation.privacy) == (
-        layers, policy, reject, privacy)
-
-
-def claim_shards(store: Store, aggregation: Aggregation, settings: Settings) -> None:
-    """On a shared store, this server becomes the owner of the aggregation's shards (a new epoch each).
-
-    Another server that later claims them (it took over: a rolling update, a
-    failover) fences this one out: its checkpoints are refused from then on,
-    so two servers never both acknowledge batches of one shard. With Ray, the
-    shard actors claim for themselves.
-    """
-    if store.shared and not (settings.ray_address or settings.processes):  # else the shard owners claim
-        aggregation.epochs = [store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)]
-
-
 def check_limits(layers, settings: Settings) -> None:
     """Refuses an aggregation spec beyond the server's limits (layers, name lengths, parameters)."""
     if len(layers) > settings.max_layers:
@@ -569,14 +446,3 @@ def check_limits(layers, settings: Settings) -> None:
     if parameters > settings.max_parameters:
         raise InvalidArgument(f"the layers hold {parameters} parameters, the limit is {settings.max_parameters}"
                               " (max_parameters)")
-
-
-def _check_finite(batch, aggregation: Aggregation) -> None:
-    for layer, values in zip(aggregation.layers, batch.layers):
-        finite = np.isfinite(values.reshape(batch.rows, -1)).all(axis=1)
-        if not finite.all():
-            row = int(np.argmin(finite))
-            raise InvalidArgument(
-                f"batch {batch.sequence}, layer {layer.name!r}: example {row} holds NaN or inf,"
-                " and the policy rejects non-finite values"
-            )

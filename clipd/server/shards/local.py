@@ -115,6 +115,9 @@ class Devices:
         for worker in self.workers:
             worker.forget(aggregation)
 
+    def finished(self, aggregation: Aggregation) -> None:
+        """Nothing to drop: a worker lets go of an aggregation's device state at its final checkpoint."""
+
     # The server -------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:

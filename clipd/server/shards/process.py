@@ -67,6 +67,7 @@ from clipd.server.errors import (
     NotFound,
     Unavailable,
 )
+from clipd.server.lifecycle import fail
 from clipd.server.rpc import codec, wire
 from clipd.server.rpc.service import stream_owner
 from clipd.server.settings import Settings
@@ -678,8 +679,7 @@ class ShardProcesses:
                     for finished in [pool.submit(self._finish, i, aggregation, deadline) for i in owners]:
                         finished.result()
                 except FailedPrecondition as e:  # a shard process failed it: so does the aggregation
-                    if aggregation.fail(str(e)):
-                        self.store.set_state(aggregation.id, FAILED, reason=str(e), finished=time.time())
+                    fail(aggregation, self.store, str(e))
                     raise
             for k in range(aggregation.shards):  # from here on, no shard process's checkpoint can land
                 self.store.claim_shard(aggregation.id, k)
@@ -743,9 +743,8 @@ class ShardProcesses:
                 if found is not None:
                     states.update({int(k): stats_from_json(empty, v) for k, v in found["shards"].items()})
                     failed = failed or found["failed"]
-            if failed and aggregation.state in TAKES_BATCHES and aggregation.fail(failed):
-                with contextlib.suppress(Exception):
-                    self.store.set_state(aggregation.id, FAILED, reason=failed, finished=time.time())
+            if failed and aggregation.state in TAKES_BATCHES:
+                fail(aggregation, self.store, failed)
             elif states:
                 aggregation.observe(states)
 

@@ -78,6 +78,7 @@ import jax
 
 from clipd.engine import ClipAccumulator, PartialState
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition
+from clipd.server.lifecycle import fail
 from clipd.server.rpc.codec import spec_from_json, spec_shards
 from clipd.server.shards.process import ShardProcesses
 from clipd.server.stores.base import FencedOut, Store
@@ -330,9 +331,7 @@ class _ShardLink:
             self.aggregation.drop(1)
 
     def _fail(self, reason: str) -> None:
-        if self.aggregation.fail(reason):
-            with contextlib.suppress(Exception):  # the store may be what failed
-                self.store.set_state(self.aggregation.id, "failed", reason=reason, finished=time.time())
+        fail(self.aggregation, self.store, reason)
 
 
 class RayShards:
@@ -412,6 +411,9 @@ class RayShards:
         for link in links:
             link.close()
             ray.kill(link.actor, no_restart=True)
+
+    def finished(self, aggregation) -> None:
+        """Nothing to drop: :meth:`commit_final` let the aggregation's actors go."""
 
     @property
     def ready(self) -> bool:

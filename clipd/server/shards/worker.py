@@ -53,7 +53,7 @@ import numpy as np
 from clipd.engine import PartialState
 from clipd.server.aggregations import Aggregation, State
 from clipd.server.errors import Unavailable
-from clipd.server.logs import event
+from clipd.server.lifecycle import fail
 from clipd.server.rpc.batches import Batch
 from clipd.server.stores.base import Store
 
@@ -374,13 +374,7 @@ class DeviceWorker:
 
     def _fail(self, aggregation: Aggregation, reason: str) -> None:
         """Fails an aggregation: its device state and queued batches are dropped, the store says FAILED."""
-        event(log, "aggregation.failed", logging.ERROR, aggregation=aggregation.id, reason=reason)
-        failed_here = aggregation.fail(reason)
-        if failed_here and self.records_failures:
-            try:
-                self.store.set_state(aggregation.id, "failed", reason=reason, finished=time.time())
-            except Exception:  # the store itself may be what failed
-                log.exception("could not record the failure of aggregation %s", aggregation.id)
+        failed_here = fail(aggregation, self.store if self.records_failures else None, reason)
         self.drop_failed(aggregation)
         if failed_here and self.on_failed is not None:
             self.on_failed(aggregation)  # the workers of its other shards drop theirs

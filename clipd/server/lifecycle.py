@@ -1,0 +1,258 @@
+"""An aggregation's life, top to bottom: create, submit, finalize (with its release), cancel, fail.
+
+The RPC surface (:mod:`clipd.server.rpc`) checks who asks and turns messages into the calls
+below; the shards (:class:`Shards`, any kind) clip and sum; the store keeps what must outlive
+the process. Every state change of an aggregation is made here or in
+:class:`~clipd.server.aggregations.Aggregation` itself, and :func:`fail` is the one way an
+aggregation fails, whoever finds the fault (a device worker, a shard process, a Ray actor).
+
+::
+
+    create   spec checked -> (privacy: ledger admits the release) -> store record -> shards warm up
+    submit   finite? (policy REJECT) -> Aggregation.accept (sequence numbers) -> Shards.submit
+    finalize close -> Shards.commit_final (every shard's last checkpoint) -> merge
+             -> FINALIZED in the store, or the private release (noise, ledger) does that itself
+    cancel   registry, ledger reservation, store record, shards' state: gone
+    fail     FAILED in memory and in the store; streams and Finalize answer with the reason
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from clipd.engine import BoundKind, PartialState
+from clipd.server.aggregations import Aggregation, Registry, Result, spec_to_json
+from clipd.server.errors import AlreadyExists, ClipdError, InvalidArgument
+from clipd.server.logs import event
+from clipd.server.privacy import Ledgers
+from clipd.server.settings import Settings
+from clipd.server.stores.base import FAILED, FINALIZED, AggregationRecord, Store
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Shards(Protocol):
+    """Where an aggregation's accepted batches are clipped and summed: one seam, three kinds.
+
+    :class:`~clipd.server.shards.local.Devices` (this process's JAX devices),
+    :class:`~clipd.server.shards.process.ShardProcesses` (``--processes N``) and
+    :class:`~clipd.server.shards.ray_actors.RayShards` (``--ray``). tests/test_shards_contract.py
+    runs the same contract against each.
+    """
+
+    def __len__(self) -> int:
+        """The default number of shards of a new aggregation."""
+
+    def endpoints(self) -> list[str]:
+        """Where clients may send each shard's batches directly (``[]``: to this server)."""
+
+    def submit(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
+        """Queues an accepted batch on its client's shard; it becomes durable at a later checkpoint."""
+
+    def warm_up(self, aggregation: Aggregation) -> None:
+        """Opens the aggregation's shards (compiles their programs) before it takes batches."""
+
+    def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
+        """Every shard's final checkpoint, committed; their totals by shard."""
+
+    def forget(self, aggregation: Aggregation) -> None:
+        """Drops the aggregation's state on the shards (cancelled)."""
+
+    def finished(self, aggregation: Aggregation) -> None:
+        """The aggregation is finalized: the shards may drop their copies."""
+
+    @property
+    def ready(self) -> bool:
+        """Every shard host can take batches."""
+
+    @property
+    def queued_bytes(self) -> int: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def device_kind(self) -> str: ...
+
+    def describe(self) -> list[dict]:
+        """Each device (or actor) at work: ``{"id", "kind", "platform", "steps", ...}``."""
+
+    def stop(self, timeout: float | None = None) -> None: ...
+
+
+def fail(aggregation: Aggregation, store: Store | None, reason: str) -> bool:
+    """Fails ``aggregation`` (True), unless it had already finished: FAILED in memory, then in ``store``.
+
+    ``store=None``: the store already says so, or another process records it (a shard
+    process leaves that to the control process). The store may itself be what failed:
+    a write that fails is logged, and the aggregation stays FAILED here.
+    """
+    if not aggregation.fail(reason):
+        return False
+    event(log, "aggregation.failed", logging.ERROR, aggregation=aggregation.id, reason=reason)
+    if store is not None:
+        try:
+            store.set_state(aggregation.id, FAILED, reason=reason, finished=time.time())
+        except Exception:
+            log.exception("could not record the failure of aggregation %s", aggregation.id)
+    return True
+
+
+class Lifecycle:
+    """The aggregations of one server and the calls that move them along (see the module's drawing)."""
+
+    def __init__(self, settings: Settings, registry: Registry, shards: Shards, store: Store,
+                 ledgers: Ledgers) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.shards = shards
+        self.store = store
+        self.ledgers = ledgers
+
+    # create -------------------------------------------------------------------------------------
+    def create(self, requested_id: str, layers, policy, reject: bool, privacy=None) -> Aggregation:
+        """The aggregation ``requested_id`` (a new id if empty), created and durable; the same one again
+        for a request that repeats it; ``AlreadyExists`` for another spec under that id."""
+        plan = None
+        if privacy is not None:
+            policy, plan = self._private_policy(policy, privacy, layers)
+        shards = self.settings.shards or len(self.shards)
+
+        def make(aggregation_id: str) -> Aggregation:
+            return Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
+                               self.settings.staging_bytes, max_clients=self.settings.max_clients,
+                               privacy=privacy, plan=plan, shards=shards)
+
+        def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it
+            record = AggregationRecord(aggregation.id, spec_to_json(layers, policy, reject, privacy, shards),
+                                       created=aggregation.created)
+
+            def create_record(ledger_entry=None) -> None:
+                if not self.store.create(record, ledger_entry=ledger_entry):
+                    raise AlreadyExists(f"aggregation {aggregation.id!r} exists in the store")
+
+            if privacy is None:
+                create_record()
+            else:
+                aggregation.planned_epsilon = self.ledgers.admit(aggregation, privacy, plan, create_record)
+            self._claim_shards(aggregation)
+            self.shards.warm_up(aggregation)
+
+        aggregation, created = self.registry.create(requested_id, make, publish)
+        if not created and not _same_request(aggregation, layers, policy, reject, privacy):
+            raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
+        if created:
+            event(log, "aggregation.created", aggregation=aggregation.id, layers=len(layers),
+                  parameters=aggregation.parameters, policy=policy.kind.value,
+                  ledger=privacy.ledger_id if privacy else None)
+        return aggregation
+
+    def _private_policy(self, policy, privacy, layers):
+        """The clip policy with the ledger's adaptive bound, and the release plan; ``InvalidArgument`` if unfit."""
+        if privacy.adaptive is not None:
+            if policy.kind is not BoundKind.GLOBAL or policy.rescale_to_unit_norm:
+                raise InvalidArgument("privacy.adaptive: adaptive clipping needs a GLOBAL clip policy without"
+                                      " rescale_to_unit_norm")
+            policy = dataclasses.replace(policy, l2_norm_clip=self.ledgers.current_bound(privacy))
+        if policy.rescale_to_unit_norm:
+            raise InvalidArgument("privacy: rescale_to_unit_norm changes the sensitivity; release the plain clipped sum")
+        bound = policy.example_bound(layers)
+        if not math.isfinite(bound):
+            raise InvalidArgument("privacy: an infinite bound (no clipping) has no finite sensitivity")
+        try:
+            plan = privacy.plan(bound, len(layers))
+        except ValueError as e:
+            raise InvalidArgument(f"privacy: {e}") from None
+        return policy, plan
+
+    def _claim_shards(self, aggregation: Aggregation) -> None:
+        """On a shared store, this server becomes the owner of the aggregation's shards (a new epoch each).
+
+        Another server that later claims them (it took over: a rolling update, a
+        failover) fences this one out: its checkpoints are refused from then on,
+        so two servers never both acknowledge batches of one shard. Shard
+        processes and Ray actors claim for themselves.
+        """
+        if self.store.shared and not (self.settings.ray_address or self.settings.processes):
+            aggregation.epochs = [self.store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)]
+
+    # submit -------------------------------------------------------------------------------------
+    def submit(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
+        """Hands a whole batch to its shard, or lets go of it (a duplicate, or refused)."""
+        try:
+            if aggregation.reject_non_finite:
+                check_finite(batch, aggregation)
+            if not aggregation.accept(client, batch.sequence, writer):
+                batch.release()  # a duplicate of an accepted batch
+                return
+            try:
+                self.shards.submit(aggregation, client, writer, batch)
+            except ClipdError:
+                aggregation.drop(1)
+                raise
+        except BaseException:
+            batch.release()
+            raise
+
+    # finalize and release --------------------------------------------------------------------------
+    def finalize(self, aggregation_id: str) -> Result:
+        """Closes the aggregation, waits for its last batch, commits and keeps the result (idempotent)."""
+        aggregation = self.registry.get(aggregation_id)
+        timeout = self.settings.finalize_timeout
+        first = aggregation.result is None
+        private = aggregation.privacy is not None
+
+        def commit_final() -> list:
+            """Every shard's final checkpoint; without privacy, then FINALIZED (a release does that itself)."""
+            shard_totals = self.shards.commit_final(aggregation, timeout)
+            if not private:
+                self.store.set_state(aggregation.id, FINALIZED, finished=time.time())
+            return shard_totals
+
+        def release(totals):
+            return self.ledgers.release(aggregation, totals, aggregation.accumulator.sum_dtypes)
+
+        result = aggregation.finalize(commit_final, timeout, release=release if private else None)
+        if first:
+            event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
+            self.shards.finished(aggregation)
+        return result
+
+    # cancel -------------------------------------------------------------------------------------
+    def cancel(self, aggregation_id: str) -> Aggregation:
+        """Drops an aggregation (or a finished one's result): queued batches, device state, store."""
+        aggregation = self.registry.remove(aggregation_id)
+        was = aggregation.state
+        aggregation.cancel()
+        self.ledgers.forget(aggregation)
+        self.store.delete(aggregation.id)  # first: a shard process can't open it again from the store
+        self.shards.forget(aggregation)
+        event(log, "aggregation.deleted", aggregation=aggregation.id, was=was.value)
+        return aggregation
+
+
+def _same_request(aggregation: Aggregation, layers, policy, reject, privacy) -> bool:
+    """Whether a create request repeats the existing aggregation's (an adaptive bound may have moved since)."""
+    if privacy is not None and privacy.adaptive is not None:
+        policy = dataclasses.replace(policy, l2_norm_clip=aggregation.policy.l2_norm_clip)
+    return (aggregation.layers, aggregation.policy, aggregation.reject_non_finite, aggregation.privacy) == (
+        layers, policy, reject, privacy)
+
+
+def check_finite(batch, aggregation: Aggregation) -> None:
+    """``InvalidArgument`` naming the first example that holds NaN or inf (policy REJECT)."""
+    for layer, values in zip(aggregation.layers, batch.layers):
+        finite = np.isfinite(values.reshape(batch.rows, -1)).all(axis=1)
+        if not finite.all():
+            row = int(np.argmin(finite))
+            raise InvalidArgument(
+                f"batch {batch.sequence}, layer {layer.name!r}: example {row} holds NaN or inf,"
+                " and the policy rejects non-finite values"
+            )
