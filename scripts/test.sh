@@ -6,7 +6,8 @@
 #   run a throwaway cluster for the PostgresStore tests).
 #   Python: torch 2.13.0 (CPU build), then this project in editable mode with its [server] and [test] extras
 #   (the service; the reference libraries that serve as oracles: optax, jax-privacy, declearn, opacus; the
-#   DP-SGD examples' scikit-learn and matplotlib; pytest, hypothesis), then the suite.
+#   DP-SGD examples' scikit-learn and matplotlib; pytest, hypothesis, import-linter), then the import
+#   contracts (lint-imports) and the suite.
 #
 #   Then the Flower tests (tests/flower), in environments of their own under .cache/ (git-ignored, kept
 #   between runs, rebuilt when pyproject.toml changes):
@@ -53,6 +54,9 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[server,test]"
 
 if [ "$flower_only" -eq 0 ]; then
+  # The import contracts (.importlinter): the engine imports nothing of the service or the client, the client
+  # nothing of the server or the engine, and no folder's modules or packages import each other in a circle.
+  lint-imports
   python -m pytest "$@"
   flower="${CLIPD_FLOWER_TESTS:-auto}"
   if [ "$flower" = 0 ] || { [ "$flower" = auto ] && [ $# -gt 0 ]; }; then

@@ -28,7 +28,7 @@ from clipd.engine import LayerSpec, PartialState  # noqa: E402
 from clipd.engine._policy import ClipPolicy  # noqa: E402
 from clipd.server.rpc.codec import spec_to_json  # noqa: E402
 from clipd.server.stores.postgres import PostgresStore  # noqa: E402
-from clipd.server.shards.ray_actors import FencedOut, ShardOwner, shard_actor, submit_with_retry  # noqa: E402
+from clipd.server.shards.ray_actors import FencedOut, ShardOwner, call_until_answered, shard_actor  # noqa: E402
 from clipd.server.stores.base import AggregationRecord, MemoryStore  # noqa: E402
 
 from test_postgres_store import pg_cluster  # noqa: E402,F401  (a fixture)
@@ -223,7 +223,8 @@ def test_killed_actor_is_restarted_restores_and_counts_every_batch_once(pg, ray_
                 # In flight when the process dies: committed or not, the resend makes it count once.
                 actor.submit.remote(client, f"{client}-writer", sequence, batch(seed))
                 os.kill(pids[-1], signal.SIGKILL)
-            acked = submit_with_retry(actor, client, f"{client}-writer", sequence, batch(seed), timeout=90)
+            acked = call_until_answered(lambda: actor.submit.remote(client, f"{client}-writer", sequence, batch(seed)),
+                                        timeout=90)
             assert acked == sequence
             if i in (4, 8):
                 pids.append(get(actor.pid.remote()))

@@ -535,7 +535,8 @@ class ShardProcesses:
             process.stdin.write(json.dumps(orders) + "\n")
             process.stdin.close()
         answer: list[str] = []
-        reader = threading.Thread(target=lambda: answer.append(process.stdout.readline()), daemon=True)
+        reader = threading.Thread(target=lambda: answer.append(process.stdout.readline()), name="clipd-shard-ready",
+                                  daemon=True)
         reader.start()
         reader.join(timeout)
         with self._lock:
@@ -600,7 +601,8 @@ class ShardProcesses:
             down = [i for i in range(self.count) if not self._served[i]]
             if not down:
                 break
-            threads = [threading.Thread(target=self._bring_up, args=(i, False), daemon=True) for i in down]
+            threads = [threading.Thread(target=self._bring_up, args=(i, False), name="clipd-shard-start", daemon=True)
+                       for i in down]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -625,7 +627,7 @@ class ShardProcesses:
                 if dead and not self._stopping.is_set():
                     log.warning("shard process %d (pid %d) exited with %s; starting another", index, process.pid,
                                 process.returncode, extra={"event": "shard_process.restarted"})
-                    threading.Thread(target=self._bring_up, args=(index,), daemon=True).start()
+                    threading.Thread(target=self._bring_up, args=(index,), name="clipd-shard-start", daemon=True).start()
 
     def _call(self, index: int, name: str, request: dict, timeout: float, quiet: bool = False) -> dict | None:
         """One of the control's calls to process ``index``; None if it failed (``quiet``), else its error raised

@@ -16,7 +16,7 @@ Exactly once, end to end:
   covers it is committed, so an acknowledged batch survives any crash.
 - A batch that was not acknowledged (the actor died with the call in flight:
   ``max_task_retries=0``, Ray does not resend it) is resent by the driver
-  (:func:`submit_with_retry`). The restored owner knows, for every client, the
+  (:func:`call_until_answered`). The restored owner knows, for every client, the
   highest sequence its totals cover: a resent batch it already summed is a
   duplicate (a no-op that returns the durable mark), a gap is refused.
 - Fencing: an owner believed dead may still run (a stopped process, a
@@ -49,7 +49,7 @@ Example (a driver; see tests/test_ray.py)::
     store.create(AggregationRecord("agg", spec_json))
     actor = shard_actor(dsn, "agg", 0, spec_json)
     for sequence, arrays in enumerate(batches, 1):
-        submit_with_retry(actor, "alice", "writer-1", sequence, arrays)
+        call_until_answered(lambda: actor.submit.remote("alice", "writer-1", sequence, arrays))
     totals = PartialState.from_bytes(ray.get(actor.totals_bytes.remote()))
 """
 
@@ -83,7 +83,7 @@ from clipd.server.rpc.codec import spec_from_json, spec_shards
 from clipd.server.shards.process import ShardProcesses
 from clipd.server.stores.base import FencedOut, Store
 
-__all__ = ["ShardOwner", "ShardActor", "shard_actor", "submit_with_retry", "FencedOut", "RayShards"]
+__all__ = ["ShardOwner", "ShardActor", "shard_actor", "call_until_answered", "FencedOut", "RayShards"]
 
 
 class ShardOwner:
@@ -199,7 +199,7 @@ class _ShardActor(ShardOwner):
 
 
 # Restarted by Ray after a crash (forever); a call in flight when it died is not retried by Ray
-# (max_task_retries=0): the driver resends it (submit_with_retry), and the restored owner recognizes
+# (max_task_retries=0): the driver resends it (call_until_answered), and the restored owner recognizes
 # a batch it already committed.
 ShardActor = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.5)(_ShardActor)
 
@@ -236,11 +236,6 @@ def call_until_answered(call, *, timeout: float = 120.0, call_timeout: float | N
             time.sleep(backoff)
             backoff = min(2 * backoff, 2.0)
 
-
-def submit_with_retry(actor, client_id: str, writer_id: str, sequence: int, arrays: Sequence[np.ndarray],
-                      **retry) -> int:
-    """``actor.submit`` until it is acknowledged (:func:`call_until_answered`): the client's durable sequence."""
-    return call_until_answered(lambda: actor.submit.remote(client_id, writer_id, sequence, arrays), **retry)
 
 
 # The server's side: clipd serve --ray ADDRESS ---------------------------------------------------
