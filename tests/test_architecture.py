@@ -1,0 +1,59 @@
+"""docs/ARCHITECTURE.md matches the code: every thread and lock it names exists, and it names every one there is.
+
+The code's threads are the names given to ``threading.Thread`` and the ``thread_name_prefix`` of thread pools
+(an f-string's literal prefix: ``clipd-device-worker-{id}`` is ``clipd-device-worker-``); its locks are the
+attributes and globals made with ``threading.Lock``, ``RLock``, ``Condition`` or ``Semaphore``. The page
+lists them in two tables (``## Threads``, ``## Locks``) whose rows start with the name and the file, both
+in backticks.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "ARCHITECTURE.md"
+
+THREAD = re.compile(r"""(?:name|thread_name_prefix)=f?["'](clipd-[A-Za-z0-9_-]*)""")
+LOCK = re.compile(r"""(?:self\.)?(\w+)(?:\s*:[^=\n]+)?\s*=\s*(?:[\w.]*defaultdict\()?threading\.(?:Lock|RLock|Condition|"""
+                  r"""Semaphore)\b""")
+
+
+def _in_code() -> tuple[set, set]:
+    threads, locks = set(), set()
+    for path in sorted((ROOT / "clipd").rglob("*.py")):
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        threads |= {(name, where) for name in THREAD.findall(text)}
+        locks |= {(name, where) for name in LOCK.findall(text)}
+    return threads, locks
+
+
+def _in_page(section: str) -> set:
+    text = PAGE.read_text()
+    match = re.search(rf"^## {section}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"docs/ARCHITECTURE.md has no '## {section}' section"
+    rows = re.findall(r"^\|\s*`([^`]+)`\s*\|\s*`([^`]+)`", match.group(1), re.M)
+    assert rows, f"docs/ARCHITECTURE.md: no rows in '## {section}'"
+    return set(rows)
+
+
+def test_the_code_has_threads_and_locks_to_compare():
+    threads, locks = _in_code()
+    assert ("clipd-submit-reader", "clipd/server/rpc/service.py") in threads  # the patterns still find them
+    assert ("cond", "clipd/server/aggregations.py") in locks
+
+
+def test_every_thread_on_the_page_exists_and_every_thread_is_on_the_page():
+    threads, _ = _in_code()
+    page = _in_page("Threads")
+    assert page - threads == set(), "named in docs/ARCHITECTURE.md, not in the code"
+    assert threads - page == set(), "in the code, not in docs/ARCHITECTURE.md"
+
+
+def test_every_lock_on_the_page_exists_and_every_lock_is_on_the_page():
+    _, locks = _in_code()
+    page = _in_page("Locks")
+    assert page - locks == set(), "named in docs/ARCHITECTURE.md, not in the code"
+    assert locks - page == set(), "in the code, not in docs/ARCHITECTURE.md"
