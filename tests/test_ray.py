@@ -26,7 +26,7 @@ import ray.cluster_utils  # noqa: E402
 
 from clipd.engine import LayerSpec, PartialState  # noqa: E402
 from clipd.engine._policy import ClipPolicy  # noqa: E402
-from clipd.server.rpc.codec import spec_to_json  # noqa: E402
+from clipd.server.aggregations import spec_to_json  # noqa: E402
 from clipd.server.stores.postgres import PostgresStore  # noqa: E402
 from clipd.server.shards.ray_actors import FencedOut, ShardOwner, call_until_answered, shard_actor  # noqa: E402
 from clipd.server.stores.base import AggregationRecord, MemoryStore  # noqa: E402

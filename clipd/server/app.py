@@ -14,12 +14,11 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from clipd.server.aggregations import Aggregation, Registry
+from clipd.server.aggregations import Aggregation, Registry, spec_from_json, spec_shards
 from clipd.server.credentials import SubmitTokens
 from clipd.server.lifecycle import fail
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers, Release
-from clipd.server.rpc import codec
 from clipd.server.rpc.limits import trim_heap
 from clipd.server.rpc.reflection import enable_reflection
 from clipd.server.rpc.server import (
@@ -190,8 +189,8 @@ def recover(store: Store, registry: Registry, devices: Devices, settings: Settin
     result (or their private release) again; failed ones keep their reason.
     """
     for record in store.records():
-        layers, policy, reject, privacy = codec.spec_from_json(record.spec)
-        shards = codec.spec_shards(record.spec)
+        layers, policy, reject, privacy = spec_from_json(record.spec)
+        shards = spec_shards(record.spec)
         finalized = record.state == FINALIZED
         release, epochs = None, None
         if privacy is not None and finalized:

@@ -58,7 +58,7 @@ import grpc
 import numpy as np
 
 from clipd.engine import PartialState
-from clipd.server.aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of
+from clipd.server.aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of, spec_from_json, spec_shards
 from clipd.server.credentials import bearer_token
 from clipd.server.errors import (
     ClipdError,
@@ -68,7 +68,7 @@ from clipd.server.errors import (
     Unavailable,
 )
 from clipd.server.lifecycle import fail
-from clipd.server.rpc import codec, wire
+from clipd.server.rpc import wire
 from clipd.server.rpc.service import stream_owner
 from clipd.server.settings import Settings
 from clipd.server.shards.ingest import _pass, _pass_unary, passing_through
@@ -260,8 +260,8 @@ class ShardProcess:
             raise FailedPrecondition(f"aggregation {aggregation_id} is finalized: it takes no more batches")
         if record.state == FAILED:
             raise FailedPrecondition(f"aggregation {aggregation_id} failed: {record.reason}")
-        layers, policy, reject, privacy = codec.spec_from_json(record.spec)
-        shards = codec.spec_shards(record.spec)
+        layers, policy, reject, privacy = spec_from_json(record.spec)
+        shards = spec_shards(record.spec)
         mine = self.devices.owned(shards)
         # Claim before reading: no earlier owner of these shards can commit after the checkpoints read here.
         epochs = {k: self.store.claim_shard(aggregation_id, k) for k in mine}
@@ -291,7 +291,7 @@ class ShardProcess:
         record = self.store.get(message.aggregation_id)
         if record is None:
             return self.index
-        return owner_of(shard_of(message.client_id, codec.spec_shards(record.spec)), self.count)
+        return owner_of(shard_of(message.client_id, spec_shards(record.spec)), self.count)
 
     def _submit(self, raw_requests, context):
         token = bearer_token(context.invocation_metadata())
@@ -420,7 +420,7 @@ class ShardProcess:
                 raise NotFound(f"no aggregation {message.aggregation_id!r}")
         except ClipdError as e:
             self.servicer.refuse(context, e, "GetPlacement")
-        shards = codec.spec_shards(record.spec)
+        shards = spec_shards(record.spec)
         placement = clipd_pb2.Placement(aggregation_id=record.aggregation_id, shards=shards,
                                         endpoints=[endpoints[owner_of(k, self.count)] for k in range(shards)])
         return placement.SerializeToString()

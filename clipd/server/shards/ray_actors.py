@@ -79,7 +79,7 @@ import jax
 from clipd.engine import ClipAccumulator, PartialState
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition
 from clipd.server.lifecycle import fail
-from clipd.server.rpc.codec import spec_from_json, spec_shards
+from clipd.server.aggregations import spec_from_json, spec_shards
 from clipd.server.shards.process import ShardProcesses
 from clipd.server.stores.base import FencedOut, Store
 
@@ -362,7 +362,7 @@ class RayShards:
 
     def warm_up(self, aggregation) -> None:
         """Starts the aggregation's shard actors (each claims its shard and restores it), then opens it."""
-        from clipd.server.rpc.codec import spec_to_json
+        from clipd.server.aggregations import spec_to_json
 
         spec = spec_to_json(aggregation.layers, aggregation.policy, aggregation.reject_non_finite,
                             aggregation.privacy, aggregation.shards)
