@@ -1,9 +1,11 @@
 """The Store contract, run against every implementation, and the durability of SQLiteStore.
 
-:class:`StoreContract` holds what every store must do (``MemoryStore`` included);
-:class:`TestSQLiteStore` adds what only a durable store can: surviving a reopen,
-falling back past damaged checkpoint files, sweeping crash leftovers, and a
-writer process killed with SIGKILL at random moments.
+:class:`StoreContract` holds what every store must do (``MemoryStore``, SQLite
+and PostgreSQL); :class:`DurableStoreContract` what every durable one adds
+(SQLite here, PostgreSQL in ``test_postgres_store.py``): surviving a reopen,
+refusing a newer schema. :class:`TestSQLiteStore` adds what only SQLite's files
+can show: falling back past damaged checkpoint files, sweeping crash
+leftovers, and a writer process killed with SIGKILL at random moments.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import numpy as np
 import pytest
 
 from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState
+from clipd.server.stores import open_store
+from clipd.server.stores.base import (FAILED, FINALIZED, OPEN, AggregationRecord, FencedOut, LedgerConflict,
+                                      LedgerEntry, LedgerRecord, MemoryStore, Store)
 from clipd.server.stores.sqlite import SCHEMA_VERSION, SQLiteStore
-from clipd.server.stores.base import (FAILED, FINALIZED, OPEN, AggregationRecord, FencedOut, LedgerConflict, LedgerEntry,
-                                LedgerRecord, MemoryStore, Store)
+
 
 def state_at(n: int) -> PartialState:
     """A partial state determined by ``n`` alone, with values that survive no lossy round trip.
@@ -129,11 +133,12 @@ class StoreContract:
         assert store.load_checkpoint("a") == state_at(3)
         assert store.load_checkpoint("b") == state_at(10)
 
-    def test_save_with_finished_marks_finalized(self, store):
+    def test_the_final_checkpoint_stays_once_finalized(self, store):
         store.create(record("a"))
         store.save_checkpoint("a", state_at(1))
         assert store.get("a").state == OPEN
-        store.save_checkpoint("a", state_at(2), finished=99.5)
+        store.save_checkpoint("a", state_at(2))
+        store.set_state("a", FINALIZED, finished=99.5)
         got = store.get("a")
         assert (got.state, got.finished) == (FINALIZED, 99.5)
         assert store.load_checkpoint("a") == state_at(2)
@@ -142,7 +147,7 @@ class StoreContract:
         with pytest.raises(KeyError):
             store.save_checkpoint("ghost", state_at(1))
         with pytest.raises(KeyError):
-            store.save_checkpoint("ghost", state_at(1), finished=1.0)
+            store.save_checkpoint("ghost", state_at(1), shard=2, epoch=1)
         assert store.get("ghost") is None
         assert store.load_checkpoint("ghost") is None
 
@@ -211,8 +216,8 @@ class StoreContract:
         assert second == first + 1
         with pytest.raises(FencedOut):
             store.save_checkpoint("a", state_at(99), shard=1, epoch=first)  # it was not: refused
-        with pytest.raises(FencedOut):
-            store.save_checkpoint("a", state_at(99), shard=1, epoch=first, finished=5.0)
+        with pytest.raises(FencedOut):  # again: still refused
+            store.save_checkpoint("a", state_at(99), shard=1, epoch=first)
         assert store.load_checkpoint("a", shard=1) == state_at(1)
         assert store.get("a").state == OPEN
         store.save_checkpoint("a", state_at(2), shard=1, epoch=second)
@@ -294,6 +299,66 @@ class TestMemoryStore(StoreContract):
         return MemoryStore()
 
 
+class DurableStoreContract(StoreContract):
+    """What every store that outlives its process must do; subclasses say where one lives."""
+
+    store_class: type[Store]
+
+    def new_location(self, tmp_path: pathlib.Path) -> str:
+        """The ``data_dir`` of a new, empty store (for :func:`open_store`)."""
+        raise NotImplementedError
+
+    def assert_two_generations_kept(self, store: Store, where: str) -> None:
+        """After :meth:`test_everything_survives_reopen`: "a" keeps generations 3 and 4, "b" its 1."""
+        raise NotImplementedError
+
+    def set_schema_version(self, where: str, version: int) -> None:
+        raise NotImplementedError
+
+    def make_store(self, tmp_path):
+        return open_store(self.new_location(tmp_path))
+
+    def test_everything_survives_reopen(self, tmp_path):
+        where = self.new_location(tmp_path)
+        store = open_store(where)
+        assert isinstance(store, self.store_class) and store.durable
+        store.create(AggregationRecord("a", '{"a": 1}', created=3.0))
+        store.create(AggregationRecord("b", '{"b": 2}', created=1.0))
+        store.create(AggregationRecord("c", '{"c": 3}', created=2.0))
+        for n in (1, 2, 3):
+            store.save_checkpoint("a", state_at(n))
+        store.save_checkpoint("b", state_at(7))
+        store.set_state("b", FINALIZED, finished=50.0)
+        store.set_state("c", FAILED, reason="out of memory", finished=60.0)
+        store.ensure_ledger(LedgerRecord("L", "{}", 1.0))
+        expected = store.records()
+        store.close()
+        store.close()  # a second close does nothing
+
+        store = open_store(where)
+        try:
+            assert store.records() == expected
+            assert [r.aggregation_id for r in expected] == ["b", "c", "a"]
+            assert store.get("b") == AggregationRecord("b", '{"b": 2}', FINALIZED, 1.0, 50.0, "")
+            assert store.get("c") == AggregationRecord("c", '{"c": 3}', FAILED, 2.0, 60.0, "out of memory")
+            assert store.load_checkpoint("a") == state_at(3)
+            assert store.load_checkpoint("b") == state_at(7)
+            assert store.load_checkpoint("c") is None
+            assert store.ledgers() == [LedgerRecord("L", "{}", 1.0)]
+            store.save_checkpoint("a", state_at(4))  # generations go on after a reopen
+            assert store.load_checkpoint("a") == state_at(4)
+            self.assert_two_generations_kept(store, where)
+        finally:
+            store.close()
+
+    def test_newer_schema_is_refused(self, tmp_path):
+        where = self.new_location(tmp_path)
+        open_store(where).close()
+        self.set_schema_version(where, 99)
+        with pytest.raises(RuntimeError, match="schema version 99"):
+            open_store(where)
+
+
 def _checkpoint_files(data_dir: pathlib.Path) -> dict[str, list[str]]:
     """``states/`` as {directory name: sorted file names}."""
     states = data_dir / "states"
@@ -312,9 +377,18 @@ def _only_dir_name(store: SQLiteStore, aggregation_id: str) -> str:
     return str(key)
 
 
-class TestSQLiteStore(StoreContract):
-    def make_store(self, tmp_path):
-        return SQLiteStore(str(tmp_path / "data"))
+class TestSQLiteStore(DurableStoreContract):
+    store_class = SQLiteStore
+
+    def new_location(self, tmp_path):
+        return str(tmp_path / "data")
+
+    def assert_two_generations_kept(self, store, where):
+        assert _checkpoint_files(pathlib.Path(where))[_only_dir_name(store, "a")] == ["3.state", "4.state"]
+
+    def set_schema_version(self, where, version):
+        with sqlite3.connect(os.path.join(where, "clipd.sqlite3")) as conn:
+            conn.execute(f"PRAGMA user_version = {version}")
 
     def test_a_release_survives_reopening_and_a_release_file_without_its_row_is_swept(self, tmp_path):
         data = tmp_path / "data"
@@ -348,34 +422,6 @@ class TestSQLiteStore(StoreContract):
         finally:
             store.close()
 
-    def test_everything_survives_reopen(self, tmp_path):
-        data = str(tmp_path / "data")
-        store = SQLiteStore(data)
-        store.create(AggregationRecord("a", '{"a": 1}', created=3.0))
-        store.create(AggregationRecord("b", '{"b": 2}', created=1.0))
-        store.create(AggregationRecord("c", '{"c": 3}', created=2.0))
-        store.save_checkpoint("a", state_at(1))
-        store.save_checkpoint("a", state_at(2))
-        store.save_checkpoint("b", state_at(7), finished=50.0)
-        store.set_state("c", FAILED, reason="out of memory", finished=60.0)
-        expected = store.records()
-        store.close()
-
-        store = SQLiteStore(data)
-        try:
-            assert store.records() == expected
-            assert [r.aggregation_id for r in expected] == ["b", "c", "a"]
-            assert store.get("b") == AggregationRecord("b", '{"b": 2}', FINALIZED, 1.0, 50.0, "")
-            assert store.get("c") == AggregationRecord("c", '{"c": 3}', FAILED, 2.0, 60.0, "out of memory")
-            assert store.load_checkpoint("a") == state_at(2)
-            assert store.load_checkpoint("b") == state_at(7)
-            assert store.load_checkpoint("c") is None
-            store.save_checkpoint("a", state_at(3))  # generations go on after a reopen
-            assert store.load_checkpoint("a") == state_at(3)
-            assert _checkpoint_files(pathlib.Path(data))[_only_dir_name(store, "a")] == ["2.state", "3.state"]
-        finally:
-            store.close()
-
     def test_a_version_2_store_opens_with_its_checkpoints_as_shard_0(self, tmp_path):
         """Upgrade in place: a store written before shards keeps its checkpoints (they become shard 0)."""
         from clipd.server.stores import sqlite as sqlite_store
@@ -400,14 +446,6 @@ class TestSQLiteStore(StoreContract):
             store.close()
         with sqlite3.connect(data / "clipd.sqlite3") as conn:
             assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
-
-    def test_newer_schema_is_refused(self, tmp_path):
-        data = tmp_path / "data"
-        SQLiteStore(str(data)).close()
-        with sqlite3.connect(data / "clipd.sqlite3") as conn:
-            conn.execute("PRAGMA user_version = 99")
-        with pytest.raises(RuntimeError, match="schema version 99"):
-            SQLiteStore(str(data))
 
     def test_only_two_generations_are_kept(self, tmp_path):
         data = tmp_path / "data"

@@ -32,7 +32,8 @@ from clipd.server.rpc.service import ClipdServicer
 from clipd.server.settings import Settings
 from clipd.server.shards.ingest import reserve_port
 from clipd.server.shards.local import Devices
-from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store, open_store
+from clipd.server.stores import open_store
+from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
 
 log = logging.getLogger(__name__)
 class ClipdServer:

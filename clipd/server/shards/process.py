@@ -179,7 +179,7 @@ class ShardProcess:
         from clipd.server.rpc.server import OTHER_STREAMS, Guard, server_options
         from clipd.server.rpc.service import ClipdServicer, Malformed, lenient
         from clipd.server.shards.local import Devices
-        from clipd.server.stores.base import open_store
+        from clipd.server.stores import open_store
         from clipd.server.tls import grpc_server_credentials
 
         self.settings, self.index, self.count = settings, index, settings.processes

@@ -6,23 +6,24 @@ live inside the checkpointed blob, never beside it, so a store that falls back
 to an older checkpoint (the newest is corrupt) can never pair old sums with
 newer sequence numbers.
 
-Implementations:
-- :class:`MemoryStore`: in this process only (``data_dir = "memory"``): nothing
-  survives a restart. For benchmarks and for callers that do not want disk.
-- :class:`clipd.server.stores.sqlite.SQLiteStore`: one machine, crash-safe.
+This module owns the contract (:class:`Store`, its records and errors) and
+:class:`MemoryStore`: in this process only (``data_dir = "memory"``): nothing
+survives a restart; for benchmarks and for callers that do not want disk. The
+durable stores are SQL (:mod:`.sql`): :class:`~clipd.server.stores.sqlite.SQLiteStore`
+(one machine, crash-safe) and :class:`~clipd.server.stores.postgres.PostgresStore`
+(shared by processes and hosts); :func:`clipd.server.stores.open_store` picks one.
 
-Every implementation passes the abstract tests in ``tests/test_store.py``.
+Every implementation passes the same contract tests (``StoreContract`` in ``tests/test_store.py``).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import logging
 import secrets
 import threading
 
-from clipd.engine import CorruptStateError, PartialState
+from clipd.engine import PartialState
 
 OPEN, FINALIZED, FAILED = "open", "finalized", "failed"
 CLOSING = "closing"  # shard processes: no more batches; their final checkpoints are being committed
@@ -34,7 +35,7 @@ class AggregationRecord:
     """What the store knows of one aggregation besides its checkpoints."""
 
     aggregation_id: str
-    spec: str  # JSON: layers and policy (see aggregations.spec_to_json); opaque to the store
+    spec: str  # JSON: layers and policy (see codec.spec_to_json); opaque to the store
     state: str = OPEN  # one of STATES
     created: float = 0.0  # unix seconds
     finished: float | None = None  # unix seconds it was finalized or failed
@@ -99,7 +100,8 @@ class Store(abc.ABC):
         """Every aggregation, oldest first."""
 
     @abc.abstractmethod
-    def get(self, aggregation_id: str) -> AggregationRecord | None: ...
+    def get(self, aggregation_id: str) -> AggregationRecord | None:
+        """One aggregation's record, or None (shard processes read it to open what they are routed)."""
 
     @abc.abstractmethod
     def set_state(self, aggregation_id: str, state: str, *, reason: str = "",
@@ -108,15 +110,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def save_checkpoint(self, aggregation_id: str, partial: PartialState, *, shard: int = 0,
-                        epoch: int | None = None, finished: float | None = None) -> None:
+                        epoch: int | None = None) -> None:
         """Commits ``partial`` as the newest checkpoint of one shard of the aggregation.
 
         Each shard (``0 <= shard``) has checkpoints of its own. ``epoch``: the
         epoch the writer claimed with :meth:`claim_shard`; ``FencedOut`` (and
         nothing written) if the shard has been claimed since. None: no check
         (a single owner, such as the one process of an embedded store).
-        With ``finished``, the same commit also marks the aggregation FINALIZED
-        at that time: the final state and the state change are one transaction.
         ``KeyError`` if the aggregation does not exist.
         """
 
@@ -220,16 +220,15 @@ class MemoryStore(Store):
                                                                 finished=finished)
 
     def save_checkpoint(self, aggregation_id: str, partial: PartialState, *, shard: int = 0,
-                        epoch: int | None = None, finished: float | None = None) -> None:
+                        epoch: int | None = None) -> None:
         with self._lock:
-            record = self._records[aggregation_id]
+            if aggregation_id not in self._records:
+                raise KeyError(aggregation_id)
             current = self._epochs.get((aggregation_id, shard), 0)
             if epoch is not None and epoch != current:
                 raise FencedOut(f"aggregation {aggregation_id!r} shard {shard}: epoch {epoch} was"
                                 f" replaced by {current}")
             self._checkpoints[(aggregation_id, shard)] = partial
-            if finished is not None:
-                self._records[aggregation_id] = dataclasses.replace(record, state=FINALIZED, finished=finished)
 
     def load_checkpoint(self, aggregation_id: str, *, shard: int = 0,
                         newest_only: bool = False) -> PartialState | None:
@@ -285,42 +284,3 @@ class MemoryStore(Store):
         with self._lock:
             return self._releases.get(aggregation_id)
 
-
-def newest_intact(aggregation_id: str, rows, read, newest_only: bool, log: logging.Logger,
-                  errors: tuple[type[Exception], ...] = (CorruptStateError,)) -> PartialState | None:
-    """The checkpoint of the first of ``rows`` that reads back intact: how every durable store loads one.
-
-    ``rows``: ``(generation, *where)``, newest first; ``read(*where)`` returns
-    the state or raises one of ``errors``. A damaged one is logged (on the
-    store's ``log``) and the next older one tried, unless ``newest_only``
-    (a final result must be the final state: then None).
-    """
-    for generation, *where in rows:
-        try:
-            return read(*where)
-        except errors as e:
-            if newest_only:
-                log.error("store: the newest checkpoint (%d) of aggregation %r is unusable (%s)",
-                          generation, aggregation_id, e)
-                return None
-            log.warning("store: checkpoint generation %d of aggregation %r is unusable (%s); "
-                        "trying an older one", generation, aggregation_id, e)
-    return None
-
-
-def open_store(data_dir: str, *, sibling: bool = False) -> Store:
-    """``"memory"``: a :class:`MemoryStore`; a ``postgresql://`` DSN: a PostgreSQL store; otherwise a SQLite store
-    in that directory (created if need be).
-
-    ``sibling``: opened by a shard process beside the clipd that holds the store (a SQLite directory is
-    then shared, not locked; see :class:`~clipd.server.stores.sqlite.SQLiteStore`).
-    """
-    if data_dir == "memory":
-        return MemoryStore()
-    if data_dir.startswith(("postgresql://", "postgres://")):  # a shared store (the [postgres] extra)
-        from clipd.server.stores.postgres import PostgresStore
-
-        return PostgresStore(data_dir)
-    from clipd.server.stores.sqlite import SQLiteStore
-
-    return SQLiteStore(data_dir, sibling=sibling)
