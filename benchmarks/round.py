@@ -143,7 +143,7 @@ def _run(kind, target: str, aggregation: str, groups: list[list[int]]) -> tuple[
 
 def _bare_request(seeds: list[int], per_message: int = 8) -> list[bytes]:
     """The serialized SubmitRequests of these updates (``per_message`` a message), as a client packs them."""
-    from clipd.client import wire
+    from clipd import wire
 
     messages = []
     for sequence, start in enumerate(range(0, len(seeds), per_message), 1):
@@ -188,7 +188,7 @@ def bare_sink(port: int, kind: str) -> None:
     """``python benchmarks/round.py --bare-sink PORT sync|aio``: one sink process."""
     import grpc
 
-    from clipd.server.rpc import wire
+    from clipd import wire
 
     options = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 16 << 20),
                ("grpc.max_concurrent_streams", 4096)]
@@ -221,7 +221,7 @@ def bare_sink(port: int, kind: str) -> None:
 
 def _ack(sequence: int) -> bytes:
     """A SubmitResponse with ``acknowledged_sequence`` (field 1) set, as clipd sends it."""
-    from clipd.client import wire
+    from clipd import wire
 
     return b"\x08" + wire.varint(sequence)
 

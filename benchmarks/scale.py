@@ -98,7 +98,7 @@ def _client(target: str, aggregation: str, seed: int, examples: int, start, done
 
 def _bare_messages(seed: int, examples: int, per_message: int = 2) -> list[bytes]:
     """The serialized SubmitRequests of ``examples`` examples, 2 (2 MiB) a message, as the client packs them."""
-    from clipd.client import wire
+    from clipd import wire
 
     updates, messages = _updates(seed, examples), []
     for sequence, start in enumerate(range(0, examples, per_message), 1):
@@ -126,7 +126,7 @@ def _bare_client(target: str, seed: int, examples: int, start, done) -> None:
 
 def bare_sink(port: int) -> None:
     """``python benchmarks/scale.py --bare-sink PORT``: one sink process (parses every message, keeps nothing)."""
-    from clipd.server.rpc import wire
+    from clipd import wire
 
     def submit(requests, context):
         for raw in requests:

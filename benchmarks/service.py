@@ -155,7 +155,8 @@ from concurrent import futures  # noqa: E402
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
-from clipd.client import Client, wire  # noqa: E402
+from clipd import wire  # noqa: E402
+from clipd.client import Client  # noqa: E402
 from clipd.client import _client as client_internals  # noqa: E402
 from clipd.client.updates import Layer, example_nbytes, iter_updates, rebatch  # noqa: E402
 from clipd.server.settings import Settings  # noqa: E402

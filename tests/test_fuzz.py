@@ -11,10 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clipd.server.rpc import wire
+from clipd import wire
 from clipd.v1 import clipd_pb2 as pb
 
-SUBMIT = "/clipd.v1.Clipd/Submit"
 LAYERS = {"w": (3, 4), "b": (5,)}
 
 
@@ -93,7 +92,7 @@ def test_a_fuzzed_submit_stream_never_disturbs_an_honest_client(server, client):
     thread = threading.Thread(target=submit_honestly)
     thread.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    submit = channel.stream_stream(SUBMIT, request_serializer=None, response_deserializer=None)
+    submit = channel.stream_stream(wire.SUBMIT_METHOD, request_serializer=None, response_deserializer=None)
     messages = _valid_messages(target, "fuzzer")
     seen = {}
     allowed = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,

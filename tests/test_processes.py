@@ -18,27 +18,35 @@ from __future__ import annotations
 
 import doctest
 import os
-import zlib
 import signal
 import subprocess
 import threading
 import time
+import zlib
 
 import grpc
 import numpy as np
 import pytest
+from conftest import TEST_SETTINGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_helpers import (
+    ServerProcess,
+    assert_exact_global_clip,
+    free_port,
+    get_json,
+    random_batch,
+    submitting,
+)
 
-from clipd.client import Client, _client, wire
+from clipd import wire
+from clipd.client import Client, _client
 from clipd.server import aggregations
-from clipd.server.rpc import limits
-from clipd.server.shards import process as shard_process
 from clipd.server.app import create_server
+from clipd.server.rpc import limits
 from clipd.server.settings import Settings
+from clipd.server.shards import process as shard_process
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
-from conftest import TEST_SETTINGS
-from service_helpers import ServerProcess, assert_exact_global_clip, free_port, get_json, random_batch, submitting
 
 LAYERS = {"w": (64, 16), "b": (16,)}
 CLIP = 1.0

@@ -1,13 +1,19 @@
-"""The hand-written Submit wire codec (client encoder, server parser) against the protobuf library."""
+"""The wire protocol of clipd.wire: the hand-written Submit codec (the client's encoder, the server's
+parser) against the protobuf library, and its tables against the .proto and the engine."""
 
 from __future__ import annotations
 
+import doctest
+
 import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clipd.client import wire as client_wire
-from clipd.server.rpc import wire as server_wire
+from clipd import wire
+from clipd.engine import BoundKind, NonFinite
+from clipd.engine import _privacy as dp
 from clipd.v1 import clipd_pb2 as pb
 
 chunks = st.lists(
@@ -39,8 +45,8 @@ def _as_tuple(m):
 @given(requests)
 def test_client_encoding_parses_with_protobuf(request):
     agg, client, seq, cs, writer = request
-    encoded = client_wire.submit_request(
-        agg, client, seq, [client_wire.tensor_chunk(l, d, s, o, np.frombuffer(b, np.uint8)) for l, d, s, o, b in cs],
+    encoded = wire.submit_request(
+        agg, client, seq, [wire.tensor_chunk(l, d, s, o, np.frombuffer(b, np.uint8)) for l, d, s, o, b in cs],
         writer,
     )
     assert _as_tuple(pb.SubmitRequest.FromString(encoded)) == _as_tuple(_protobuf(*request))
@@ -51,7 +57,7 @@ def test_client_encoding_parses_with_protobuf(request):
 @given(requests)
 def test_server_parses_what_protobuf_writes(request):
     data = _protobuf(*request).SerializeToString()
-    parsed = server_wire.parse_submit_request(data)
+    parsed = wire.parse_submit_request(data)
     assert _as_tuple(parsed) == _as_tuple(_protobuf(*request))
     for chunk in parsed.chunks:
         assert isinstance(chunk.data, memoryview)  # no copy of the payload
@@ -60,9 +66,18 @@ def test_server_parses_what_protobuf_writes(request):
 def test_unpacked_shape_and_unknown_fields_are_understood():
     chunk = bytes([0x08, 3, 0x18, 5, 0x18, 7, 0x2A, 2, 1, 2, 0xF8, 0x06, 1])  # unpacked shape, field 111
     message = bytes([0x22, len(chunk)]) + chunk + bytes([0x18, 9, 0x9D, 0x06, 0, 0, 0, 0])  # + fixed32 field 99
-    parsed = server_wire.parse_submit_request(message)
+    parsed = wire.parse_submit_request(message)
     reference = pb.SubmitRequest.FromString(message)
     assert _as_tuple(parsed) == _as_tuple(reference)
+
+
+def test_tags_beyond_32_bits_are_refused_as_protobuf_refuses_them():
+    for tag in (bytes([0x80, 0x80, 0x80, 0x80, 0x10]), bytes([0x98, 0x80, 0x80, 0x80, 0x80, 0x00])):  # field 2^29; 6 bytes
+        with pytest.raises(DecodeError):
+            pb.SubmitRequest.FromString(tag + b"\x01")
+        with pytest.raises(ValueError, match="field number|overlong"):
+            wire.parse_submit_request(tag + b"\x01")
+    assert wire.parse_submit_request(bytes([0x98, 0x80, 0x80, 0x80, 0x00, 0x01])).sequence == 1  # 5 bytes: a tag still
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -79,10 +94,56 @@ def test_corrupted_messages_raise_value_error_or_parse_like_protobuf(request, da
     except Exception:
         reference = None
     try:
-        parsed = server_wire.parse_submit_request(corrupted)
+        parsed = wire.parse_submit_request(corrupted)
     except ValueError:
         parsed = None
     if reference is not None and parsed is not None:
         assert _as_tuple(parsed) == _as_tuple(reference)
     # Where protobuf accepts a message that we refuse (or the reverse), only malformed UTF-8 or
     # wire-type mismatches may explain it; neither ever yields wrong data.
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 5), st.lists(st.integers(1, 6), max_size=3),
+                          st.sampled_from(["float32", "float16", "float64"])), min_size=1, max_size=4),
+       st.integers(1, 200))
+def test_a_batch_split_into_messages_is_read_back_whole(layers, max_bytes):
+    rows = layers[0][0]
+    rng = np.random.default_rng(len(layers) + max_bytes)
+    batch = [rng.standard_normal((rows, *shape)).astype(dtype) for _, shape, dtype in layers]
+    messages = wire.submit_batch("agg", "c", 7, batch, max_bytes, "w")
+    received = [bytearray() for _ in batch]
+    for message in messages:
+        parsed = wire.parse_submit_request(message)
+        assert (parsed.aggregation_id, parsed.client_id, parsed.sequence, parsed.writer_id) == ("agg", "c", 7, "w")
+        assert sum(len(c.data) for c in parsed.chunks) <= max_bytes
+        for chunk in parsed.chunks:
+            assert chunk.offset == len(received[chunk.layer])  # in order
+            assert wire.DTYPE_NAMES[chunk.dtype] == batch[chunk.layer].dtype.name
+            assert chunk.shape == batch[chunk.layer].shape
+            received[chunk.layer] += chunk.data
+    for array, data in zip(batch, received):
+        np.testing.assert_array_equal(wire.as_array(data, array.dtype.name, array.shape), array)
+
+
+def test_the_tables_cover_the_proto_enums_and_name_the_engine_enums():
+    assert set(wire.DTYPES.values()) == set(pb.DType.values()) - {pb.DTYPE_UNSPECIFIED}
+    assert set(wire.CLIP_KINDS.values()) == set(pb.ClipPolicy.Kind.values()) - {pb.ClipPolicy.KIND_UNSPECIFIED}
+    assert set(wire.NON_FINITE.values()) == set(pb.ClipPolicy.NonFinite.values()) - {pb.ClipPolicy.NON_FINITE_UNSPECIFIED}
+    assert set(wire.SAMPLING.values()) == set(pb.Sampling.Kind.values())
+    assert set(wire.NEIGHBOURING.values()) == set(pb.PrivacyPolicy.Neighbouring.values())
+    assert set(wire.ACCOUNTANTS.values()) == set(pb.PrivacyPolicy.Accountant.values())
+    # The server turns the wire's names into the engine's enums by value.
+    assert set(wire.CLIP_KINDS) == {k.value for k in BoundKind}
+    assert set(wire.NON_FINITE) == {k.value for k in NonFinite} | {"reject"}
+    assert set(wire.SAMPLING) == {k.value for k in dp.SamplingKind}
+    assert set(wire.NEIGHBOURING) == {k.value for k in dp.Neighbouring}
+    assert set(wire.ACCOUNTANTS) == {k.value for k in dp.Accountant}
+    assert wire.SUBMIT_METHOD == "/clipd.v1.Clipd/Submit"
+
+
+def test_the_retry_hint_and_the_examples_of_the_module():
+    assert wire.retry_after([("retry-after-ms", "250")]) == 0.25
+    assert wire.retry_after([("retry-after-ms", "soon")]) is None and wire.retry_after(None) is None
+    assert wire.retry_after(wire.retry_after_metadata(-1)) == 0.0
+    assert doctest.testmod(wire).failed == 0

@@ -10,37 +10,21 @@ import sys
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
+from clipd import wire
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
-from . import wire
-from .privacy import Privacy
 from .errors import ClipdError, FailedPreconditionError, UnavailableError, from_rpc_error
+from .privacy import Privacy
 from .updates import Layer, example_nbytes, iter_updates, rebatch
 
 MiB = 1 << 20
-FINALIZE_MIN_CHUNK = 64 * 1024  # the smallest Finalize chunk a server sends
-DTYPE_CODES = {"float32": pb.FLOAT32, "float16": pb.FLOAT16, "bfloat16": pb.BFLOAT16, "float64": pb.FLOAT64}
-DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
-POLICY_KINDS = {
-    "global": pb.ClipPolicy.GLOBAL,
-    "per_layer_uniform": pb.ClipPolicy.PER_LAYER_UNIFORM,
-    "per_layer_proportional": pb.ClipPolicy.PER_LAYER_PROPORTIONAL,
-    "per_layer_explicit": pb.ClipPolicy.PER_LAYER_EXPLICIT,
-}
-NON_FINITE = {
-    "zero_example": pb.ClipPolicy.ZERO_EXAMPLE,
-    "zero_entries": pb.ClipPolicy.ZERO_ENTRIES,
-    "propagate": pb.ClipPolicy.PROPAGATE,
-    "reject": pb.ClipPolicy.REJECT,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +138,7 @@ class Client:
         self._placements: dict[str, pb.Placement] = {}  # aggregation id -> where its shards are summed
         self._endpoints: dict[str, tuple[grpc.Channel, Any]] = {}  # "host:port" -> (channel, its Submit)
         self._routing_lock = threading.Lock()
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = ((wire.AUTHORIZATION_KEY, wire.BEARER + token),) if token else ()
         self.message_bytes = message_bytes
         self.window_bytes = window_bytes
         self.timeout = timeout
@@ -231,20 +215,10 @@ class Client:
             ``FailedPreconditionError`` if the ledger's budget can't afford it.
         """
         specs = _layer_specs(layers, dtype)
-        if policy not in POLICY_KINDS:
-            raise ValueError(f"policy must be one of {sorted(POLICY_KINDS)}, got {policy!r}")
-        if non_finite not in NON_FINITE:
-            raise ValueError(f"non_finite must be one of {sorted(NON_FINITE)}, got {non_finite!r}")
         request = pb.CreateAggregationRequest(
-            layers=[pb.LayerSpec(name=l.name, shape=l.shape, dtype=DTYPE_CODES[l.dtype]) for l in specs],
-            policy=pb.ClipPolicy(
-                kind=POLICY_KINDS[policy],
-                l2_norm_clip=l2_norm_clip,
-                layer_clips=list(layer_clips),
-                rescale_to_unit_norm=rescale_to_unit_norm,
-                non_finite=NON_FINITE[non_finite],
-            ),
-            aggregation_id=aggregation_id or uuid.uuid4().hex,
+            policy=wire.clip_policy(policy, non_finite, l2_norm_clip=l2_norm_clip, layer_clips=list(layer_clips),
+                                    rescale_to_unit_norm=rescale_to_unit_norm),
+            layers=wire.layer_specs(specs), aggregation_id=aggregation_id or uuid.uuid4().hex,
         )
         if privacy is not None:
             request.privacy.CopyFrom(privacy.to_proto() if isinstance(privacy, Privacy) else privacy)
@@ -273,7 +247,7 @@ class Client:
         if aggregation_id not in self._layers:
             aggregation = self.get_aggregation(aggregation_id)
             self._layers[aggregation_id] = [
-                Layer(l.name, tuple(l.shape), DTYPE_NAMES[l.dtype]) for l in aggregation.layers
+                Layer(l.name, tuple(l.shape), wire.DTYPE_NAMES[l.dtype]) for l in aggregation.layers
             ]
         return self._layers[aggregation_id]
 
@@ -324,7 +298,7 @@ class Client:
         if not firsts:
             firsts = [None]  # nothing to send: one stream says hello and reports where the client stands
         window = max(self.message_bytes, self.window_bytes // len(firsts))
-        spread_streams = [_BatchStream(aggregation_id, spread_id(client_id, k),
+        spread_streams = [_BatchStream(aggregation_id, wire.spread_id(client_id, k),
                                        itertools.chain([first] if first is not None else [], source),
                                        self.message_bytes, window) for k, first in enumerate(firsts)]
         return self._run_spread(_Spread(spread_streams), progress)
@@ -436,7 +410,7 @@ class Client:
         placement = self.placement(aggregation_id)
         if not placement.endpoints:
             return self._submit
-        endpoint = placement.endpoints[shard_of(client_id, placement.shards)]
+        endpoint = placement.endpoints[wire.shard_of(client_id, placement.shards)]
         with self._routing_lock:
             if endpoint not in self._endpoints:
                 channel = self._open_channel(endpoint)
@@ -455,24 +429,19 @@ class Client:
         return self._retrying(lambda: self._finalize_once(aggregation_id))
 
     def _finalize_once(self, aggregation_id: str) -> AggregateResult:
-        responses = self._stub.Finalize(
-            pb.FinalizeRequest(aggregation_id=aggregation_id, max_chunk_bytes=max(FINALIZE_MIN_CHUNK, self.message_bytes)),
-            timeout=self.timeout, metadata=self._metadata,
-        )
-        stats, buffers, shapes = None, {}, {}
+        chunk_bytes = max(wire.FINALIZE_MIN_CHUNK_BYTES, self.message_bytes)
+        responses = self._stub.Finalize(pb.FinalizeRequest(aggregation_id=aggregation_id, max_chunk_bytes=chunk_bytes),
+                                        timeout=self.timeout, metadata=self._metadata)
+        stats, buffers, layouts = None, {}, {}
         for response in responses:
             if response.HasField("stats"):
                 stats = response.stats
             if response.HasField("sum"):
                 chunk = response.sum
-                shapes[chunk.layer] = (tuple(chunk.shape), DTYPE_NAMES[chunk.dtype])
+                layouts[chunk.layer] = (wire.DTYPE_NAMES[chunk.dtype], tuple(chunk.shape))
                 buffers.setdefault(chunk.layer, bytearray()).extend(chunk.data)
-        names = [layer.name for layer in stats.layers]
-        sums = {}
-        for k, name in enumerate(names):
-            shape, dtype = shapes[k]
-            # A view of the received bytes (no copy), writable: a trainer may update it in place.
-            sums[name] = np.frombuffer(buffers[k], dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+        # Views of the received bytes (no copy), writable: a trainer may update them in place.
+        sums = {layer.name: wire.as_array(buffers[k], *layouts[k]) for k, layer in enumerate(stats.layers)}
         return AggregateResult(
             sums=sums,
             examples=stats.examples,
@@ -488,26 +457,9 @@ class Client:
 
 
 def _submit_call(channel: grpc.Channel):
-    """Submit on ``channel``, sending messages the client serialized itself (client/wire.py): one copy of the data."""
-    return channel.stream_stream("/clipd.v1.Clipd/Submit", request_serializer=None,
+    """Submit on ``channel``, sending messages the client serialized itself (clipd.wire): one copy of the data."""
+    return channel.stream_stream(wire.SUBMIT_METHOD, request_serializer=None,
                                  response_deserializer=pb.SubmitResponse.FromString)
-
-
-def spread_id(client_id: str, stream: int) -> str:
-    """The client id of a spread submission's stream ``stream``: the id itself, then ``id~1``, ``id~2``, ..."""
-    return f"{client_id}~{stream}" if stream else client_id
-
-
-def shard_of(client_id: str, shards: int) -> int:
-    """The shard that sums a client's batches (the server's rule, see ``Placement`` in the .proto).
-
-    >>> [shard_of(spread_id("alice", k), 4) for k in range(4)]  # crc32("alice") % 4 == 3
-    [3, 0, 1, 2]
-    """
-    base, mark, stream = client_id.rpartition("~")
-    if mark and stream.isdigit():
-        return (zlib.crc32(base.encode()) + int(stream)) % shards
-    return zlib.crc32(client_id.encode()) % shards
 
 
 class _SharedSource:
@@ -720,17 +672,5 @@ class _BatchStream:
                 return entry
 
     def _encode(self, sequence: int, batch: list[np.ndarray]) -> list[bytes]:
-        """The serialized messages of one batch: whole tensors if they fit in one message, else chunks."""
-        messages, chunks, size = [], [], 0
-        for k, array in enumerate(batch):
-            data = array.reshape(-1).view(np.uint8)  # works for bfloat16 too
-            code = DTYPE_CODES[array.dtype.name]
-            for offset in range(0, len(data), self.message_bytes):
-                piece = data[offset : offset + self.message_bytes]
-                if chunks and size + len(piece) > self.message_bytes:
-                    messages.append(wire.submit_request(self.aggregation_id, self.client_id, sequence, chunks, self.writer_id))
-                    chunks, size = [], 0
-                chunks.append(wire.tensor_chunk(k, code, array.shape, offset, piece))
-                size += len(piece)
-        messages.append(wire.submit_request(self.aggregation_id, self.client_id, sequence, chunks, self.writer_id))
-        return messages
+        return wire.submit_batch(self.aggregation_id, self.client_id, sequence, batch, self.message_bytes,
+                                 self.writer_id)

@@ -38,6 +38,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+
 from clipd.v1 import clipd_pb2 as pb
 
 from .privacy import Privacy

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from clipd import wire
+
 
 class ClipdError(Exception):
     """An RPC failed; ``code`` is its gRPC status, ``details`` the server's message."""
@@ -78,7 +80,6 @@ _BY_CODE = {
 # A dropped connection may also surface as these; the stream protocol makes resending safe.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
-RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal about the server's load
 
 
 def from_rpc_error(error: grpc.RpcError) -> ClipdError:
@@ -87,13 +88,6 @@ def from_rpc_error(error: grpc.RpcError) -> ClipdError:
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = _BY_CODE.get(code, ClipdError)
     err = cls(details, code)
-    err.retryable = code in _TRANSIENT
-    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                err.retry_after = max(0.0, int(value) / 1000)
-                err.retryable = True
-            except ValueError:
-                pass
+    err.retry_after = wire.retry_after(error.trailing_metadata() if hasattr(error, "trailing_metadata") else None)
+    err.retryable = code in _TRANSIENT or err.retry_after is not None
     return err

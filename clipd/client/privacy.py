@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from clipd import wire
 from clipd.v1 import clipd_pb2 as pb
-
-SAMPLING = {"none": pb.Sampling.NONE, "poisson": pb.Sampling.POISSON, "fixed_size": pb.Sampling.FIXED_SIZE}
-NEIGHBOURING = {"add_remove_one": pb.PrivacyPolicy.ADD_REMOVE_ONE, "replace_one": pb.PrivacyPolicy.REPLACE_ONE}
-ACCOUNTANTS = {"rdp": pb.PrivacyPolicy.RDP, "pld": pb.PrivacyPolicy.PLD}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,24 +68,5 @@ class Privacy:
     debug_raw_statistics: bool = False
 
     def to_proto(self) -> pb.PrivacyPolicy:
-        for value, names, what in ((self.sampling, SAMPLING, "sampling"), (self.neighbouring, NEIGHBOURING, "neighbouring"),
-                                   (self.accountant, ACCOUNTANTS, "accountant")):
-            if value not in names:
-                raise ValueError(f"{what} must be one of {sorted(names)}, got {value!r}")
-        message = pb.PrivacyPolicy(
-            ledger_id=self.ledger_id, delta=self.delta, target_epsilon=self.target_epsilon,
-            planned_releases=self.planned_releases, neighbouring=NEIGHBOURING[self.neighbouring],
-            sampling=pb.Sampling(kind=SAMPLING[self.sampling], rate=self.sampling_rate,
-                                 population=self.population, sample_size=self.sample_size),
-            accountant=ACCOUNTANTS[self.accountant], max_epsilon=self.max_epsilon,
-            public_denominator=self.public_denominator, release_mean=self.release_mean,
-            metrics_noise_multiplier=self.metrics_noise_multiplier,
-            debug_raw_statistics=self.debug_raw_statistics,
-        )
-        if self.noise_multiplier is not None:
-            message.noise_multiplier = self.noise_multiplier
-        if self.seed is not None:
-            message.seed = self.seed
-        if self.adaptive is not None:
-            message.adaptive.CopyFrom(self.adaptive.to_proto())
-        return message
+        """The message; ValueError naming a ``sampling``, ``neighbouring`` or ``accountant`` it has not."""
+        return wire.privacy_policy(**dataclasses.asdict(self))

@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from clipd import wire
+
 from .errors import InvalidUpdateError
 
 
@@ -264,19 +266,11 @@ def _check_rows(batch: Sequence[np.ndarray], layers: Sequence[Layer]) -> None:
 
 
 def _cast(arr: np.ndarray, layer: Layer) -> np.ndarray:
-    """``arr`` in the layer's dtype (native byte order, as the wire sends it), contiguous."""
-    dtype = _numpy_dtype(layer.dtype)
+    """``arr`` in the layer's dtype (little-endian, as the wire sends it), contiguous."""
+    dtype = wire.numpy_dtype(layer.dtype)
     if arr.dtype != dtype:
         arr = arr.astype(dtype)
     return np.ascontiguousarray(arr)
-
-
-def _numpy_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes  # only needed for bfloat16 layers
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def _quoted(names: Iterable[str]) -> str:
@@ -387,4 +381,4 @@ def _concat(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
 
 
 def example_nbytes(layers: Sequence[Layer]) -> int:
-    return sum(math.prod(layer.shape) * _numpy_dtype(layer.dtype).itemsize for layer in layers)
+    return sum(math.prod(layer.shape) * wire.numpy_dtype(layer.dtype).itemsize for layer in layers)

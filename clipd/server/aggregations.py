@@ -14,13 +14,13 @@ import json
 import threading
 import time
 import uuid
-import zlib
 
 import numpy as np
 
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine import _privacy as dp
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
+from clipd.wire import SPREAD_MARK, shard_of  # noqa: F401  (shard_of: where a client's batches go)
 
 
 class State(str, enum.Enum):
@@ -73,32 +73,10 @@ class Result:
     sums: tuple[np.ndarray, ...]
 
 
-SPREAD_MARK = "~"  # "alice~2": the third stream of client alice's submission spread over the shards
-
-
 def _client_of(client_id: str) -> str:
     """The client a stream's id speaks for: ``alice`` for ``alice``, ``alice~1``, ``alice~2``, ..."""
     return client_id.rpartition(SPREAD_MARK)[0] or client_id
 
-
-def shard_of(client_id: str, shards: int) -> int:
-    """The shard that sums a client's batches: a fixed function of the id, the same in every process.
-
-    A client whose submission is spread over the shards streams as ``id``,
-    ``id~1``, ``id~2``, ...: each its own client, with its own sequence numbers,
-    on the next shard along. So stream 0 of a spread submission is the plain id
-    (a client of one batch is placed as before), and ``shards`` streams of one
-    client reach every shard once.
-
-    >>> shard_of("alice", 1), shard_of("alice", 4), shard_of("bob", 4)  # crc32 of "alice" is 663,665,735
-    (0, 3, 0)
-    >>> [shard_of(f"alice~{k}" if k else "alice", 4) for k in range(4)]
-    [3, 0, 1, 2]
-    """
-    base, mark, stream = client_id.rpartition(SPREAD_MARK)
-    if mark and stream.isdigit():
-        return (zlib.crc32(base.encode()) + int(stream)) % shards
-    return zlib.crc32(client_id.encode()) % shards
 
 
 def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool,

@@ -23,6 +23,8 @@ import os
 import pathlib
 import secrets
 
+from clipd import wire
+
 KEY_FILE = "submit-token.key"
 TOKEN_PREFIX = "cst1_"
 
@@ -30,8 +32,8 @@ TOKEN_PREFIX = "cst1_"
 def bearer_token(metadata) -> str | None:
     """The token of an ``authorization: Bearer <token>`` entry of gRPC metadata or HTTP headers."""
     for key, value in metadata or ():
-        if key.lower() == "authorization" and value[:7].lower() == "bearer ":
-            return value[7:].strip()
+        if key.lower() == wire.AUTHORIZATION_KEY and value[:len(wire.BEARER)].lower() == wire.BEARER.lower():
+            return value[len(wire.BEARER):].strip()
     return None
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from clipd import wire
+
 
 class ClipdError(Exception):
     """A request the service refuses; ``code`` is the gRPC status it maps to.
@@ -19,12 +21,7 @@ class ClipdError(Exception):
         self.retry_after = retry_after
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        if self.retry_after is None:
-            return ()
-        return ((RETRY_AFTER_KEY, str(int(self.retry_after * 1000))),)
-
-
-RETRY_AFTER_KEY = "retry-after-ms"
+        return wire.retry_after_metadata(self.retry_after) if self.retry_after is not None else ()
 
 
 class InvalidArgument(ClipdError):

@@ -1,7 +1,7 @@
 """The RPC surface: what arrives over gRPC, checked and turned into calls on an aggregation.
 
 Owns the Clipd servicer (:mod:`.service`), the conversions between protobuf messages and the
-engine's types (:mod:`.codec`), Submit's zero-copy parser (:mod:`.wire`), the reassembly of a
+engine's types (:mod:`.codec`; the wire format itself is :mod:`clipd.wire`), the reassembly of a
 batch from its chunks (:mod:`.batches`), admission limits (:mod:`.limits`), the role guard and
 gRPC options (:mod:`.server`) and reflection (:mod:`.reflection`).
 

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from clipd import wire
 from clipd.engine import LayerSpec
 from clipd.server.errors import InvalidArgument, ResourceExhausted
 from clipd.server.rpc.codec import dtype_of
@@ -104,7 +105,7 @@ class BatchAssembler:
             raise InvalidArgument(f"{where}: shape {list(shape)}, expected [batch, {', '.join(map(str, spec.shape))}]")
         if p.rows is None:
             p.rows = shape[0]
-            p.expected = [p.rows * layer.size * np.dtype(layer.dtype).itemsize for layer in self.layers]
+            p.expected = [p.rows * layer.size * wire.numpy_dtype(layer.dtype).itemsize for layer in self.layers]
             if sum(p.expected) > self.max_batch_bytes:
                 raise ResourceExhausted(
                     f"batch {p.sequence}: {sum(p.expected)} bytes, the limit is {self.max_batch_bytes}; send smaller batches"
@@ -130,6 +131,6 @@ class BatchAssembler:
 
     def _as_array(self, k: int, p: _Partial) -> np.ndarray:
         spec = self.layers[k]
-        return np.frombuffer(p.buffers[k], dtype=np.dtype(spec.dtype)).reshape((p.rows, *spec.shape))
+        return wire.as_array(p.buffers[k], spec.dtype, (p.rows, *spec.shape))
 
 

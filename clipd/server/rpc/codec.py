@@ -1,42 +1,32 @@
-"""Every conversion between protobuf messages and the engine's types, in one module."""
+"""Every conversion between protobuf messages and the engine's types, in one module.
+
+The wire's own rules (dtype codes, the enums' names, chunking) are :mod:`clipd.wire`'s, shared
+with the client: the engine's enums take the wire's names as their values.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 
-import ml_dtypes
 import numpy as np
 
+from clipd import wire
 from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite
 from clipd.engine import _privacy as dp
 from clipd.server.aggregations import State, Stats
 from clipd.server.errors import InvalidArgument
 from clipd.v1 import clipd_pb2 as pb
 
-DTYPES: dict[int, np.dtype] = {
-    pb.FLOAT32: np.dtype("<f4"),
-    pb.FLOAT16: np.dtype("<f2"),
-    pb.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
-    pb.FLOAT64: np.dtype("<f8"),
-}
-DTYPE_CODES: dict[str, int] = {str(dt): code for code, dt in DTYPES.items()}
-
-KINDS = {
-    pb.ClipPolicy.GLOBAL: BoundKind.GLOBAL,
-    pb.ClipPolicy.PER_LAYER_UNIFORM: BoundKind.PER_LAYER_UNIFORM,
-    pb.ClipPolicy.PER_LAYER_PROPORTIONAL: BoundKind.PER_LAYER_PROPORTIONAL,
-    pb.ClipPolicy.PER_LAYER_EXPLICIT: BoundKind.PER_LAYER_EXPLICIT,
-}
-NON_FINITE = {
+KINDS = {code: BoundKind(name) for name, code in wire.CLIP_KINDS.items()}
+NON_FINITE = {  # REJECT never reaches the engine: its batches are rejected on arrival
     pb.ClipPolicy.NON_FINITE_UNSPECIFIED: NonFinite.ZERO_EXAMPLE,
-    pb.ClipPolicy.ZERO_EXAMPLE: NonFinite.ZERO_EXAMPLE,
-    pb.ClipPolicy.ZERO_ENTRIES: NonFinite.ZERO_ENTRIES,
-    pb.ClipPolicy.PROPAGATE: NonFinite.PROPAGATE,
-    pb.ClipPolicy.REJECT: NonFinite.ZERO_EXAMPLE,  # never reaches the engine: rejected on arrival
+    **{code: NonFinite("zero_example" if name == "reject" else name) for name, code in wire.NON_FINITE.items()},
 }
+SAMPLING = {code: dp.SamplingKind(name) for name, code in wire.SAMPLING.items()}
+NEIGHBOURING = {code: dp.Neighbouring(name) for name, code in wire.NEIGHBOURING.items()}
+ACCOUNTANTS = {code: dp.Accountant(name) for name, code in wire.ACCOUNTANTS.items()}
 STATES = {  # FINALIZING has no proto state: it still reports OPEN
     State.WARMING_UP: pb.Aggregation.WARMING_UP,
     State.OPEN: pb.Aggregation.OPEN,
@@ -50,9 +40,9 @@ ID_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
 def dtype_of(code: int, where: str) -> np.dtype:
-    if code not in DTYPES:
+    if code not in wire.DTYPE_NAMES:
         raise InvalidArgument(f"{where}: unsupported dtype {code} (use FLOAT32, FLOAT16, BFLOAT16 or FLOAT64)")
-    return DTYPES[code]
+    return wire.numpy_dtype(wire.DTYPE_NAMES[code])
 
 
 def layers_from_proto(layers) -> tuple[LayerSpec, ...]:
@@ -79,48 +69,6 @@ def _x64_enabled() -> bool:
     import jax
 
     return bool(jax.config.jax_enable_x64)
-
-
-def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool,
-                 privacy: dp.PrivacyPolicy | None = None, shards: int = 1) -> str:
-    """An aggregation's layers, policy (with the bound in use), privacy policy and shard count as JSON, for the store."""
-    spec = {
-        "shards": shards,
-        "layers": [[l.name, list(l.shape), l.dtype] for l in layers],
-        "policy": {"kind": policy.kind.value, "l2_norm_clip": policy.l2_norm_clip,
-                   "layer_clips": list(policy.layer_clips), "rescale_to_unit_norm": policy.rescale_to_unit_norm,
-                   "non_finite": policy.non_finite.value},
-        "reject_non_finite": reject_non_finite,
-    }
-    if privacy is not None:
-        spec["privacy"] = dataclasses.asdict(privacy)
-    return json.dumps(spec)
-
-
-def spec_from_json(text: str) -> tuple[tuple[LayerSpec, ...], ClipPolicy, bool, dp.PrivacyPolicy | None]:
-    """The inverse of :func:`spec_to_json`."""
-    spec = json.loads(text)
-    layers = tuple(LayerSpec(name, tuple(shape), dtype) for name, shape, dtype in spec["layers"])
-    privacy = None
-    if "privacy" in spec:
-        fields = dict(spec["privacy"])
-        fields["sampling"] = dp.Sampling(**fields["sampling"])
-        if fields["adaptive"] is not None:
-            fields["adaptive"] = dp.AdaptiveClipping(**fields["adaptive"])
-        privacy = dp.PrivacyPolicy(**fields)
-    return layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy
-
-
-def spec_shards(text: str) -> int:
-    """How many shards the aggregation of :func:`spec_to_json`'s text has (1 if it predates shards)."""
-    return int(json.loads(text).get("shards", 1))
-
-
-SAMPLING = {pb.Sampling.NONE: dp.SamplingKind.NONE, pb.Sampling.POISSON: dp.SamplingKind.POISSON,
-            pb.Sampling.FIXED_SIZE: dp.SamplingKind.FIXED_SIZE}
-NEIGHBOURING = {pb.PrivacyPolicy.ADD_REMOVE_ONE: dp.Neighbouring.ADD_REMOVE_ONE,
-                pb.PrivacyPolicy.REPLACE_ONE: dp.Neighbouring.REPLACE_ONE}
-ACCOUNTANTS = {pb.PrivacyPolicy.RDP: dp.Accountant.RDP, pb.PrivacyPolicy.PLD: dp.Accountant.PLD}
 
 
 def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
@@ -157,30 +105,19 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
 
 
 def privacy_to_proto(policy: dp.PrivacyPolicy) -> pb.PrivacyPolicy:
-    a = policy.adaptive
-    message = pb.PrivacyPolicy(
-        ledger_id=policy.ledger_id, delta=policy.delta, target_epsilon=policy.target_epsilon or 0.0,
-        planned_releases=policy.planned_releases,
-        neighbouring={v: k for k, v in NEIGHBOURING.items()}[policy.neighbouring],
-        sampling=pb.Sampling(kind={v: k for k, v in SAMPLING.items()}[policy.sampling.kind],
-                             rate=policy.sampling.rate, population=policy.sampling.population,
-                             sample_size=policy.sampling.sample_size),
-        accountant={v: k for k, v in ACCOUNTANTS.items()}[policy.accountant],
-        max_epsilon=0.0 if math.isinf(policy.max_epsilon) else policy.max_epsilon,
-        public_denominator=policy.public_denominator, release_mean=policy.release_mean,
-        metrics_noise_multiplier=policy.metrics_noise_multiplier,
-        debug_raw_statistics=policy.debug_raw_statistics,
-    )
-    if policy.noise_multiplier is not None:
-        message.noise_multiplier = policy.noise_multiplier
-    if policy.seed is not None:
-        message.seed = policy.seed
-    if a is not None:
-        message.adaptive.CopyFrom(pb.AdaptiveClipping(
-            target_unclipped_quantile=a.target_unclipped_quantile, learning_rate=a.learning_rate,
-            count_stddev=a.count_stddev, initial_bound=a.initial_bound, min_bound=a.min_bound,
-            max_bound=0.0 if math.isinf(a.max_bound) else a.max_bound, arithmetic_update=not a.geometric_update))
-    return message
+    fields = dataclasses.asdict(policy)  # named as the client's Privacy (the enums' values: the wire's names), but:
+    sampling, adaptive = fields.pop("sampling"), fields["adaptive"]
+    if adaptive is not None:
+        adaptive.update(max_bound=_inf_as_zero(adaptive["max_bound"]),
+                        arithmetic_update=not adaptive.pop("geometric_update"))
+    fields.update(sampling=sampling["kind"], sampling_rate=sampling["rate"], population=sampling["population"],
+                  sample_size=sampling["sample_size"], target_epsilon=policy.target_epsilon or 0.0,
+                  max_epsilon=_inf_as_zero(policy.max_epsilon))
+    return wire.privacy_policy(**fields)
+
+
+def _inf_as_zero(value: float) -> float:
+    return 0.0 if math.isinf(value) else value
 
 
 def _check_ledger_id(value: str) -> None:
@@ -191,7 +128,7 @@ def _check_ledger_id(value: str) -> None:
 def ledger_to_proto(ledger: dict) -> pb.Ledger:
     return pb.Ledger(
         ledger_id=ledger["ledger_id"], accountant=ledger["accountant"], neighbouring=ledger["neighbouring"],
-        delta=ledger["delta"], max_epsilon=0.0 if math.isinf(ledger["max_epsilon"]) else ledger["max_epsilon"],
+        delta=ledger["delta"], max_epsilon=_inf_as_zero(ledger["max_epsilon"]),
         epsilon=ledger["epsilon"], budget_left=ledger["budget_left"], next_bound=ledger["next_bound"],
         debug_raw_statistics=ledger["debug_raw_statistics"],
         entries=[pb.LedgerEntry(aggregation_id=e["aggregation_id"], dp_event_json=e["event"],
@@ -200,8 +137,7 @@ def ledger_to_proto(ledger: dict) -> pb.Ledger:
     )
 
 
-def layers_to_proto(layers) -> list[pb.LayerSpec]:
-    return [pb.LayerSpec(name=l.name, shape=l.shape, dtype=DTYPE_CODES[l.dtype]) for l in layers]
+layers_to_proto = wire.layer_specs
 
 
 def policy_from_proto(policy: pb.ClipPolicy, num_layers: int) -> tuple[ClipPolicy, bool]:
@@ -227,27 +163,17 @@ def policy_from_proto(policy: pb.ClipPolicy, num_layers: int) -> tuple[ClipPolic
 
 
 def policy_to_proto(policy: ClipPolicy, reject_non_finite: bool) -> pb.ClipPolicy:
-    kinds = {v: k for k, v in KINDS.items()}
-    non_finite = {NonFinite.ZERO_EXAMPLE: pb.ClipPolicy.ZERO_EXAMPLE, NonFinite.ZERO_ENTRIES: pb.ClipPolicy.ZERO_ENTRIES,
-                  NonFinite.PROPAGATE: pb.ClipPolicy.PROPAGATE}[policy.non_finite]
-    return pb.ClipPolicy(
-        kind=kinds[policy.kind],
-        l2_norm_clip=policy.l2_norm_clip,
-        layer_clips=policy.layer_clips,
-        rescale_to_unit_norm=policy.rescale_to_unit_norm,
-        non_finite=pb.ClipPolicy.REJECT if reject_non_finite else non_finite,
-    )
+    return wire.clip_policy(policy.kind.value, "reject" if reject_non_finite else policy.non_finite.value,
+                            l2_norm_clip=policy.l2_norm_clip, layer_clips=policy.layer_clips,
+                            rescale_to_unit_norm=policy.rescale_to_unit_norm)
 
 
 def tensor_chunks(layer: int, array: np.ndarray, max_bytes: int):
-    """Splits one little-endian tensor into TensorChunk messages of at most ``max_bytes`` of data."""
-    data = memoryview(np.ascontiguousarray(array)).cast("B")
-    code = DTYPE_CODES[str(array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype)]
-    step = max(1, max_bytes)
-    for offset in range(0, max(len(data), 1), step):
-        yield pb.TensorChunk(
-            layer=layer, dtype=code, shape=array.shape, offset=offset, data=bytes(data[offset : offset + step])
-        )
+    """One tensor (a sum) as TensorChunk messages of at most ``max_bytes`` of data each."""
+    data, code, step = wire.tensor_bytes(array), wire.dtype_code(array.dtype), max(1, max_bytes)
+    for offset in wire.chunk_offsets(len(data), step):
+        yield pb.TensorChunk(layer=layer, dtype=code, shape=array.shape, offset=offset,
+                             data=bytes(data[offset : offset + step]))
 
 
 def stats_to_proto(stats: Stats) -> pb.AggregationStats:

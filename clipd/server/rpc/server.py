@@ -10,9 +10,9 @@ import collections
 
 import grpc
 
+from clipd import wire
 from clipd.server.credentials import bearer_token, same
 from clipd.server.errors import ClipdError, PermissionDenied, Unauthenticated
-from clipd.server.rpc import wire
 from clipd.server.rpc.limits import StreamSlots
 from clipd.server.rpc.service import ClipdServicer, lenient
 from clipd.server.settings import Settings

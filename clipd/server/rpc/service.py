@@ -26,6 +26,7 @@ import time
 
 import grpc
 
+from clipd import wire
 from clipd.server.aggregations import Aggregation, Registry, State
 from clipd.server.credentials import SubmitTokens, bearer_token, same
 from clipd.server.errors import (
@@ -49,8 +50,8 @@ from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-MIN_CHUNK_BYTES = 64 * 1024  # Finalize: smaller chunks are refused (millions of messages for one sum)
-DEFAULT_CHUNK_BYTES = 1 << 20  # Finalize: fits the usual 4 MiB receive limit of gRPC clients
+MIN_CHUNK_BYTES = wire.FINALIZE_MIN_CHUNK_BYTES  # Finalize: smaller chunks are refused (millions of messages)
+DEFAULT_CHUNK_BYTES = wire.FINALIZE_DEFAULT_CHUNK_BYTES  # fits the usual 4 MiB receive limit of gRPC clients
 CHUNK_OVERHEAD = 1024  # bytes of a FinalizeResponse besides the tensor data
 
 

@@ -57,8 +57,17 @@ import time
 import grpc
 import numpy as np
 
+from clipd import wire
 from clipd.engine import PartialState
-from clipd.server.aggregations import TAKES_BATCHES, Aggregation, Registry, State, shard_of, spec_from_json, spec_shards
+from clipd.server.aggregations import (
+    TAKES_BATCHES,
+    Aggregation,
+    Registry,
+    State,
+    shard_of,
+    spec_from_json,
+    spec_shards,
+)
 from clipd.server.credentials import bearer_token
 from clipd.server.errors import (
     ClipdError,
@@ -68,7 +77,6 @@ from clipd.server.errors import (
     Unavailable,
 )
 from clipd.server.lifecycle import fail
-from clipd.server.rpc import wire
 from clipd.server.rpc.service import stream_owner
 from clipd.server.settings import Settings
 from clipd.server.shards.ingest import _pass, _pass_unary, passing_through

@@ -77,9 +77,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import jax
 
 from clipd.engine import ClipAccumulator, PartialState
+from clipd.server.aggregations import spec_from_json, spec_shards
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition
 from clipd.server.lifecycle import fail
-from clipd.server.aggregations import spec_from_json, spec_shards
 from clipd.server.shards.process import ShardProcesses
 from clipd.server.stores.base import FencedOut, Store
 

@@ -35,7 +35,7 @@ class AggregationRecord:
     """What the store knows of one aggregation besides its checkpoints."""
 
     aggregation_id: str
-    spec: str  # JSON: layers and policy (see codec.spec_to_json); opaque to the store
+    spec: str  # JSON: layers and policy (see aggregations.spec_to_json); opaque to the store
     state: str = OPEN  # one of STATES
     created: float = 0.0  # unix seconds
     finished: float | None = None  # unix seconds it was finalized or failed

@@ -1,0 +1,333 @@
+"""The clipd wire protocol: what client and server must both know beyond the messages of the .proto.
+
+Owns, once for both sides: the enums by name (their .proto names in lower case: the client's
+arguments, and the values of the engine's enums; ``float32`` ... are the DType codes' numpy names);
+the byte order of tensors (little-endian) and how they are cut into chunks; the Submit format, both
+halves (the client's encoder copies a batch's data once, the server's parser not at all); the
+metadata keys (retry-after, the bearer credential) and Submit's method path; which shard sums a
+client id. Imports numpy and ``clipd.v1`` only (``ml_dtypes`` when a bfloat16 is met), so the
+client keeps its small dependency set.
+
+The Submit encoding of a batch of two examples of one float32 layer of shape (3,):
+
+>>> [message] = submit_batch("agg", "alice", 1, [np.arange(6, dtype=np.float32).reshape(2, 3)], 1 << 20, "w")
+>>> print(message[:22].hex(" "), "...", message[-3:].hex(" "))
+0a 03 61 67 67 12 05 61 6c 69 63 65 18 01 22 20 10 01 1a 02 02 03 ... 2a 01 77
+
+that is: field 1 (aggregation_id; tag ``1 << 3 | 2``: length-delimited) of 3 bytes, "agg"; field 2
+(client_id) "alice"; field 3 (sequence) the varint 1; field 4 a TensorChunk of 32 bytes: dtype 1
+(FLOAT32), shape [2, 3] packed, the 24 data bytes (``2a 18 ...``; layer and offset 0 are left out,
+as proto3 leaves out defaults); field 5 (writer_id) "w". ``parse_submit_request`` reads it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from clipd.v1 import clipd_pb2 as pb
+
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal about the server's load
+AUTHORIZATION_KEY = "authorization"  # "Bearer <token>": the admin token or an aggregation's submit token
+BEARER = "Bearer "
+SUBMIT_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Clipd'].full_name}/Submit"
+FINALIZE_MIN_CHUNK_BYTES = 64 * 1024  # Finalize's max_chunk_bytes: the least a server accepts...
+FINALIZE_DEFAULT_CHUNK_BYTES = 1 << 20  # ...and what 0 means
+
+
+def retry_after_metadata(seconds: float) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a refusal that may be retried after ``seconds``."""
+    return ((RETRY_AFTER_KEY, str(int(seconds * 1000))),)
+
+
+def retry_after(metadata) -> float | None:
+    """The seconds a refusal's trailing metadata asks to wait before retrying; None without a (valid) hint."""
+    seconds = None
+    for key, value in metadata or ():
+        if key == RETRY_AFTER_KEY:
+            with contextlib.suppress(ValueError):
+                seconds = max(0.0, int(value) / 1000)
+    return seconds
+
+
+# Dtypes and enums -------------------------------------------------------------------------------
+def _by_name(enum) -> dict[str, int]:
+    """A proto enum's values by their names in lower case, ``*_UNSPECIFIED`` left out."""
+    return {name.lower(): value for name, value in enum.items() if not name.endswith("_UNSPECIFIED")}
+
+
+DTYPES = _by_name(pb.DType)  # float32, float16, bfloat16, float64: numpy's names
+DTYPE_NAMES = {code: name for name, code in DTYPES.items()}
+CLIP_KINDS = _by_name(pb.ClipPolicy.Kind)  # global, per_layer_uniform, ...
+NON_FINITE = _by_name(pb.ClipPolicy.NonFinite)  # zero_example, zero_entries, propagate, reject
+SAMPLING = _by_name(pb.Sampling.Kind)  # none, poisson, fixed_size
+NEIGHBOURING = _by_name(pb.PrivacyPolicy.Neighbouring)  # add_remove_one, replace_one
+ACCOUNTANTS = _by_name(pb.PrivacyPolicy.Accountant)  # rdp, pld
+
+
+def code_of(names: dict[str, int], name: str, what: str) -> int:
+    """``names[name]``, or a ValueError saying what ``what`` may be."""
+    if name not in names:
+        raise ValueError(f"{what} must be one of {sorted(names)}, got {name!r}")
+    return names[name]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of the wire's dtype ``name``, little-endian (bfloat16 imports ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes  # only needed for bfloat16 layers
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name).newbyteorder("<")
+
+
+def dtype_code(dtype) -> int:
+    """The ``DType`` of a numpy dtype (KeyError for one the wire has not)."""
+    return DTYPES[np.dtype(dtype).name]
+
+
+def layer_specs(layers) -> list[pb.LayerSpec]:
+    """LayerSpec messages of layers with a ``name``, a ``shape`` and a ``dtype`` name."""
+    return [pb.LayerSpec(name=l.name, shape=l.shape, dtype=DTYPES[l.dtype]) for l in layers]
+
+
+def clip_policy(kind: str, non_finite: str, **fields) -> pb.ClipPolicy:
+    """A ClipPolicy message, its enums by name (ValueError naming a wrong one); ``fields`` are its others."""
+    return pb.ClipPolicy(kind=code_of(CLIP_KINDS, kind, "policy"),
+                         non_finite=code_of(NON_FINITE, non_finite, "non_finite"), **fields)
+
+
+def privacy_policy(*, sampling: str = "none", sampling_rate: float = 0.0, population: int = 0, sample_size: int = 0,
+                   neighbouring: str = "add_remove_one", accountant: str = "rdp",
+                   noise_multiplier: float | None = None, seed: int | None = None, **fields) -> pb.PrivacyPolicy:
+    """A PrivacyPolicy message from the flat fields of ``clipd.client.Privacy``: enums by name (ValueError
+    naming a wrong one), ``noise_multiplier`` and ``seed`` None unset; ``fields`` are the message's others."""
+    message = pb.PrivacyPolicy(
+        sampling=pb.Sampling(kind=code_of(SAMPLING, sampling, "sampling"), rate=sampling_rate,
+                             population=population, sample_size=sample_size),
+        neighbouring=code_of(NEIGHBOURING, neighbouring, "neighbouring"),
+        accountant=code_of(ACCOUNTANTS, accountant, "accountant"), **fields,
+    )
+    if noise_multiplier is not None:
+        message.noise_multiplier = noise_multiplier
+    if seed is not None:
+        message.seed = seed
+    return message
+
+
+# Tensors and chunking ---------------------------------------------------------------------------
+def tensor_bytes(array: np.ndarray) -> np.ndarray:
+    """``array``'s wire bytes (little-endian, C order) as a flat uint8 array; no copy if it is so already."""
+    array = np.ascontiguousarray(array)
+    return array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
+
+
+def as_array(data, name: str, shape: Sequence[int]) -> np.ndarray:
+    """The tensor whose wire bytes are ``data``: a view of them, no copy (writable if they are)."""
+    return np.frombuffer(data, dtype=numpy_dtype(name)).reshape(tuple(shape))
+
+
+def chunk_offsets(nbytes: int, max_bytes: int) -> range:
+    """Where a tensor of ``nbytes`` is cut into chunks of at most ``max_bytes``: in order, one at least."""
+    return range(0, max(nbytes, 1), max(1, max_bytes))
+
+
+SPREAD_MARK = "~"  # "alice~2": the third stream of client alice's submission spread over the shards
+
+
+def spread_id(client_id: str, stream: int) -> str:
+    """The client id of a spread submission's stream ``stream``: the id itself, then ``id~1``, ``id~2``, ..."""
+    return f"{client_id}{SPREAD_MARK}{stream}" if stream else client_id
+
+
+def shard_of(client_id: str, shards: int) -> int:
+    """The shard that sums a client's batches (see ``Placement`` in the .proto): stream ``k`` of a
+    spread submission lands on the shard after stream ``k - 1``'s, so ``shards`` streams reach each once.
+
+    >>> shard_of("alice", 4), [shard_of(spread_id("alice", k), 4) for k in range(4)]  # crc32("alice") % 4 == 3
+    (3, [3, 0, 1, 2])
+    """
+    base, mark, stream = client_id.rpartition(SPREAD_MARK)
+    if mark and stream.isdigit():
+        return (zlib.crc32(base.encode()) + int(stream)) % shards
+    return zlib.crc32(client_id.encode()) % shards
+
+
+# The Submit format, both halves: the parser needs nothing of the server (plain Python over a memoryview).
+# Field numbers as the .proto declares them, in its order (a field added there fails here); wire types by type.
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_AGGREGATION_ID, _CLIENT_ID, _SEQUENCE, _CHUNKS, _WRITER_ID = (f.number for f in pb.SubmitRequest.DESCRIPTOR.fields)
+_LAYER, _DTYPE, _SHAPE, _OFFSET, _DATA = (f.number for f in pb.TensorChunk.DESCRIPTOR.fields)
+_SUBMIT_FIELDS = {_AGGREGATION_ID, _CLIENT_ID, _SEQUENCE, _CHUNKS, _WRITER_ID}
+_CHUNK_FIELDS = {_LAYER, _DTYPE, _SHAPE, _OFFSET, _DATA}
+
+
+def varint(value: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative integer.
+
+    >>> varint(300).hex()
+    'ac02'
+    """
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _size(part) -> int:
+    return part.nbytes if hasattr(part, "nbytes") else len(part)
+
+
+def _len_field(field: int, value) -> list:
+    """A length-delimited field as parts (``value`` not copied); nothing for an empty one, as proto3 writes."""
+    size = _size(value)
+    return [varint(field << 3 | _LEN), varint(size), value] if size else []
+
+
+def _uint_field(field: int, value: int) -> bytes:
+    return varint(field << 3 | _VARINT) + varint(value) if value else b""
+
+
+def tensor_chunk(layer: int, dtype: int, shape: Sequence[int], offset: int, data) -> list:
+    """The parts of one TensorChunk message (``data``: any bytes-like object, not copied here)."""
+    head = (_uint_field(_LAYER, layer) + _uint_field(_DTYPE, dtype)
+            + b"".join(_len_field(_SHAPE, b"".join(varint(d) for d in shape))) + _uint_field(_OFFSET, offset))
+    return [head, *_len_field(_DATA, data)]
+
+
+def submit_request(aggregation_id: str, client_id: str, sequence: int, chunks: Sequence[list],
+                   writer_id: str = "") -> bytes:
+    """One serialized SubmitRequest; ``chunks`` are ``tensor_chunk`` results. The data is copied once, here."""
+    parts: list = [*_len_field(_AGGREGATION_ID, aggregation_id.encode()),
+                   *_len_field(_CLIENT_ID, client_id.encode()), _uint_field(_SEQUENCE, sequence)]
+    for chunk in chunks:
+        parts += [varint(_CHUNKS << 3 | _LEN), varint(sum(_size(p) for p in chunk)), *chunk]
+    parts += _len_field(_WRITER_ID, writer_id.encode())
+    return b"".join(parts)
+
+
+def submit_batch(aggregation_id: str, client_id: str, sequence: int, batch: Sequence[np.ndarray],
+                 max_bytes: int, writer_id: str = "") -> list[bytes]:
+    """The serialized SubmitRequests of one batch (one array per layer, batch axis first): its
+    tensors packed whole while they fit in ``max_bytes`` of data a message, else cut into chunks."""
+    messages, chunks, size = [], [], 0
+    for k, array in enumerate(batch):
+        data, code = tensor_bytes(array), dtype_code(array.dtype)
+        for offset in chunk_offsets(len(data), max_bytes):
+            piece = data[offset : offset + max_bytes]
+            if chunks and size + len(piece) > max_bytes:
+                messages.append(submit_request(aggregation_id, client_id, sequence, chunks, writer_id))
+                chunks, size = [], 0
+            chunks.append(tensor_chunk(k, code, array.shape, offset, piece))
+            size += len(piece)
+    messages.append(submit_request(aggregation_id, client_id, sequence, chunks, writer_id))
+    return messages
+
+
+class Chunk(NamedTuple):
+    layer: int
+    dtype: int
+    shape: tuple[int, ...]
+    offset: int
+    data: memoryview
+
+
+class SubmitMessage(NamedTuple):
+    aggregation_id: str
+    client_id: str
+    sequence: int
+    chunks: list[Chunk]
+    writer_id: str = ""
+
+
+def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    for i in range(pos, min(end, pos + 10)):  # 10 bytes at most: 64 bits
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value & 0xFFFFFFFFFFFFFFFF, i + 1
+        shift += 7
+    raise ValueError("truncated or overlong varint")
+
+
+def _fields(buf: memoryview, pos: int, end: int):
+    """Yields ``(field, wire_type, value)``: an int (varint), a ``(start, stop)`` span, or None."""
+    while pos < end:
+        key, pos = _varint(buf, pos, min(end, pos + 5))  # a tag is a varint of 32 bits at most, as protobuf reads it
+        field, wire_type = key >> 3, key & 7
+        if field == 0 or key >> 32:
+            raise ValueError(f"field number {field}")
+        if wire_type == _VARINT:
+            value, pos = _varint(buf, pos, end)
+        elif wire_type == _LEN:
+            size, pos = _varint(buf, pos, end)
+            if pos + size > end:
+                raise ValueError("truncated length-delimited field")
+            value, pos = (pos, pos + size), pos + size
+        elif wire_type in (_I64, _I32):
+            pos += 8 if wire_type == _I64 else 4
+            if pos > end:
+                raise ValueError("truncated fixed-width field")
+            value = None
+        else:
+            raise ValueError(f"unsupported wire type {wire_type}")
+        yield field, wire_type, value
+
+
+def _chunk(buf: memoryview, start: int, end: int) -> Chunk:
+    layer = dtype = offset = 0
+    shape: list[int] = []
+    data = buf[start:start]
+    for field, wire_type, value in _fields(buf, start, end):
+        if field == _LAYER and wire_type == _VARINT:
+            layer = value & 0xFFFFFFFF
+        elif field == _DTYPE and wire_type == _VARINT:
+            dtype = value
+        elif field == _SHAPE and wire_type == _VARINT:
+            shape.append(value)
+        elif field == _SHAPE and wire_type == _LEN:  # packed
+            pos, stop = value
+            while pos < stop:
+                dim, pos = _varint(buf, pos, stop)
+                shape.append(dim)
+        elif field == _OFFSET and wire_type == _VARINT:
+            offset = value
+        elif field == _DATA and wire_type == _LEN:
+            data = buf[value[0] : value[1]]
+        elif field in _CHUNK_FIELDS:
+            raise ValueError(f"TensorChunk field {field} has wire type {wire_type}")
+    return Chunk(layer, dtype, tuple(d - (1 << 64) if d >= 1 << 63 else d for d in shape), offset, data)
+
+
+def parse_submit_request(message: bytes) -> SubmitMessage:
+    """The fields of a serialized SubmitRequest, tensor data as memoryviews of ``message``.
+
+    protobuf's parser copies every ``bytes`` field into a new object; for Submit's payload
+    (megabytes a message) that copy would cost more than the rest of the request path. Anything
+    that is not a well-formed SubmitRequest raises ValueError (as a protobuf parse error would);
+    unknown fields are skipped, as protobuf does.
+    """
+    buf = memoryview(message)
+    texts = {_AGGREGATION_ID: "", _CLIENT_ID: "", _WRITER_ID: ""}
+    sequence = 0
+    chunks = []
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field in texts and wire_type == _LEN:
+            texts[field] = str(buf[value[0] : value[1]], "utf-8")
+        elif field == _SEQUENCE and wire_type == _VARINT:
+            sequence = value
+        elif field == _CHUNKS and wire_type == _LEN:
+            chunks.append(_chunk(buf, *value))
+        elif field in _SUBMIT_FIELDS:
+            raise ValueError(f"SubmitRequest field {field} has wire type {wire_type}")
+    return SubmitMessage(texts[_AGGREGATION_ID], texts[_CLIENT_ID], sequence, chunks, texts[_WRITER_ID])
