@@ -405,22 +405,18 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
     assert_result_exact(result, clients)
 
 
-@pytest.mark.parametrize("hosts", [0, 2], ids=["shard-actors", "shard-hosts"])
-def test_ray_shards_keep_the_shards_contract(pg, ray_cluster, hosts):
-    """Ray shard actors (``--ray``) and Ray shard hosts (``--ray-shard-hosts 2``) keep the contract of every kind
-    of shards (tests/shards_contract.py), as the local devices and shard processes do."""
+def test_ray_shards_keep_the_shards_contract(pg, ray_cluster):
+    """Ray shard actors (``--ray``) keep the contract of every kind of shards (tests/shards_contract.py), as the
+    local devices and shard processes do. (Ray shard hosts are shard processes; the mutual-TLS test of this file runs them.)"""
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
     from conftest import TEST_SETTINGS
     from shards_contract import check_shards_contract
 
-    from service_helpers import free_port
-
-    kind = {"ray_shard_hosts": hosts, "ray_ingest_port": free_port()} if hosts else {"shards": 2}
     settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
-                           **kind})
+                           "shards": 2})
     server, port = create_server(settings)
     try:
-        check_shards_contract(server, f"127.0.0.1:{settings.ray_ingest_port if hosts else port}")
+        check_shards_contract(server, f"127.0.0.1:{port}")
     finally:
         server.stop(1.0)

@@ -35,8 +35,9 @@ def test_dockerfile_runs_the_same_serve_command_with_a_healthcheck():
     assert re.search(r'^CMD \["clipd", "serve"\]$', dockerfile, re.M)
     assert "HEALTHCHECK" in dockerfile and "/healthz" in dockerfile
     assert "EXPOSE 50051 8080" in dockerfile
-    for folder in ("clipd", "proto", "engine", "server", "client"):
-        assert f"COPY {folder} ./{folder}" in dockerfile
+    assert "COPY clipd ./clipd" in dockerfile  # the one package folder, laid out as installed
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert packages["include"] == ["clipd*"]  # nothing outside clipd/ is installed, so nothing else is copied
 
 
 def test_settings_from_environment():

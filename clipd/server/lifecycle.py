@@ -43,8 +43,8 @@ class Shards(Protocol):
 
     :class:`~clipd.server.shards.local.Devices` (this process's JAX devices),
     :class:`~clipd.server.shards.process.ShardProcesses` (``--processes N``) and
-    :class:`~clipd.server.shards.ray_actors.RayShards` (``--ray``). tests/test_shards_contract.py
-    runs the same contract against each.
+    :class:`~clipd.server.shards.ray_actors.RayShards` (``--ray``; ``RayShardHosts`` are shard
+    processes on Ray). tests/shards_contract.py is the contract each of them is run against.
     """
 
     def __len__(self) -> int:
