@@ -148,8 +148,7 @@ def _bare_request(seeds: list[int], per_message: int = 8) -> list[bytes]:
     messages = []
     for sequence, start in enumerate(range(0, len(seeds), per_message), 1):
         part = np.stack([_update(seed) for seed in seeds[start : start + per_message]])
-        chunk = wire.tensor_chunk(0, 1, part.shape, 0, part.reshape(-1).view(np.uint8))
-        messages.append(wire.submit_request("bare", f"bare-{seeds[start]}", sequence, [chunk], "x"))
+        messages += wire.submit_batch("bare", f"bare-{seeds[start]}", sequence, [part], 1 << 30, "x")
     return messages
 
 

@@ -102,11 +102,8 @@ def _bare_messages(seed: int, examples: int, per_message: int = 2) -> list[bytes
 
     updates, messages = _updates(seed, examples), []
     for sequence, start in enumerate(range(0, examples, per_message), 1):
-        chunks = []
-        for k, array in enumerate(updates.values()):
-            part = np.ascontiguousarray(array[start : start + per_message])
-            chunks.append(wire.tensor_chunk(k, 1, part.shape, 0, part.reshape(-1).view(np.uint8)))
-        messages.append(wire.submit_request("bare", f"bench-{seed}", sequence, chunks, "w"))
+        parts = [array[start : start + per_message] for array in updates.values()]
+        messages += wire.submit_batch("bare", f"bench-{seed}", sequence, parts, 1 << 30, "w")
     return messages
 
 

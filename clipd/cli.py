@@ -35,7 +35,7 @@ def _error(message: object, status: int) -> int:
 
 
 def _field_comments() -> dict[str, str]:
-    """Each Settings field's comment in server/settings.py: the one after it, else the comment lines above it."""
+    """Each Settings field's comment in clipd/server/settings.py: the one after it, else the comment lines above it."""
     import dataclasses
     import inspect
     import io

@@ -19,6 +19,7 @@ import numpy as np
 
 def run(client, layers: dict, updates: dict[str, np.ndarray], args) -> int:
     from clipd.client import FailedPreconditionError, Privacy
+    from clipd.client.dpsgd import poisson_sample
 
     ledger = f"demo-{uuid.uuid4().hex[:12]}"
     rate = args.sampling_rate
@@ -39,7 +40,7 @@ def run(client, layers: dict, updates: dict[str, np.ndarray], args) -> int:
         except FailedPreconditionError as e:
             print(f"privacy budget exhausted before round {round_}: {e.details}", file=sys.stderr)
             return 3
-        chosen = np.flatnonzero(rng.random(examples) < rate)
+        chosen = poisson_sample(examples, rate, rng)
         if chosen.size:
             client.submit(aggregation, {name: u[chosen] for name, u in updates.items()})
         release = client.finalize(aggregation).release

@@ -158,12 +158,18 @@ def shard_of(client_id: str, shards: int) -> int:
 
 
 # The Submit format, both halves: the parser needs nothing of the server (plain Python over a memoryview).
-# Field numbers as the .proto declares them, in its order (a field added there fails here); wire types by type.
+# Field numbers by name, from the generated code (the .proto's own); wire types by type. A field the parser
+# does not know is skipped, as protobuf does.
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-_AGGREGATION_ID, _CLIENT_ID, _SEQUENCE, _CHUNKS, _WRITER_ID = (f.number for f in pb.SubmitRequest.DESCRIPTOR.fields)
-_LAYER, _DTYPE, _SHAPE, _OFFSET, _DATA = (f.number for f in pb.TensorChunk.DESCRIPTOR.fields)
-_SUBMIT_FIELDS = {_AGGREGATION_ID, _CLIENT_ID, _SEQUENCE, _CHUNKS, _WRITER_ID}
-_CHUNK_FIELDS = {_LAYER, _DTYPE, _SHAPE, _OFFSET, _DATA}
+_AGGREGATION_ID, _CLIENT_ID, _SEQUENCE, _CHUNKS, _WRITER_ID = (
+    pb.SubmitRequest.AGGREGATION_ID_FIELD_NUMBER, pb.SubmitRequest.CLIENT_ID_FIELD_NUMBER,
+    pb.SubmitRequest.SEQUENCE_FIELD_NUMBER, pb.SubmitRequest.CHUNKS_FIELD_NUMBER,
+    pb.SubmitRequest.WRITER_ID_FIELD_NUMBER)
+_LAYER, _DTYPE, _SHAPE, _OFFSET, _DATA = (
+    pb.TensorChunk.LAYER_FIELD_NUMBER, pb.TensorChunk.DTYPE_FIELD_NUMBER, pb.TensorChunk.SHAPE_FIELD_NUMBER,
+    pb.TensorChunk.OFFSET_FIELD_NUMBER, pb.TensorChunk.DATA_FIELD_NUMBER)
+_SUBMIT_FIELDS = {f.number for f in pb.SubmitRequest.DESCRIPTOR.fields}
+_CHUNK_FIELDS = {f.number for f in pb.TensorChunk.DESCRIPTOR.fields}
 
 
 def varint(value: int) -> bytes:

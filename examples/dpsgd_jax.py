@@ -85,12 +85,14 @@ def main(argv: list[str] | None = None) -> dict:
             common.open_dpsgd(args, client, layers, n, admin) as dp:
         for epoch in range(1, args.epochs + 1):
             started, bar = time.perf_counter(), common.Progress(epoch, args.epochs, per_epoch, args.quiet)
+            refused = False
             for done in range(1, per_epoch + 1):
                 batch = poisson_sample(n, dp.sampling_rate, rng)
                 try:
                     step = dp.step(per_example_gradients(params, data.x_train[batch], data.y_train[batch]))
                 except FailedPreconditionError as e:  # --max-epsilon: the ledger refused this step
                     print(f"\nstopping: {e.details}", file=sys.stderr)
+                    refused = True
                     break
                 params, velocity = sgd_momentum(params, velocity, step.gradient, args.lr, args.momentum)
                 for phase, seconds in step.seconds.items():
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
                     break
             bar.close()
             history.append(common.end_epoch(args, dp, admin, epoch, accuracy(params, data.x_test, data.y_test), started))
-            if common.stop(args, dp) or done < per_epoch:
+            if refused or common.stop(args, dp) or done < per_epoch:  # refused: no epoch after it
                 break
     return common.finish(args, "jax", history, dp, phases)
 

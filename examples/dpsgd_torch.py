@@ -76,12 +76,14 @@ def main(argv: list[str] | None = None) -> dict:
             common.open_dpsgd(args, client, layers, n, admin) as dp:
         for epoch in range(1, args.epochs + 1):
             started, bar = time.perf_counter(), common.Progress(epoch, args.epochs, per_epoch, args.quiet)
+            refused = False
             for done in range(1, per_epoch + 1):
                 batch = torch.from_numpy(poisson_sample(n, dp.sampling_rate, rng))
                 try:
                     step = dp.step(per_example_gradients(model, x_train[batch], y_train[batch]))
                 except FailedPreconditionError as e:  # --max-epsilon: the ledger refused this step
                     print(f"\nstopping: {e.details}", file=sys.stderr)
+                    refused = True
                     break
                 for name, p in model.named_parameters():
                     p.grad = torch.from_numpy(step.gradient[name])  # the noised mean of clipped gradients
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                     break
             bar.close()
             history.append(common.end_epoch(args, dp, admin, epoch, accuracy(model, x_test, y_test), started))
-            if common.stop(args, dp) or done < per_epoch:
+            if refused or common.stop(args, dp) or done < per_epoch:  # refused: no epoch after it
                 break
     return common.finish(args, "torch", history, dp, phases)
 

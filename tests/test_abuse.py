@@ -280,13 +280,16 @@ def test_max_clients_counts_a_spread_submission_once_and_frees_a_client_that_lef
         aggregation.accept("dave", 1, "w4")
 
 
-def test_a_warm_up_that_takes_too_long_fails_its_aggregation_with_the_reason():
+def test_a_warm_up_that_takes_too_long_fails_its_aggregation_with_the_reason(monkeypatch):
+    monkeypatch.setattr("clipd.server.shards.worker._warm_programs", set())  # compiled by another test: not here
     server, port = create_server(Settings(**{**TEST_SETTINGS, "warmup_timeout": 0.001}))
     try:
         with Client(f"127.0.0.1:{port}", retry_timeout=1) as client:
             agg = client.create_aggregation({"w": (3, 5)})
             assert wait_for(lambda: client.get_aggregation(agg).state == pb.Aggregation.FAILED, 10)
             assert "warm-up (compilation) took longer than 0.001 s" in client.get_aggregation(agg).failure_reason
+            record = server.store.get(agg)  # the failure is the store's too (a restart keeps it)
+            assert record.state == "failed" and "warm-up" in record.reason
     finally:
         server.stop(grace=1.0)
 

@@ -15,7 +15,8 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "ARCHITECTURE.md"
 
-THREAD = re.compile(r"""(?:name|thread_name_prefix)=f?["'](clipd-[A-Za-z0-9_-]*)""")
+THREAD = re.compile(r"""(?:name|thread_name_prefix)\s*=\s*f?["'](clipd-[A-Za-z0-9_-]*)""")
+STARTS_THREADS = re.compile(r"\b(?:threading\.Thread|threading\.Timer|ThreadPoolExecutor)\(")
 LOCK = re.compile(r"""(?:self\.)?(\w+)(?:\s*:[^=\n]+)?\s*=\s*(?:[\w.]*defaultdict\()?threading\.(?:Lock|RLock|Condition|"""
                   r"""Semaphore)\b""")
 
@@ -43,6 +44,27 @@ def test_the_code_has_threads_and_locks_to_compare():
     threads, locks = _in_code()
     assert ("clipd-submit-reader", "clipd/server/rpc/service.py") in threads  # the patterns still find them
     assert ("cond", "clipd/server/aggregations.py") in locks
+
+
+def _call_text(text: str, start: int) -> str:
+    """The text of the call whose opening parenthesis ends at ``start``, and the line after it."""
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    return text[start:text.find("\n", text.find("\n", end) + 1)]
+
+
+def test_every_thread_the_code_starts_has_a_name():
+    """A thread without a name is one the page can't list: every Thread, Timer and pool is named (in the
+    call, or, for a Timer, on the line after it)."""
+    unnamed = []
+    for path in sorted((ROOT / "clipd").rglob("*.py")):
+        text = path.read_text()
+        for match in STARTS_THREADS.finditer(text):
+            if not THREAD.search(_call_text(text, match.end())):
+                unnamed.append(f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}")
+    assert unnamed == []
 
 
 def test_every_thread_on_the_page_exists_and_every_thread_is_on_the_page():

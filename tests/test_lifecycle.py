@@ -128,7 +128,6 @@ def test_a_stream_to_an_unknown_aggregation_fails_fast(client):
 def test_a_stream_is_woken_for_its_own_client_and_for_state_changes_only():
     """``Aggregation.listen``: a checkpoint covering alice wakes alice's streams, not bob's; a stream of alice
     ending wakes hers; closing the aggregation wakes everyone; after ``unlisten`` nothing does."""
-    import threading
 
     from clipd.engine import ClipPolicy, LayerSpec
     from clipd.server.aggregations import Aggregation
@@ -232,5 +231,29 @@ def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is
         started = time.monotonic()
         assert worker._more_for(aggregation, 0, 8, deadline=started + 0.3) is None
         assert time.monotonic() - started >= 0.29  # alice may still send: it waited to the deadline
+        threading.Timer(0.05, aggregation.detach, args=("alice", "w1")).start()
+        started = time.monotonic()
+        assert worker._more_for(aggregation, 0, 8, deadline=started + 0.5) is None
+        assert time.monotonic() - started < 0.25  # alice's stream ended during the wait: it stopped waiting
     finally:
         worker.stop(timeout=5)
+
+
+def test_fail_is_recorded_in_the_store_once_and_only_where_asked():
+    """``lifecycle.fail``: FAILED with the reason in memory and in the store; ``store=None`` leaves the store
+    as it is (another process records it); a finished aggregation does not fail again."""
+    from clipd.engine import ClipPolicy, LayerSpec
+    from clipd.server.aggregations import Aggregation, State
+    from clipd.server.lifecycle import fail
+    from clipd.server.stores.base import AggregationRecord, MemoryStore
+
+    store = MemoryStore()
+    for name in ("a", "b"):
+        store.create(AggregationRecord(name, "{}", created=1.0))
+    a, b = (Aggregation(n, (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20) for n in ("a", "b"))
+    assert fail(a, store, "disk full")
+    assert a.state is State.FAILED and a.failure_reason == "disk full"
+    assert (store.get("a").state, store.get("a").reason) == ("failed", "disk full")
+    assert not fail(a, store, "again") and store.get("a").reason == "disk full"
+    assert fail(b, None, "elsewhere") and b.state is State.FAILED
+    assert store.get("b").state == "open"

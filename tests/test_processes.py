@@ -39,7 +39,7 @@ from service_helpers import (
 )
 
 from clipd import wire
-from clipd.client import Client, _client
+from clipd.client import Client
 from clipd.server import aggregations
 from clipd.server.app import create_server
 from clipd.server.rpc import limits
@@ -191,15 +191,16 @@ def test_one_client_spreads_over_four_devices_and_steps_each(tmp_path):
 
 
 def test_the_doctests_of_the_data_plane_modules():
-    for module in (aggregations, limits, shard_process, _client):
-        assert doctest.testmod(module).failed == 0, module.__name__
+    for module in (limits, shard_process):  # (the placement rule's doctests are clipd.wire's: tests/test_wire.py)
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 def test_spread_ids_land_on_successive_shards():
     base = zlib.crc32(b"solo") % 4  # the rule from its definition, not from clipd
-    assert [aggregations.shard_of(i, 4) for i in ("solo", "solo~1", "solo~2", "solo~3")] == [
+    assert [wire.shard_of(i, 4) for i in ("solo", "solo~1", "solo~2", "solo~3")] == [
         base, (base + 1) % 4, (base + 2) % 4, (base + 3) % 4]
-    assert aggregations.shard_of("a~b", 4) == aggregations.shard_of("a~b", 4)  # not a stream number: a plain id
+    assert wire.shard_of("a~b", 4) == wire.shard_of("a~b", 4)  # not a stream number: a plain id
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Shard actors on a local two-node Ray cluster, checkpointing to a throwaway PostgreSQL (server/ray_shards.py).
+"""Shard actors on a local two-node Ray cluster, checkpointing to a throwaway PostgreSQL (clipd/server/shards/ray_actors.py).
 
 - ShardOwner alone (no Ray) on a PostgresStore: duplicates, gaps, restore, fencing.
 - A shard actor SIGKILLed mid-stream (after a commit, and with a call in flight) is restarted by

@@ -145,8 +145,6 @@ def test_the_example_learns_digits_through_clipd_at_the_epsilon_dp_accounting_gi
     summary = example(name).main(["--epochs", "3", "--quiet", "--seed-sampling", "--out", str(out)])
     assert summary["steps"] == 18  # 3 epochs of round(1,438 / 256) steps
     assert summary["accuracy"] > 0.6, summary["history"]  # chance is 0.1; about 0.88 at this point
-    accuracies = [h["accuracy"] for h in summary["history"]]
-    assert accuracies[-1] > accuracies[0] or accuracies[0] > 0.6
     q = summary["sampling_rate"]
     assert q == pytest.approx(256 / 1438)
     assert summary["epsilon"] == pytest.approx(rdp_epsilon(q, 2.0, 18, 1e-5), rel=1e-9)
@@ -193,6 +191,16 @@ def test_closing_cancels_the_aggregation_made_ahead(client):
     assert client.get_aggregation(again).planned_ledger_epsilon == pytest.approx(
         rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9)
     client.cancel(again)
+
+
+def test_pipelined_steps_leave_no_aggregation_behind(client):
+    """Each finished step's aggregation is cancelled in the background: after closing, none of them is left."""
+    with DpSgd(client, {"w": (2,)}, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.1, dataset_size=100,
+               delta=1e-5) as dp:
+        steps = [dp.step({"w": np.ones((3, 2), np.float32)}).aggregation_id for _ in range(3)]
+    assert len(set(steps)) == 3
+    assert not set(steps) & {a.aggregation_id for a in client.list_aggregations()}
+    assert len(client.ledger(dp.ledger_id).entries) == 3  # their releases stay on the ledger
 
 
 def test_a_failed_step_leaves_no_reservation_on_the_ledger(client):

@@ -147,3 +147,17 @@ def test_the_retry_hint_and_the_examples_of_the_module():
     assert wire.retry_after([("retry-after-ms", "soon")]) is None and wire.retry_after(None) is None
     assert wire.retry_after(wire.retry_after_metadata(-1)) == 0.0
     assert doctest.testmod(wire).failed == 0
+
+
+def test_a_big_endian_array_goes_on_the_wire_little_endian():
+    """The dtype codes mean little-endian: a ``>f4`` batch (and a ``>f8`` sum) is sent as the same values in
+    little-endian bytes, which protobuf's parser and numpy read back equal."""
+    from clipd.server.rpc import codec
+
+    values = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    (message,) = wire.submit_batch("agg", "alice", 1, [values.astype(">f4")], 1 << 20)
+    (chunk,) = pb.SubmitRequest.FromString(message).chunks
+    assert chunk.data == values.astype("<f4").tobytes()
+    sums = values.astype(">f8")
+    (sent,) = codec.tensor_chunks(0, sums, 1 << 20)
+    assert sent.data == values.astype("<f8").tobytes()

@@ -20,7 +20,7 @@ import numpy as np
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine import _privacy as dp
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
-from clipd.wire import SPREAD_MARK, shard_of  # noqa: F401  (shard_of: where a client's batches go)
+from clipd.wire import SPREAD_MARK, shard_of
 
 
 class State(str, enum.Enum):

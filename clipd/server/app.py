@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clipd.server.aggregations import Aggregation, Registry, spec_from_json, spec_shards
 from clipd.server.credentials import SubmitTokens
-from clipd.server.lifecycle import fail
+from clipd.server.lifecycle import Lifecycle, Shards, claims_shards, fail
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers, Release
 from clipd.server.rpc.limits import trim_heap
@@ -75,8 +75,8 @@ class ClipdServer:
         self.ledgers = Ledgers(self.store)
         recover(self.store, self.registry, self.devices, settings, self.ledgers)
         tokens = SubmitTokens(self.store.submit_token_key())
-        self.servicer = ClipdServicer(settings, self.registry, self.devices, self.store, tokens, self.ledgers)
-        self.lifecycle = self.servicer.lifecycle
+        self.lifecycle = Lifecycle(settings, self.registry, self.devices, self.store, self.ledgers)
+        self.servicer = ClipdServicer(settings, self.lifecycle, tokens)
         self.health = health.HealthServicer()
         self.guard = Guard(settings.admin_token, self.servicer)
         # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more
@@ -181,7 +181,7 @@ class ClipdServer:
             self.admin.stop()
 
 
-def recover(store: Store, registry: Registry, devices: Devices, settings: Settings, ledgers: Ledgers) -> None:
+def recover(store: Store, registry: Registry, shards: Shards, settings: Settings, ledgers: Ledgers) -> None:
     """Brings back every aggregation of the store as of its last checkpoint.
 
     Open ones warm up again and keep taking batches: their clients resume after
@@ -191,7 +191,7 @@ def recover(store: Store, registry: Registry, devices: Devices, settings: Settin
     """
     for record in store.records():
         layers, policy, reject, privacy = spec_from_json(record.spec)
-        shards = spec_shards(record.spec)
+        shard_count = spec_shards(record.spec)
         finalized = record.state == FINALIZED
         release, epochs = None, None
         if privacy is not None and finalized:
@@ -199,31 +199,30 @@ def recover(store: Store, registry: Registry, devices: Devices, settings: Settin
             release = Release.from_bytes(blob) if blob is not None else None
             totals = None
         else:
-            if store.shared and not (settings.ray_address or settings.processes) \
-                    and record.state not in (FINALIZED, FAILED):
+            if claims_shards(store, settings) and record.state not in (FINALIZED, FAILED):
                 # Claim before reading: no earlier owner can commit after the checkpoints read here.
-                epochs = [store.claim_shard(record.aggregation_id, k) for k in range(shards)]
+                epochs = [store.claim_shard(record.aggregation_id, k) for k in range(shard_count)]
             totals = [store.load_checkpoint(record.aggregation_id, shard=k, newest_only=finalized)
-                      for k in range(shards)]
+                      for k in range(shard_count)]
             if finalized and None in totals:
                 totals = None  # a final checkpoint is missing or damaged: no result
         plan = privacy.plan(policy.example_bound(layers), len(layers)) if privacy is not None else None
         aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
                                   settings.staging_bytes, recovered=totals, created=record.created,
-                                  max_clients=settings.max_clients, privacy=privacy, plan=plan, shards=shards)
+                                  max_clients=settings.max_clients, privacy=privacy, plan=plan, shards=shard_count)
         if epochs is not None:
             aggregation.epochs = epochs
         if finalized and (totals is not None or release is not None):
             aggregation.restore_result(record.finished, release)
         elif finalized:
             fail(aggregation, None, "the final checkpoint can't be read back")
-        elif record.state == FAILED:
-            fail(aggregation, None, record.reason)
+        elif record.state == FAILED:  # restored as it was: no new fault, no event
+            aggregation.fail(record.reason)
             aggregation.finished = record.finished
         else:
             if privacy is not None:
                 ledgers.reserve(aggregation, privacy, plan)
-            devices.warm_up(aggregation)
+            shards.warm_up(aggregation)
             if record.state == CLOSING:  # a finalize was under way: it takes no more batches
                 aggregation.close()
         registry.add(aggregation)

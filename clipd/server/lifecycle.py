@@ -4,7 +4,9 @@ The RPC surface (:mod:`clipd.server.rpc`) checks who asks and turns messages int
 below; the shards (:class:`Shards`, any kind) clip and sum; the store keeps what must outlive
 the process. Every state change of an aggregation is made here or in
 :class:`~clipd.server.aggregations.Aggregation` itself, and :func:`fail` is the one way an
-aggregation fails, whoever finds the fault (a device worker, a shard process, a Ray actor).
+aggregation fails, whoever finds the fault (a device worker, a shard process, a Ray actor), but
+one: a private release the ledger refuses at finalize is recorded FAILED by ``Ledgers.release``
+itself, in the same store transaction as the ledger's entry.
 
 ::
 
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 @runtime_checkable
 class Shards(Protocol):
-    """Where an aggregation's accepted batches are clipped and summed: one seam, three kinds.
+    """Where an aggregation's accepted batches are clipped and summed: one seam, four kinds.
 
     :class:`~clipd.server.shards.local.Devices` (this process's JAX devices),
     :class:`~clipd.server.shards.process.ShardProcesses` (``--processes N``) and
@@ -85,6 +87,12 @@ class Shards(Protocol):
         """Each device (or actor) at work: ``{"id", "kind", "platform", "steps", ...}``."""
 
     def stop(self, timeout: float | None = None) -> None: ...
+
+
+def claims_shards(store: Store, settings: Settings) -> bool:
+    """Whether this server claims its aggregations' shards itself: a shared store, and no shard processes or Ray
+    actors (they claim their own)."""
+    return store.shared and not (settings.ray_address or settings.processes)
 
 
 def fail(aggregation: Aggregation, store: Store | None, reason: str) -> bool:
@@ -180,7 +188,7 @@ class Lifecycle:
         so two servers never both acknowledge batches of one shard. Shard
         processes and Ray actors claim for themselves.
         """
-        if self.store.shared and not (self.settings.ray_address or self.settings.processes):
+        if claims_shards(self.store, self.settings):
             aggregation.epochs = [self.store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)]
 
     # submit -------------------------------------------------------------------------------------

@@ -109,7 +109,8 @@ class Ledgers:
     def events(self, ledger_id: str) -> list[str]:
         """The committed events of a ledger, as JSON: the ones read before and those committed since (by this
         process or another on a shared store): a trainer's ledger gains one per step, and is read at each
-        creation and release."""
+        creation and release. Call it under the ledger's lock (``_locked``): two callers at once could both
+        append the entries after the same ``start``."""
         known = self._events.setdefault(ledger_id, [])
         known.extend(e.event for e in self.store.ledger_entries(ledger_id, start=len(known)))
         return list(known)

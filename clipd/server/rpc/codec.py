@@ -137,7 +137,6 @@ def ledger_to_proto(ledger: dict) -> pb.Ledger:
     )
 
 
-layers_to_proto = wire.layer_specs
 
 
 def policy_from_proto(policy: pb.ClipPolicy, num_layers: int) -> tuple[ClipPolicy, bool]:

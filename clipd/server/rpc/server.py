@@ -85,13 +85,16 @@ class Guard(grpc.ServerInterceptor):
         return _with_behavior(handler, limited)
 
 
+HANDLER_KINDS = {  # (request streaming, response streaming) -> how gRPC makes such a handler
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def _with_behavior(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[handler.request_streaming, handler.response_streaming]
+    make = HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
     return make(behavior, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 
@@ -112,19 +115,13 @@ def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: Cl
 def clipd_handlers(servicer) -> list[grpc.GenericRpcHandler]:
     """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies)."""
     service = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
     handlers = {}
     for method in service.methods:
         parse = getattr(clipd_pb2, method.input_type.name).FromString
         if method.name == "Submit":
             parse = wire.parse_submit_request
         parse = lenient(parse)  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
-        handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
+        handlers[method.name] = HANDLER_KINDS[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
             request_deserializer=parse,
             response_serializer=getattr(clipd_pb2, method.output_type.name).SerializeToString,

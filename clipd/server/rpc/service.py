@@ -1,11 +1,10 @@
 """The gRPC servicer: thin methods over plain handlers; ClipdError becomes a status in one place.
 
 Request path of a batch: ``Submit`` (a reader thread per stream) ->
-``BatchAssembler.add`` (chunks checked and reassembled) -> ``_check_finite``
-(policy REJECT only) -> ``Aggregation.accept`` (sequence numbers, duplicates)
--> ``DeviceWorker.submit`` (bounded queue) -> worker step -> the accumulator's
-device delta -> a flush into the host totals -> a checkpoint committed to the
-store -> ``Aggregation.mark_durable``. The stream acknowledges durable batches only.
+``BatchAssembler.add`` (chunks checked and reassembled) -> ``Lifecycle.submit``
+(finite? under policy REJECT; ``Aggregation.accept``: sequence numbers, duplicates;
+``Shards.submit``) -> the device worker's step, flush and checkpoint -> ``Aggregation.mark_durable``.
+The stream acknowledges durable batches only; docs/ARCHITECTURE.md draws it hop by hop.
 
 Abuse limits on that path: a stream takes one of ``max_streams`` slots (else
 RESOURCE_EXHAUSTED with a retry hint); a batch reserves its bytes in the one
@@ -27,7 +26,7 @@ import time
 import grpc
 
 from clipd import wire
-from clipd.server.aggregations import Aggregation, Registry, State
+from clipd.server.aggregations import Aggregation, State
 from clipd.server.credentials import SubmitTokens, bearer_token, same
 from clipd.server.errors import (
     ClipdError,
@@ -38,20 +37,16 @@ from clipd.server.errors import (
     Unauthenticated,
     Unavailable,
 )
-from clipd.server.lifecycle import Lifecycle, Shards
+from clipd.server.lifecycle import Lifecycle
 from clipd.server.logs import event
-from clipd.server.privacy import Ledgers
 from clipd.server.rpc import codec
 from clipd.server.rpc.batches import BatchAssembler
 from clipd.server.rpc.limits import ByteBudget, StreamSlots
 from clipd.server.settings import Settings
-from clipd.server.stores.base import Store
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-MIN_CHUNK_BYTES = wire.FINALIZE_MIN_CHUNK_BYTES  # Finalize: smaller chunks are refused (millions of messages)
-DEFAULT_CHUNK_BYTES = wire.FINALIZE_DEFAULT_CHUNK_BYTES  # fits the usual 4 MiB receive limit of gRPC clients
 CHUNK_OVERHEAD = 1024  # bytes of a FinalizeResponse besides the tensor data
 
 
@@ -103,19 +98,19 @@ def _check_id(value: str, what: str) -> str:
 
 def check_client_id(value: str) -> str:
     """A client id, or one stream of a spread submission: ``<client id>~<stream number>`` (``alice~3``)."""
-    base, mark, stream = value.rpartition("~")
+    base, mark, stream = value.rpartition(wire.SPREAD_MARK)
     if mark and stream.isdigit() and len(stream) <= 6 and codec.ID_PATTERN.match(base) and stream[0] != "0":
         return value
     return _check_id(value, "client_id")
 
 
 class ClipdServicer(pb_grpc.ClipdServicer):
-    def __init__(self, settings: Settings, registry: Registry, shards: Shards, store: Store,
-                 submit_tokens: SubmitTokens, ledgers: Ledgers | None = None) -> None:
+    """Clipd's RPCs: who may call, what the request says (``codec``), then one call on the ``lifecycle``."""
+
+    def __init__(self, settings: Settings, lifecycle: Lifecycle, submit_tokens: SubmitTokens) -> None:
         self.settings = settings
-        self.ledgers = ledgers if ledgers is not None else Ledgers(store)
-        self.registry = registry
-        self.lifecycle = Lifecycle(settings, registry, shards, store, self.ledgers)
+        self.lifecycle = lifecycle
+        self.registry = lifecycle.registry
         self.submit_tokens = submit_tokens
         self.budget = ByteBudget(settings.max_buffered_bytes)
         self.stream_slots = StreamSlots(settings.max_streams, "Submit stream")
@@ -155,7 +150,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         aggregation = self.check_submitter(token, request.aggregation_id, "read")
         if self.is_admin(token):
             return self._describe(aggregation)
-        return pb.Aggregation(aggregation_id=aggregation.id, layers=codec.layers_to_proto(aggregation.layers),
+        return pb.Aggregation(aggregation_id=aggregation.id, layers=wire.layer_specs(aggregation.layers),
                               policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
                               state=codec.STATES[aggregation.state], layer_bounds=aggregation.accumulator.bounds,
                               privacy=codec.privacy_to_proto(aggregation.privacy) if aggregation.privacy else None)
@@ -187,15 +182,15 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     def chunk_limit(self, requested: int) -> int:
         """The largest Finalize message: ``requested`` (0: 1 MiB), at least 64 KiB, at most the server's limit."""
-        if 0 < requested < MIN_CHUNK_BYTES:
-            raise InvalidArgument(f"max_chunk_bytes: at least {MIN_CHUNK_BYTES} (or 0 for the default),"
+        if 0 < requested < wire.FINALIZE_MIN_CHUNK_BYTES:
+            raise InvalidArgument(f"max_chunk_bytes: at least {wire.FINALIZE_MIN_CHUNK_BYTES} (or 0 for the default),"
                                   f" got {requested}")
-        return min(requested or DEFAULT_CHUNK_BYTES, self.settings.max_message_bytes)
+        return min(requested or wire.FINALIZE_DEFAULT_CHUNK_BYTES, self.settings.max_message_bytes)
 
     def _describe(self, aggregation: Aggregation) -> pb.Aggregation:
         return pb.Aggregation(
             aggregation_id=aggregation.id,
-            layers=codec.layers_to_proto(aggregation.layers),
+            layers=wire.layer_specs(aggregation.layers),
             policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
             state=codec.STATES[aggregation.state],
             layer_bounds=aggregation.accumulator.bounds,
@@ -209,7 +204,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     @_status_on_error
     def GetLedger(self, request: pb.GetLedgerRequest, context) -> pb.Ledger:
-        ledger = self.ledgers.describe(request.ledger_id)
+        ledger = self.lifecycle.ledgers.describe(request.ledger_id)
         if ledger is None:
             raise NotFound(f"no ledger {request.ledger_id!r}")
         return codec.ledger_to_proto(ledger)
@@ -256,19 +251,25 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         A submit token of another aggregation: PERMISSION_DENIED (as for an
         unknown id, so ids do not leak to holders of other tokens).
         """
-        if self.is_admin(token):
-            return
         created = self.registry.created(aggregation_id) if token is not None else None
-        if created is not None and self.submit_tokens.check(token, aggregation_id, created):
+        if self.may_submit(token, aggregation_id, created):
             return
         if token is None or not self.is_credential(token):
             raise Unauthenticated("a valid 'authorization: Bearer <token>' is required")
         raise PermissionDenied(f"this token may not {action} aggregation {aggregation_id!r}")
 
+    def may_submit(self, token: str | None, aggregation_id: str, created: float | None) -> bool:
+        """The admin token, or the submit token of ``aggregation_id`` (created at ``created``; None: unknown)."""
+        return self.is_admin(token) or (token is not None and created is not None
+                                        and self.submit_tokens.check(token, aggregation_id, created))
+
     def is_credential(self, token: str) -> bool:
         """The admin token or the submit token of some aggregation of this server."""
         return self.is_admin(token) or any(
             self.submit_tokens.check(token, i, created) for i, created in self.registry.identities())
+
+
+PEER_METADATA = "x-clipd-peer"  # a forwarded call's own peer (its fair share of stream slots)
 
 
 def stream_owner(token: str | None, context) -> tuple[str, str]:
@@ -279,7 +280,7 @@ def stream_owner(token: str | None, context) -> tuple[str, str]:
     """
     peer = context.peer() or ""
     if peer.startswith("unix:"):
-        peer = dict(context.invocation_metadata() or ()).get("x-clipd-peer", peer)
+        peer = dict(context.invocation_metadata() or ()).get(PEER_METADATA, peer)
     host = peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
     return token or "", host
 

@@ -16,10 +16,10 @@ import socket
 import grpc
 
 from clipd.server.rpc.server import INGEST_METADATA
+from clipd.server.rpc.service import PEER_METADATA
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2
 
-PEER_METADATA = "x-clipd-peer"  # the forwarded call's own peer (its fair share of stream slots)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
 
 

@@ -2,7 +2,7 @@
 
 An aggregation of ``S`` shards on a host with ``D`` devices: shard ``s`` is
 summed by the worker of device ``s % D``. A client's batches always go to the
-shard :func:`~clipd.server.aggregations.shard_of` names, so a client's sequence
+shard :func:`~clipd.wire.shard_of` names, so a client's sequence
 numbers, and its exactly-once marks, live in one shard's partial state. At
 finalize every shard commits its final checkpoint (in parallel, each on its
 own device) and the partial states are merged on the host.
@@ -148,5 +148,5 @@ class Devices:
 
     def stop(self, timeout: float | None = None) -> None:
         """Stops every worker (each finishes its queue and commits a last checkpoint of its shards)."""
-        with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(len(self.workers), thread_name_prefix="clipd-workers-stop") as pool:
             list(pool.map(lambda w: w.stop(timeout), self.workers))

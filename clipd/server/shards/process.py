@@ -64,7 +64,6 @@ from clipd.server.aggregations import (
     Aggregation,
     Registry,
     State,
-    shard_of,
     spec_from_json,
     spec_shards,
 )
@@ -76,7 +75,8 @@ from clipd.server.errors import (
     NotFound,
     Unavailable,
 )
-from clipd.server.lifecycle import fail
+from clipd.server.lifecycle import Lifecycle, fail
+from clipd.server.privacy import Ledgers
 from clipd.server.rpc.service import stream_owner
 from clipd.server.settings import Settings
 from clipd.server.shards.ingest import _pass, _pass_unary, passing_through
@@ -118,7 +118,6 @@ class _FirstMessage:
     def __init__(self, requests) -> None:
         self._requests, self._got, self._done = requests, [], threading.Event()
         self._since = time.monotonic()
-        self.evicted = False
 
     def _read(self) -> None:
         try:
@@ -136,7 +135,6 @@ class _FirstMessage:
         return self._since
 
     def evict(self) -> None:
-        self.evicted = True
         self._done.set()
 
 
@@ -202,7 +200,8 @@ class ShardProcess:
         self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
                                settings.warmup_timeout, process=(index, self.count))
         self.registry = _ShardRegistry(self.store, self._open_from_store)
-        self.servicer = ClipdServicer(settings, self.registry, self.devices, self.store,
+        self.servicer = ClipdServicer(settings, Lifecycle(settings, self.registry, self.devices, self.store,
+                                                          Ledgers(self.store)),
                                       SubmitTokens(self.store.submit_token_key()))
         limit = settings.max_message_bytes + (1 << 16)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
@@ -289,17 +288,14 @@ class ShardProcess:
     # Submit: here, or on to the process that owns the shard ----------------------------------------
     def _owner(self, message, token: str | None) -> int:
         """The process that sums the stream's shard (this one when that can't be known, or the caller may not
-        submit: it refuses, as one process does). Read from the store's record: nothing is opened for routing."""
+        submit: it refuses, as one process does). Read from the store's record once: nothing is opened for
+        routing, and a caller who may not submit costs no search for what its token is."""
         if isinstance(message, self._malformed) or not message.aggregation_id:
             return self.index
-        try:
-            self.servicer.authorize(token, message.aggregation_id, "submit to")
-        except ClipdError:
-            return self.index
         record = self.store.get(message.aggregation_id)
-        if record is None:
+        if record is None or not self.servicer.may_submit(token, record.aggregation_id, record.created):
             return self.index
-        return owner_of(shard_of(message.client_id, spec_shards(record.spec)), self.count)
+        return owner_of(wire.shard_of(message.client_id, spec_shards(record.spec)), self.count)
 
     def _submit(self, raw_requests, context):
         token = bearer_token(context.invocation_metadata())
@@ -684,7 +680,7 @@ class ShardProcesses:
         if not getattr(aggregation, "fenced", False):  # a retry after the fence reads the checkpoints again
             self.store.set_state(aggregation.id, CLOSING)
             owners = sorted({owner_of(k, self.count) for k in range(aggregation.shards)})
-            with concurrent.futures.ThreadPoolExecutor(len(owners)) as pool:
+            with concurrent.futures.ThreadPoolExecutor(len(owners), thread_name_prefix="clipd-finish") as pool:
                 try:
                     for finished in [pool.submit(self._finish, i, aggregation, deadline) for i in owners]:
                         finished.result()

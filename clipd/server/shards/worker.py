@@ -62,6 +62,7 @@ STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batch
 FILL_WAIT = 0.002  # how long a step less than half full waits for more batches (seconds)
 FILL_POLL = 0.0002  # how often that wait looks whether the aggregation's streams have all ended
 FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
+CHECKPOINT_FAILED = object()  # a slot's ``queued`` once the committer could not write them
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
@@ -138,7 +139,8 @@ class _Slot:
     dirty: bool = False  # batches summed since the last checkpoint started
     checkpoint_due: float = 0.0  # time.monotonic() when the next checkpoint may start
     committing: bool = False
-    queued: Any = None  # the totals last handed to the committer (a final commit of the same ones writes nothing)
+    queued: Any = None  # the totals last handed to the committer (a final commit of the same ones writes nothing);
+    # CHECKPOINT_FAILED once the committer could not write them
 
 
 class DeviceWorker:
@@ -222,6 +224,7 @@ class DeviceWorker:
         threading.Thread(target=self._compile, args=(aggregation,), name=f"clipd-warmup-{aggregation.id}",
                          daemon=True).start()
         timer = threading.Timer(self.warmup_timeout, self._warm_up_overdue, args=(aggregation,))
+        timer.name = f"clipd-warmup-timer-{aggregation.id}"
         timer.daemon = True
         timer.start()
 
@@ -250,8 +253,7 @@ class DeviceWorker:
             slot = self._slots.get((aggregation, shard))
             totals = self._flush(aggregation, shard)
             self._slots.pop((aggregation, shard), None)
-            written = slot is not None and slot.queued is totals  # nothing summed since the last checkpoint
-            self._commits.put((aggregation, shard, totals, finished, not written))
+            self._commits.put((aggregation, shard, totals, finished, slot))  # the committer decides: write or not
 
         self._enqueue_call(flush_and_commit).add_done_callback(
             lambda call: call.exception() is not None and finished.set_exception(call.exception()))
@@ -499,7 +501,7 @@ class DeviceWorker:
             return  # the aggregation failed (or was dropped) meanwhile: nothing to commit
         with self._cond:
             slot.committing, slot.dirty, slot.queued = True, False, totals
-        self._commits.put((aggregation, shard, totals, None, True))
+        self._commits.put((aggregation, shard, totals, None, slot))
 
     def _checkpoint_due(self) -> None:
         now = time.monotonic()
@@ -510,23 +512,23 @@ class DeviceWorker:
 
     def _commit_loop(self) -> None:
         """The committer thread: writes checkpoints in order, then acknowledges what they cover."""
-        failed: set[tuple[Aggregation, int]] = set()  # shards whose last checkpoint could not be written
         while True:
             item = self._commits.get()
             if item is None:
                 return
-            aggregation, shard, totals, final, write = item
+            aggregation, shard, totals, final, slot = item
+            # In order: a final commit's checkpoint before it has been written (or failed) by now.
+            queued = slot.queued if slot is not None and final is not None else None
             started = time.monotonic()
             try:
-                if write:
-                    self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epochs[shard])
-                    failed.discard((aggregation, shard))
-                elif (aggregation, shard) in failed:  # the checkpoint this final commit relies on
-                    failed.discard((aggregation, shard))
+                if queued is CHECKPOINT_FAILED:  # the checkpoint this final commit relies on
                     raise Unavailable(f"the last checkpoint of aggregation {aggregation.id} failed")
+                if queued is not totals:  # else: nothing summed since that checkpoint, which holds these totals
+                    self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epochs[shard])
             except Exception as e:
-                if final is None:
-                    failed.add((aggregation, shard))
+                if final is None and slot.queued is totals:
+                    with self._cond:
+                        slot.queued = CHECKPOINT_FAILED
                 log.exception("checkpoint of aggregation %s failed", aggregation.id)
                 if final is not None:
                     final.set_exception(e)

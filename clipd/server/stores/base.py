@@ -47,7 +47,7 @@ class LedgerRecord:
     """A privacy ledger: releases accounted together. ``config`` is JSON, opaque to the store."""
 
     ledger_id: str
-    config: str  # accountant, neighbouring relation, delta, max_epsilon (see server/privacy.py)
+    config: str  # accountant, neighbouring relation, delta, max_epsilon (see clipd/server/privacy.py)
     created: float = 0.0
 
 

@@ -45,7 +45,6 @@ import secrets
 import sqlite3
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 
 from clipd.engine import CorruptStateError, PartialState
@@ -303,9 +302,7 @@ class SQLiteStore(SQLStore):
         nbytes, crc = row
         with open(os.path.join(self._state_dir(key), RELEASE_FILE), "rb") as f:
             blob = f.read()
-        if len(blob) != nbytes or zlib.crc32(blob) != crc:
-            raise CorruptStateError(f"the release of aggregation {aggregation_id!r} does not match its row")
-        return blob
+        return checked(blob, nbytes, crc, f"the release of aggregation {aggregation_id!r}")
 
     def close(self) -> None:
         """Closes the SQLite connection (a second call does nothing)."""
