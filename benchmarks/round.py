@@ -313,7 +313,7 @@ def _table(gb: float, runs: dict[str, list]) -> dict[str, float]:
     for mode, results in runs.items():
         wall = statistics.median(r[0] for r in results)
         table[mode] = gb / wall
-        print(f"{mode:<20}| {wall:7.2f} | {gb / wall:6.3f} | {statistics.median(r[5] for r in results):12.2f} |"
+        print(f"{mode:<20}| {wall:7.3f} | {gb / wall:6.3f} | {statistics.median(r[5] for r in results):12.2f} |"
               f" {max(r[1] for r in results):6d} |"
               f" {statistics.median(r[2] for r in results):10.0f} | {all(r[3] for r in results)}")
     return table

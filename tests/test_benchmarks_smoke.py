@@ -148,14 +148,14 @@ def test_round_benchmark_compares_bare_sync_and_aio_sinks():
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and "wall" not in line}
     assert set(rows) == {"sync round", "sync 8 clients", "aio round", "aio 8 clients"}, out.stdout
     assert all(row[3].strip() == "0" and row[5].strip() == "True" for row in rows.values()), out.stdout  # no errors
-    rate = {mode: 1 / float(row[0]) for mode, row in rows.items()}  # the same bytes each: 1 / wall seconds
+    rate = {mode: float(row[1]) for mode, row in rows.items()}  # GB/s, printed to 1 MB/s: under 1% off at 0.1 GB/s
     match = re.fullmatch(r"sinks: clients=40 sync_round_ratio=(\d+\.\d{3}) aio_round_ratio=(\d+\.\d{3})"
                          r" aio_over_sync_round=(\d+\.\d{3})", lines[-1])
     assert match, out.stdout
     for got, expected in zip(match.groups(), (rate["sync round"] / rate["sync 8 clients"],
                                               rate["aio round"] / rate["aio 8 clients"],
                                               rate["aio round"] / rate["sync round"])):
-        assert abs(float(got) - expected) <= 0.1 * expected + 0.002, out.stdout  # wall is printed to 10 ms
+        assert abs(float(got) - expected) <= 0.02 * expected + 0.002, out.stdout
 
 
 def test_training_benchmark_quick_run():
