@@ -32,12 +32,25 @@ After the table, a compilation check: one accumulator with batch buckets
 is warmed up on every bucket, then fed every batch size 1..256; the number of
 step programs compiled after the warm-up must be 0.
 
+Then the XLA:CPU tricks (``clipd/engine/_xla_cpu.py``), each with and without:
+for every (B, P, K) of the grid, ``ClipAccumulator.update`` with a GLOBAL bound
+(as ``ours_g``; B also 1, as the server's one-row steps) with all tricks on,
+with one trick off at a time, and with all off (``none``), measured
+interleaved as above but in a shuffled order each repeat. A row shows median
+microseconds per step with the trick and without it, and ``ratio``, the median
+over repeats of without / with measured in the same repeat (> 1: the trick
+buys that much); a summary row per trick gives the median ratio over the grid
+and the largest. With one layer (K = 1) ``shared_sum_buffers`` compiles to
+the same program on and off: its K = 1 ratios show the noise.
+
 The last line is ``engine_vs_optax_median_ratio=<x>``: the median over all rows
 of both ratios (global and per-layer).
 
-Run:  python benchmarks/engine.py              (full run, ~2-4 minutes on 2 cores)
+Run:  python benchmarks/engine.py              (full run, ~4-6 minutes on 2 cores)
       python benchmarks/engine.py --repeats 5  (fewer repeats, faster, noisier)
-      python benchmarks/engine.py --quick      (tiny smoke run, ~10 s)
+      python benchmarks/engine.py --only tricks (the tricks table only)
+      python benchmarks/engine.py --only tricks --batches 16 --params 10000 --layer-counts 8  (one row)
+      python benchmarks/engine.py --quick      (tiny smoke run, ~15 s)
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ import argparse
 import dataclasses
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -57,7 +71,7 @@ import jaxlib
 import numpy as np
 import optax
 
-from clipd.engine import BoundKind, ClipAccumulator, ClipPolicy, LayerSpec
+from clipd.engine import BoundKind, ClipAccumulator, ClipPolicy, LayerSpec, Tricks
 
 ALIGN = 64  # bytes: what jax.device_put needs to alias a host buffer instead of copying it
 FLOAT_ALIGN = ALIGN // 4
@@ -73,10 +87,11 @@ class Settings:
     repeats: int
     min_measure_s: float  # each measurement lasts at least this long
     compile_max_batch: int  # largest bucket of the compilation check
+    trick_batches: tuple[int, ...]  # the B values of the tricks table (the server also runs 1-row steps)
 
 
-FULL = Settings((16, 256), (10_000, 1_000_000), (1, 8, 64), 15, 0.05, 256)
-QUICK = Settings((16,), (10_000,), (1, 8), 3, 0.005, 8)
+FULL = Settings((16, 256), (10_000, 1_000_000), (1, 8, 64), 15, 0.05, 256, (1, 16, 256))
+QUICK = Settings((16,), (10_000,), (1, 8), 3, 0.005, 8, (16,))
 
 
 @dataclasses.dataclass
@@ -128,14 +143,14 @@ def layer_views(flat: np.ndarray, batch: int, sizes: Sequence[int]) -> list[np.n
     return views
 
 
-def flat_length(batch: int, params: int) -> int:
-    """Floats needed for the layer views of any layer count (aligned slices pad a little)."""
-    return batch * params + FLOAT_ALIGN * max(FULL.layer_counts + QUICK.layer_counts)
+def flat_length(batch: int, params: int, max_layers: int) -> int:
+    """Floats needed for the layer views of up to ``max_layers`` layers (aligned slices pad a little)."""
+    return batch * params + FLOAT_ALIGN * max_layers
 
 
-def random_flat(batch: int, params: int, rng: np.random.Generator) -> np.ndarray:
-    """One aligned buffer of standard normal float32 data, big enough for any layer count."""
-    flat = aligned_empty(flat_length(batch, params))
+def random_flat(batch: int, params: int, max_layers: int, rng: np.random.Generator) -> np.ndarray:
+    """One aligned buffer of standard normal float32 data, big enough for up to ``max_layers`` layers."""
+    flat = aligned_empty(flat_length(batch, params, max_layers))
     rng.standard_normal(dtype=np.float32, out=flat)
     return flat
 
@@ -170,8 +185,8 @@ def median_bounds(views: Sequence[np.ndarray]) -> tuple[float, float]:
 class AccumulatorStep:
     """A callable that runs one accumulator update, rebinding the donated state."""
 
-    def __init__(self, specs, policy, batch, valid) -> None:
-        self.acc = ClipAccumulator(specs, policy)
+    def __init__(self, specs, policy, batch, valid, tricks: Tricks = Tricks()) -> None:
+        self.acc = ClipAccumulator(specs, policy, tricks)
         self.state = self.acc.init()
         self.batch, self.valid = batch, valid
 
@@ -240,14 +255,26 @@ def seconds_per_call(fn: Callable[[], None], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def time_methods(methods: dict[str, Callable[[], None]], settings: Settings) -> dict[str, float]:
-    """Median seconds per call of each method, measured interleaved."""
+def time_samples(methods: dict[str, Callable[[], None]], settings: Settings,
+                 shuffle: random.Random | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each method, ``settings.repeats`` times, measured interleaved.
+
+    With ``shuffle``, the methods run in a new random order in every repeat.
+    """
     calls = {name: calls_for(fn, settings.min_measure_s) for name, fn in methods.items()}
     samples: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(settings.repeats):
-        for name, fn in methods.items():
-            samples[name].append(seconds_per_call(fn, calls[name]))
-    return {name: statistics.median(s) for name, s in samples.items()}
+        order = list(methods)
+        if shuffle is not None:
+            shuffle.shuffle(order)
+        for name in order:
+            samples[name].append(seconds_per_call(methods[name], calls[name]))
+    return samples
+
+
+def time_methods(methods: dict[str, Callable[[], None]], settings: Settings) -> dict[str, float]:
+    """Median seconds per call of each method, measured interleaved."""
+    return {name: statistics.median(s) for name, s in time_samples(methods, settings).items()}
 
 
 def run_rows(settings: Settings) -> list[Row]:
@@ -255,7 +282,7 @@ def run_rows(settings: Settings) -> list[Row]:
     rows, rng = [], np.random.default_rng(0)
     for batch_size in settings.batches:
         for params in settings.params:
-            flat = random_flat(batch_size, params, rng)
+            flat = random_flat(batch_size, params, max(settings.layer_counts), rng)
             for layers in settings.layer_counts:
                 views = layer_views(flat, batch_size, layer_sizes(params, layers))
                 methods, steps = row_methods(flat, batch_size, views, median_bounds(views))
@@ -267,6 +294,72 @@ def run_rows(settings: Settings) -> list[Row]:
                 del methods, steps
             del flat
     return rows
+
+
+# ----------------------------------------------------------------------------- tricks
+
+
+TRICKS = Tricks._fields
+
+
+@dataclasses.dataclass
+class TrickRow:
+    """Seconds per GLOBAL step of one (B, P, K), per repeat: all tricks on ("with"), each one off, none."""
+
+    batch: int
+    params: int
+    layers: int
+    samples: dict[str, list[float]]
+
+    def seconds(self, method: str) -> float:
+        return statistics.median(self.samples[method])
+
+    def ratio(self, trick: str) -> float:
+        """Median over repeats of without / with (measured in the same repeat): > 1 when the trick buys."""
+        return statistics.median(t / w for t, w in zip(self.samples[trick], self.samples["with"]))
+
+
+def trick_methods(batch_size, views, c_global) -> dict[str, AccumulatorStep]:
+    specs = [LayerSpec(f"layer{k}", (x.shape[1],), "float32") for k, x in enumerate(views)]
+    batch, valid = to_device(views), jax.device_put(np.ones(batch_size, bool))
+    policy = ClipPolicy(BoundKind.GLOBAL, c_global)
+    variants = {"with": Tricks(), **{t: Tricks()._replace(**{t: False}) for t in TRICKS},
+                "none": Tricks(*(False for _ in TRICKS))}
+    return {name: AccumulatorStep(specs, policy, batch, valid, tricks) for name, tricks in variants.items()}
+
+
+def run_trick_rows(settings: Settings) -> list[TrickRow]:
+    """Times every trick on and off for every (B, P, K), printing each row as soon as it is measured."""
+    rows, rng, shuffle = [], np.random.default_rng(0), random.Random(0)
+    for batch_size in settings.trick_batches:
+        for params in settings.params:
+            flat = random_flat(batch_size, params, max(settings.layer_counts), rng)
+            for layers in settings.layer_counts:
+                views = layer_views(flat, batch_size, layer_sizes(params, layers))
+                methods = trick_methods(batch_size, views, median_bounds(views)[0])
+                row = TrickRow(batch_size, params, layers, time_samples(methods, settings, shuffle))
+                print_trick_row(row)
+                rows.append(row)
+                del methods
+            del flat
+    return rows
+
+
+TRICK_HEADER = f"{'trick':<18} {'B':>4} {'P':>9} {'K':>3} | {'with us':>9} {'without us':>10} {'ratio':>6}"
+
+
+def print_trick_row(row: TrickRow) -> None:
+    for trick in (*TRICKS, "none"):
+        print(f"{trick:<18} {row.batch:>4} {row.params:>9.0e} {row.layers:>3} | "
+              f"{row.seconds('with') * 1e6:>9.1f} {row.seconds(trick) * 1e6:>10.1f} {row.ratio(trick):>6.3f}",
+              flush=True)
+
+
+def print_trick_summary(rows: Sequence[TrickRow]) -> None:
+    print(f"\n{'trick':<18} | {'median ratio':>12} {'max ratio':>9}  (without / with, over {len(rows)} rows)")
+    for trick in (*TRICKS, "none"):
+        ratios = [row.ratio(trick) for row in rows]
+        print(f"{trick:<18} | {statistics.median(ratios):>12.3f} {max(ratios):>9.3f}")
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -348,32 +441,51 @@ def print_row(row: Row) -> None:
     )
 
 
-def parse_args(argv: Sequence[str] | None) -> Settings:
+def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (~10 s)")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (~15 s)")
     parser.add_argument("--repeats", type=int, default=None, help="measurements per method and row")
+    parser.add_argument("--only", choices=("optax", "tricks"), default=None,
+                        help="run one table only (optax: the table against optax and the compilation check)")
+    for name, what in (("batches", "B"), ("params", "P"), ("layer-counts", "K")):
+        parser.add_argument(f"--{name}", type=int, nargs="+", default=None, help=f"the {what} values of the grid")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
+    if args.batches is not None:
+        settings = dataclasses.replace(settings, batches=tuple(args.batches), trick_batches=tuple(args.batches))
+    for name in ("params", "layer_counts"):
+        if getattr(args, name) is not None:
+            settings = dataclasses.replace(settings, **{name: tuple(getattr(args, name))})
     if args.repeats is not None:
         if args.repeats < 1:
             parser.error("--repeats must be >= 1")
         settings = dataclasses.replace(settings, repeats=args.repeats)
-    return settings
+    return settings, args.only
 
 
-def main(argv: Sequence[str] | None = None) -> float:
-    settings = parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> float | None:
+    settings, only = parse_args(argv)
     start = time.perf_counter()
     print_environment()
-    print_table_header(settings)
-    rows = run_rows(settings)
-    new, buckets = compilation_check(settings.compile_max_batch)
-    print(f"\ncompilation check: {buckets} buckets (1..{settings.compile_max_batch}) warmed up, "
-          f"batch sizes 1..{settings.compile_max_batch} fed: {new} new compilations "
-          f"({'OK' if new == 0 else 'FAIL: must be 0'})")
+    if only != "tricks":
+        print_table_header(settings)
+        rows = run_rows(settings)
+        new, buckets = compilation_check(settings.compile_max_batch)
+        print(f"\ncompilation check: {buckets} buckets (1..{settings.compile_max_batch}) warmed up, "
+              f"batch sizes 1..{settings.compile_max_batch} fed: {new} new compilations "
+              f"({'OK' if new == 0 else 'FAIL: must be 0'})")
+    if only != "optax":
+        print(f"\nXLA:CPU tricks, GLOBAL bound: median us per step of {settings.repeats} interleaved repeats, "
+              "all tricks on (with) and one off (without); ratio = without / with")
+        print(TRICK_HEADER)
+        print("-" * len(TRICK_HEADER))
+        print_trick_summary(run_trick_rows(settings))
+    if only == "tricks":
+        print(f"total time {time.perf_counter() - start:.0f} s")
+        return None
     ratios = [r.ratio_global for r in rows] + [r.ratio_layer for r in rows]
     median = statistics.median(ratios)
-    print(f"median ours/optax throughput ratio: global "
+    print(f"\nmedian ours/optax throughput ratio: global "
           f"{statistics.median(r.ratio_global for r in rows):.3f}, per-layer "
           f"{statistics.median(r.ratio_layer for r in rows):.3f}")
     print(f"total time {time.perf_counter() - start:.0f} s")

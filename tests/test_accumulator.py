@@ -21,15 +21,16 @@ from clipd.engine import (
     ClipPolicy,
     LayerSpec,
     NonFinite,
+    Tricks,
     merge,
     sum_buffer_runs,
 )
 from helpers import assert_close, global_norms, layer_shapes, random_batch
 
 
-def make_acc(batch, policy, dtype=None):
+def make_acc(batch, policy, dtype=None, tricks=Tricks()):
     specs = [LayerSpec(f"l{k}", x.shape[1:], dtype or str(x.dtype)) for k, x in enumerate(batch)]
-    return ClipAccumulator(specs, policy)
+    return ClipAccumulator(specs, policy, tricks)
 
 
 def stream(acc, batch, chunk=5, bucket=8, garbage=np.nan, state=None):
@@ -140,6 +141,24 @@ def test_several_sum_buffers_merge_and_decode_alike_on_device_and_host():
     # The properties decode device arrays and their host copies to the same values.
     assert_same_state(whole, to_np(whole), rtol=0.0)
     assert [s.shape for s in whole.sums] == shapes
+
+
+@pytest.mark.parametrize("tricks", [Tricks()._replace(**{name: False}) for name in Tricks._fields]
+                         + [Tricks(*(False for _ in Tricks._fields))])
+@pytest.mark.parametrize("mode", list(NonFinite))
+def test_layout_tricks_change_no_bit(tricks, mode):
+    # Two small layers share a sum buffer with all tricks on; garbage padding and NaN/inf rows take
+    # the cleaning branch. Switching a trick off changes the buffers or the program, not one bit of the result.
+    batch = random_batch(np.random.default_rng(33), 12, [(3,), (2, 2), (CHUNK_ELEMENTS + 1,), (5,)])
+    policy = ClipPolicy(BoundKind.PER_LAYER_UNIFORM, l2_norm_clip=typical_bound(batch), non_finite=mode)
+    batch[0][2, 1], batch[2][7, 5] = np.nan, np.inf
+    states = [stream(make_acc(batch, policy, tricks=t), batch, chunk=5, bucket=8) for t in (Tricks(), tricks)]
+    assert jax.tree.structure(states[0]) != jax.tree.structure(states[1])
+    for a, b in [states, [merge(s, s) for s in states], [to_np(s.statistics_only()) for s in states]]:
+        for name in (*COUNT_FIELDS, *FLOAT_FIELDS, *(("sums",) if a.sum_chunks is not None else ())):
+            for x, y in zip(*(jax.tree.leaves(getattr(s, name)) for s in (a, b)), strict=True):
+                x, y = np.asarray(x), np.asarray(y)
+                assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), name
 
 
 @pytest.mark.parametrize("bound", [0.0, 1.5, math.inf])

@@ -1,21 +1,13 @@
 """clipd.engine: the clipping math, in pure JAX (no gRPC, no web, no I/O)."""
 
-from ._accumulator import (
-    CHUNK_ELEMENTS,
-    NUM_BUCKETS,
-    RATIO_BUCKETS,
-    AccumulatorState,
-    ClipAccumulator,
-    merge,
-    multiplier,
-    sum_buffer_runs,
-)
+from ._accumulator import NUM_BUCKETS, RATIO_BUCKETS, AccumulatorState, ClipAccumulator, merge, multiplier
 from ._declearn import L2Clipping, L2GlobalClipping
 from ._jax_privacy import clip_pytree
 from ._partial import CorruptStateError, OverlapError, PartialState
 from ._opacus import ConstantFlatClipper, ConstantPerLayerClipper, NormClipper
 from ._optax import per_example_global_norm_clip, per_example_layer_norm_clip
 from ._policy import BoundKind, ClipPolicy, LayerSpec, NonFinite
+from ._xla_cpu import CHUNK_ELEMENTS, Tricks, sum_buffer_runs
 
 __all__ = [
     "AccumulatorState",
@@ -41,4 +33,5 @@ __all__ = [
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
     "sum_buffer_runs",
+    "Tricks",
 ]
