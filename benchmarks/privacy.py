@@ -15,8 +15,14 @@ Two tables, medians of ``--repeats`` runs, each with a reference measured in the
    against composing the R events one by one into the same dp_accounting
    accountant (what a naive replay of a ledger does). Then what one more
    release costs once the event's RDP curve is known (a trainer's steps).
+3. The noise of one release of P float32 parameters, in-process: ``default``
+   (JAX's float32 normal added on the device, ``engine._privacy.add_gaussian_noise``)
+   against ``secure`` (the sum on a grid plus OpenDP's discrete Gaussian,
+   ``engine._secure_noise.release``, over every core in chunks). The ratio
+   secure/default is the price of the secure sampler.
 
-Run: ``python benchmarks/privacy.py`` (``--quick`` for a smoke run).
+Run: ``python benchmarks/privacy.py`` (``--quick`` for a smoke run; ``--only noise
+--release-sizes 1000000 100000000`` for the noise table alone at 10^6 and 10^8).
 """
 
 from __future__ import annotations
@@ -46,14 +52,50 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--only", choices=("finalize", "accounting", "noise"))
+    parser.add_argument("--release-sizes", type=float, nargs="+", default=[1e6])
+    parser.add_argument("--secure-repeats", type=int, default=1, help="the secure release at 10^8 takes minutes")
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
+    if args.only in (None, "finalize"):
+        finalize_table(args, repeats)
+    if args.only in (None, "accounting"):
+        accounting_table(args, repeats)
+    if args.only in (None, "noise"):
+        noise_table([1 << 14] if args.quick else [int(n) for n in args.release_sizes], repeats, args.secure_repeats)
 
-    from dp_accounting import dp_event as dpe
-    from dp_accounting.rdp import rdp_privacy_accountant
 
-    from clipd.client import Client, Privacy
+def noise_table(sizes: list[int], repeats: int, secure_repeats: int) -> None:
+    import os
+
     from clipd.engine import _privacy as dp
+    from clipd.engine import _secure_noise as secure
+
+    print()
+    print(f"noise of one release, {os.cpu_count()} CPUs; medians of {repeats} (default) and {secure_repeats} (secure)")
+    print(f"{'params':>12} | {'default ms':>10} | {'secure ms':>11} | {'secure/default':>14} | secure us/param")
+    ratios = []
+    for params in sizes:
+        total = np.random.default_rng(0).standard_normal(params).astype(np.float32)
+        default = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            dp.add_gaussian_noise([total], 1.0, dp.fresh_key(), [np.float32])
+            default.append(time.perf_counter() - started)
+        timed = []
+        for _ in range(secure_repeats):
+            started = time.perf_counter()
+            out = secure.release([total], 1.0, 1.0)
+            timed.append(time.perf_counter() - started)
+            assert np.array_equal(out.values[0] / out.step, np.round(out.values[0] / out.step))
+        a, b = statistics.median(default[1:]), statistics.median(timed)  # the first default run compiles
+        ratios.append(b / a)
+        print(f"{params:>12,} | {a * 1e3:>10.3f} | {b * 1e3:>11.3f} | {b / a:>14.1f} | {b / params * 1e6:.2f}")
+    print(f"noise: secure_over_default={ratios[-1]:.1f}")
+
+
+def finalize_table(args, repeats: int) -> None:
+    from clipd.client import Client, Privacy
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
 
@@ -72,6 +114,13 @@ def main() -> None:
                     print(f"{params:>10,} | {plain * 1e3:>9.2f} | {private * 1e3:>10.2f} | {private / plain:>13.2f}")
         finally:
             server.stop(grace=1.0)
+
+
+def accounting_table(args, repeats: int) -> None:
+    from dp_accounting import dp_event as dpe
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from clipd.engine import _privacy as dp
 
     event = dpe.PoissonSampledDpEvent(0.01, dpe.GaussianDpEvent(1.0))
     print()

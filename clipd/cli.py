@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     private.add_argument("--rounds", type=int, default=1, metavar="R")
     private.add_argument("--max-epsilon", type=float, default=None, metavar="E",
                          help="the ledger's budget: a round it can't afford is refused")
+    private.add_argument("--secure-noise", action="store_true",
+                         help="a discrete Gaussian on an integer grid from a CSPRNG (OpenDP), accounted by zCDP;"
+                              " sampling is then not claimed (a larger, valid epsilon)")
     private.add_argument("--seed-sampling", action="store_true",
                          help="draw each round's sample from --seed (the server's noise stays secure)")
     demo.set_defaults(run=_demo)

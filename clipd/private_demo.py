@@ -4,7 +4,9 @@ Each round samples the synthetic examples with rate Q (each joins with
 probability Q, from the OS's randomness unless ``--seed-sampling`` makes it
 reproducible from ``--seed``), streams them into an aggregation under a privacy policy on one
 ledger, and finalizes it: the server adds the noise and accounts the release.
-The last line is ``epsilon=<e> delta=<d> rounds=<r> noise_stddev=<s>``. With
+The last line is ``epsilon=<e> delta=<d> rounds=<r> noise_stddev=<s>``. ``--secure-noise``
+draws a discrete Gaussian on an integer grid instead (accounted by zCDP, without
+amplification by sampling: the sample is still drawn, its epsilon is not claimed). With
 ``--max-epsilon`` the ledger refuses the first round it can't afford: the demo
 then says the budget is exhausted and exits non-zero.
 """
@@ -23,16 +25,19 @@ def run(client, layers: dict, updates: dict[str, np.ndarray], args) -> int:
 
     ledger = f"demo-{uuid.uuid4().hex[:12]}"
     rate = args.sampling_rate
+    claimed = rate < 1.0 and not args.secure_noise  # the secure noise's accountant claims no amplification
     privacy = Privacy(
         ledger_id=ledger, delta=args.delta, noise_multiplier=args.noise_multiplier,
-        sampling="poisson" if rate < 1.0 else "none", sampling_rate=rate if rate < 1.0 else 0.0,
+        sampling="poisson" if claimed else "none", sampling_rate=rate if claimed else 0.0,
         max_epsilon=args.max_epsilon or 0.0, public_denominator=rate * args.examples,
+        **({"noise": "secure", "accountant": "zcdp"} if args.secure_noise else {}),
     )
     rng = np.random.default_rng(args.seed if args.seed_sampling else None)
     examples = len(next(iter(updates.values())))
     release = None
     print(f"{args.rounds} private rounds on ledger {ledger}: z = {args.noise_multiplier}, q = {rate},"
-          f" C = {args.clip}, delta = {args.delta}" + (f", max epsilon {args.max_epsilon}" if args.max_epsilon else ""))
+          f" C = {args.clip}, delta = {args.delta}" + (f", max epsilon {args.max_epsilon}" if args.max_epsilon else "")
+          + (", secure noise (zCDP, sampling not claimed)" if args.secure_noise else ""))
     for round_ in range(1, args.rounds + 1):
         try:
             aggregation = client.create_aggregation(layers, policy=args.policy, l2_norm_clip=args.clip,

@@ -66,7 +66,8 @@ CLIP_KINDS = _by_name(pb.ClipPolicy.Kind)  # global, per_layer_uniform, ...
 NON_FINITE = _by_name(pb.ClipPolicy.NonFinite)  # zero_example, zero_entries, propagate, reject
 SAMPLING = _by_name(pb.Sampling.Kind)  # none, poisson, fixed_size
 NEIGHBOURING = _by_name(pb.PrivacyPolicy.Neighbouring)  # add_remove_one, replace_one
-ACCOUNTANTS = _by_name(pb.PrivacyPolicy.Accountant)  # rdp, pld
+ACCOUNTANTS = _by_name(pb.PrivacyPolicy.Accountant)  # rdp, pld, zcdp
+NOISES = _by_name(pb.PrivacyPolicy.Noise)  # gaussian, secure
 
 
 def code_of(names: dict[str, int], name: str, what: str) -> int:
@@ -102,7 +103,7 @@ def clip_policy(kind: str, non_finite: str, **fields) -> pb.ClipPolicy:
 
 
 def privacy_policy(*, sampling: str = "none", sampling_rate: float = 0.0, population: int = 0, sample_size: int = 0,
-                   neighbouring: str = "add_remove_one", accountant: str = "rdp",
+                   neighbouring: str = "add_remove_one", accountant: str = "rdp", noise: str = "gaussian",
                    noise_multiplier: float | None = None, seed: int | None = None, **fields) -> pb.PrivacyPolicy:
     """A PrivacyPolicy message from the flat fields of ``clipd.client.Privacy``: enums by name (ValueError
     naming a wrong one), ``noise_multiplier`` and ``seed`` None unset; ``fields`` are the message's others."""
@@ -110,7 +111,7 @@ def privacy_policy(*, sampling: str = "none", sampling_rate: float = 0.0, popula
         sampling=pb.Sampling(kind=code_of(SAMPLING, sampling, "sampling"), rate=sampling_rate,
                              population=population, sample_size=sample_size),
         neighbouring=code_of(NEIGHBOURING, neighbouring, "neighbouring"),
-        accountant=code_of(ACCOUNTANTS, accountant, "accountant"), **fields,
+        accountant=code_of(ACCOUNTANTS, accountant, "accountant"), noise=code_of(NOISES, noise, "noise"), **fields,
     )
     if noise_multiplier is not None:
         message.noise_multiplier = noise_multiplier

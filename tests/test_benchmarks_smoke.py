@@ -83,6 +83,11 @@ def test_privacy_benchmark_quick_run():
     assert len(rows) == 3  # one Finalize size, two ledger lengths
     for row in rows:
         assert _positive(row[-1])
+    noise = [line.split("|") for line in out.stdout.splitlines() if line.count("|") == 4 and line.strip()[0].isdigit()]
+    assert len(noise) == 1 and noise[0][0].strip() == "16,384", out.stdout  # default against secure noise
+    default, secure_s, ratio = (_positive(v) for v in noise[0][1:4])
+    assert abs(ratio - secure_s / default) <= 0.01 * ratio + 0.1, out.stdout
+    assert out.stdout.strip().splitlines()[-1] == f"noise: secure_over_default={ratio:.1f}", out.stdout
 
 
 def test_scale_benchmark_quick_run():

@@ -36,3 +36,17 @@ def test_private_demo_stops_when_the_budget_is_exhausted(server):
     assert out.returncode != 0
     assert "budget exhausted" in out.stderr
     assert out.stdout.count("round ") == 2  # z = 1, no sampling: 4.73 then 7.08, a third would be 9.01
+
+
+def test_private_demo_with_secure_noise_spends_opendps_zcdp_epsilon(server):
+    import opendp.prelude as opendp
+
+    opendp.enable_features("contrib")
+    out = _demo(server, "--noise-multiplier", "1.5", "--rounds", "3", "--clip", "0.5", "--secure-noise")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "secure noise (zCDP, sampling not claimed)" in out.stdout
+    epsilon, delta, rounds, stddev = (float(v) for v in LAST_LINE.match(out.stdout.strip().splitlines()[-1]).groups())
+    space = opendp.vector_domain(opendp.atom_domain(T="i64")), opendp.l2_distance(T="i64")
+    composed = opendp.c.make_composition([opendp.m.make_gaussian(*space, scale=1.5)] * 3)  # rho = 1 / (2 z^2) each
+    assert epsilon == pytest.approx(opendp.c.make_zCDP_to_approxDP(composed).map(1).epsilon(1e-5), rel=1e-5)
+    assert rounds == 3 and 1.5 * 0.5 < stddev < 1.5 * 0.5 * 1.002  # the grid widens the noise by under 0.2%

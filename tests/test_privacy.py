@@ -296,7 +296,7 @@ def test_budget_is_checked_again_at_finalize():
     ledgers = Ledgers(store)
     policy = dp.PrivacyPolicy("L", 1e-5, noise_multiplier=1.0, max_epsilon=6.0)
     layers = (LayerSpec("w", (3,)),)
-    plan = policy.plan(1.0, 1)
+    plan = policy.plan(1.0, layers)
     aggregation = Aggregation("a", layers, ClipPolicy(), False, 8, 1 << 20, privacy=policy, plan=plan)
     ledgers.admit(aggregation, policy, plan, lambda entry: store.create(AggregationRecord("a", "{}")))
     event = dp.event_to_json(dpe.GaussianDpEvent(1.0))

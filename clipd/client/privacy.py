@@ -46,6 +46,9 @@ class Privacy:
     ``sampling``: ``none``, ``poisson`` (with ``sampling_rate``) or ``fixed_size``
     (``sample_size`` of ``population``). ``max_epsilon`` 0 means no budget.
     ``seed`` is for tests only: the noise is then reproducible and not private.
+    ``noise="secure"`` (with ``accountant="zcdp"``): the sum on an integer grid plus a
+    discrete Gaussian from a CSPRNG (OpenDP), every released value a whole number of
+    ``Release.grid_step``; see the README's "Secure noise".
     """
 
     ledger_id: str
@@ -66,6 +69,7 @@ class Privacy:
     metrics_noise_multiplier: float = 0.0
     seed: int | None = None
     debug_raw_statistics: bool = False
+    noise: str = "gaussian"
 
     def to_proto(self) -> pb.PrivacyPolicy:
         """The message; ValueError naming a ``sampling``, ``neighbouring`` or ``accountant`` it has not."""

@@ -46,6 +46,8 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from . import _secure_noise as secure
+
 PLD_DISCRETIZATION = 1e-4  # value_discretization_interval of the PLD accountant
 
 
@@ -59,6 +61,14 @@ class Neighbouring(str, enum.Enum):
 class Accountant(str, enum.Enum):
     RDP = "rdp"  # dp_accounting.rdp.RdpAccountant with its default orders
     PLD = "pld"  # dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    ZCDP = "zcdp"  # OpenDP: rho-zCDP added up, converted to epsilon by OpenDP (the secure noise's)
+
+
+class Noise(str, enum.Enum):
+    """What the noise of a release is drawn as."""
+
+    GAUSSIAN = "gaussian"  # JAX's float32 normal, from a key of 64 bits of the OS's CSPRNG
+    SECURE = "secure"  # the sum on an integer grid plus OpenDP's discrete Gaussian (_secure_noise)
 
 
 class SamplingKind(str, enum.Enum):
@@ -199,6 +209,10 @@ def make_accountant(accountant: Accountant, neighbouring: Neighbouring) -> dp_ac
 def check_supported(accountant: Accountant, neighbouring: Neighbouring, sampling: Sampling) -> None:
     """``ValueError`` for the combinations dp_accounting cannot account (or accounts differently)."""
     accountant, neighbouring = Accountant(accountant), Neighbouring(neighbouring)
+    if accountant is Accountant.ZCDP and sampling.kind is not SamplingKind.NONE:
+        raise ValueError("the zcdp accountant (secure noise) does not claim amplification by sampling: no vetted"
+                         " accountant bounds the subsampled discrete Gaussian; use sampling none (a valid, larger"
+                         " epsilon) or the default noise")
     if sampling.kind is SamplingKind.POISSON and neighbouring is not Neighbouring.ADD_REMOVE_ONE:
         raise ValueError("Poisson sampling is accounted under add/remove-one neighbours only")
     if sampling.kind is SamplingKind.FIXED_SIZE and neighbouring is not Neighbouring.REPLACE_ONE:
@@ -226,6 +240,8 @@ def epsilon_of_json(events: Sequence[str], delta: float, accountant: Accountant,
     # Identical events (a ledger's rounds usually are) composed once with their count: the
     # same epsilon (RDP adds count * rdp, PLD self-composes), in time that does not grow with rounds.
     counts = collections.Counter(events)
+    if Accountant(accountant) is Accountant.ZCDP:
+        return _zcdp_epsilon(tuple(sorted(counts.items())), float(delta))
     return _epsilon_of_counts(tuple(sorted(counts.items())), float(delta), Accountant(accountant),
                               Neighbouring(neighbouring))
 
@@ -249,6 +265,19 @@ def _epsilon_of_counts(counts: tuple[tuple[str, int], ...], delta: float, accoun
     return float(acc.get_epsilon(delta))
 
 
+@functools.lru_cache(maxsize=1024)
+def _zcdp_epsilon(counts: tuple[tuple[str, int], ...], delta: float) -> float:
+    """Epsilon of secure releases: their rho added up (``count`` times each), converted by OpenDP."""
+    if any(not secure.is_secure_event(text) for text, _ in counts):  # a debug entry (NonPrivateDpEvent)
+        return math.inf
+    return secure.epsilon_of_rho(sum(count * _release_rho(text) for text, count in counts), delta)
+
+
+@functools.lru_cache(maxsize=256)
+def _release_rho(event_json: str) -> float:
+    return secure.release_rho(event_json)
+
+
 @functools.lru_cache(maxsize=256)
 def _rdp_curve(event_json: str, neighbouring: Neighbouring) -> np.ndarray:
     """One event's RDP at each of the RDP accountant's default orders, as dp_accounting computes it."""
@@ -266,6 +295,8 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: in
         raise ValueError(f"target_epsilon must be finite and > 0, got {target_epsilon}")
     if releases < 1:
         raise ValueError("calibrating z needs planned_releases >= 1")
+    if Accountant(accountant) is Accountant.ZCDP:
+        return secure.noise_multiplier_for(target_epsilon, delta, releases)
     return float(dp_accounting.calibrate_dp_mechanism(
         lambda: make_accountant(accountant, neighbouring),
         lambda z: dpe.SelfComposedDpEvent(sampling.wrap(dpe.GaussianDpEvent(z)), releases),
@@ -375,6 +406,8 @@ class PrivacyPolicy:
       metrics_noise_multiplier: ``z_m`` of the released statistics (0: none released).
       seed: draw the noise from this seed (tests only: not private, marked in the result).
       debug_raw_statistics: raw statistics visible while it runs; the ledger's epsilon becomes infinite.
+      noise: ``gaussian`` (JAX's float normal) or ``secure`` (a discrete Gaussian on an integer grid,
+        accounted by the ``zcdp`` accountant; no sampling, adaptive clipping, released statistics or seed).
     """
 
     ledger_id: str
@@ -392,10 +425,12 @@ class PrivacyPolicy:
     metrics_noise_multiplier: float = 0.0
     seed: int | None = None
     debug_raw_statistics: bool = False
+    noise: Noise = Noise.GAUSSIAN
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "neighbouring", Neighbouring(self.neighbouring))
         object.__setattr__(self, "accountant", Accountant(self.accountant))
+        object.__setattr__(self, "noise", Noise(self.noise))
         if not self.ledger_id:
             raise ValueError("a privacy policy needs a ledger_id")
         if not 0.0 < self.delta < 1.0:
@@ -419,6 +454,22 @@ class PrivacyPolicy:
         if not (self.metrics_noise_multiplier >= 0 and math.isfinite(self.metrics_noise_multiplier)):
             raise ValueError(f"metrics_noise_multiplier must be finite and >= 0, got {self.metrics_noise_multiplier}")
         check_supported(self.accountant, self.neighbouring, self.sampling)
+        self._check_noise()
+
+    def _check_noise(self) -> None:
+        secure_noise = self.noise is Noise.SECURE
+        if secure_noise != (self.accountant is Accountant.ZCDP):
+            raise ValueError("secure noise is accounted by the zcdp accountant (OpenDP), and the zcdp accountant"
+                             f" accounts secure noise only: got noise {self.noise.value!r} with accountant"
+                             f" {self.accountant.value!r}")
+        if secure_noise:
+            refused = [what for what, given in (
+                ("adaptive clipping", self.adaptive is not None),
+                ("released statistics (metrics_noise_multiplier)", self.metrics_noise_multiplier > 0),
+                ("a seed (the secure sampler draws from a CSPRNG only)", self.seed is not None)) if given]
+            if refused:
+                raise ValueError(f"secure noise does not take {', '.join(refused)} (not built yet: their noise"
+                                 " would be float Gaussians)")
 
     @property
     def total_noise_multiplier(self) -> float:
@@ -428,21 +479,31 @@ class PrivacyPolicy:
         return calibrate_noise_multiplier(self.target_epsilon, self.delta, self.planned_releases, self.sampling,
                                           self.accountant, self.neighbouring)
 
-    def plan(self, example_bound: float, layers: int) -> "ReleasePlan":
-        """The noise of one release whose contributions are clipped to ``example_bound``."""
+    def plan(self, example_bound: float, layers: Sequence) -> "ReleasePlan":
+        """The noise of one release of ``layers`` (``LayerSpec``s) whose contributions are clipped to ``example_bound``."""
         z = self.total_noise_multiplier
+        s = sensitivity(example_bound, self.neighbouring)
+        if self.noise is Noise.SECURE:
+            dimension = sum(layer.size for layer in layers)
+            step, widened, scale = secure.plan(s, z, dimension) if z > 0 else (0.0, 0, 0.0)
+            if z == 0:  # no noise: nothing private, as with the float noise
+                none = dpe.NonPrivateDpEvent()
+                return ReleasePlan(0.0, 0.0, s, 0.0, 0.0, 0.0, none, event_to_json(none))
+            return ReleasePlan(noise_multiplier=z, value_noise_multiplier=z, sensitivity=s, noise_stddev=scale * step,
+                               count_noise_stddev=0.0, metrics_noise_stddev=0.0, event=None,
+                               event_json=secure.release_event_json(widened, scale, step, dimension))
         count_z = 0.0
         if self.adaptive is not None and self.adaptive.count_stddev > 0:
             count_z = self.adaptive.count_stddev / count_sensitivity(self.neighbouring)
         companions = [c for c in (count_z, self.metrics_noise_multiplier) if c > 0]
         value_z = value_noise_multiplier(z, companions)
-        s = sensitivity(example_bound, self.neighbouring)
-        stats_s = statistics_sensitivity(layers, self.neighbouring)
+        stats_s = statistics_sensitivity(len(layers), self.neighbouring)
         event = release_event(value_z, companions, self.sampling)
         return ReleasePlan(
             noise_multiplier=z, value_noise_multiplier=value_z, sensitivity=s, noise_stddev=value_z * s,
             count_noise_stddev=self.adaptive.count_stddev if self.adaptive is not None else 0.0,
-            metrics_noise_stddev=self.metrics_noise_multiplier * stats_s, event=event)
+            metrics_noise_stddev=self.metrics_noise_multiplier * stats_s, event=event,
+            event_json=event_to_json(event))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,9 +514,5 @@ class ReleasePlan:
     noise_stddev: float  # per coordinate of the sum: z_v * sensitivity
     count_noise_stddev: float  # sigma_b, on the centred unclipped count (adaptive)
     metrics_noise_stddev: float  # per coordinate of the statistics vector
-    event: dpe.DpEvent
-
-    @functools.cached_property
-    def event_json(self) -> str:
-        """The event as the ledger stores it."""
-        return event_to_json(self.event)
+    event: dpe.DpEvent | None  # dp_accounting's event (None for secure noise: see event_json)
+    event_json: str  # the event as the ledger stores it (secure noise: _secure_noise.release_event_json)

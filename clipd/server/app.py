@@ -206,7 +206,7 @@ def recover(store: Store, registry: Registry, shards: Shards, settings: Settings
                       for k in range(shard_count)]
             if finalized and None in totals:
                 totals = None  # a final checkpoint is missing or damaged: no result
-        plan = privacy.plan(policy.example_bound(layers), len(layers)) if privacy is not None else None
+        plan = privacy.plan(policy.example_bound(layers), layers) if privacy is not None else None
         aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
                                   settings.staging_bytes, recovered=totals, created=record.created,
                                   max_clients=settings.max_clients, privacy=privacy, plan=plan, shards=shard_count)

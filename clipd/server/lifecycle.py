@@ -175,7 +175,7 @@ class Lifecycle:
         if not math.isfinite(bound):
             raise InvalidArgument("privacy: an infinite bound (no clipping) has no finite sensitivity")
         try:
-            plan = privacy.plan(bound, len(layers))
+            plan = privacy.plan(bound, layers)
         except ValueError as e:
             raise InvalidArgument(f"privacy: {e}") from None
         return policy, plan

@@ -37,6 +37,7 @@ from dp_accounting import dp_event as dpe
 
 from clipd.engine import PartialState
 from clipd.engine import _privacy as dp
+from clipd.engine import _secure_noise as secure
 from clipd.server.aggregations import TAKES_BATCHES, Aggregation, State
 from clipd.server.errors import FailedPrecondition
 from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, Store
@@ -232,7 +233,13 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
     if policy.seed is not None:  # reproducible, yet no two releases of a ledger share noise
         key = jax.random.fold_in(key, releases)
     key_sum, key_count, key_stats = jax.random.split(key, 3)
-    sums = dp.add_gaussian_noise(totals.sums, plan.noise_stddev, key_sum, sum_dtypes)
+    grid = {}
+    if policy.noise is dp.Noise.SECURE and plan.noise_multiplier > 0:
+        on_grid = secure.release(totals.sums, plan.sensitivity, plan.noise_multiplier)
+        assert on_grid.event_json == plan.event_json, (on_grid.event_json, plan.event_json)  # what was accounted
+        sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
+    else:
+        sums = dp.add_gaussian_noise(totals.sums, plan.noise_stddev, key_sum, sum_dtypes)
     if policy.release_mean:
         sums = tuple((s / np.asarray(policy.public_denominator, s.dtype)).astype(s.dtype) for s in sums)
     bound = aggregation.policy.example_bound(aggregation.layers)
@@ -242,7 +249,7 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         "value_noise_multiplier": plan.value_noise_multiplier, "sensitivity": plan.sensitivity,
         "noise_stddev": plan.noise_stddev, "bound": bound, "next_bound": bound,
         "epsilon": epsilon, "ledger_epsilon": ledger_epsilon, "delta": policy.delta,
-        "budget_left": policy.max_epsilon - ledger_epsilon, "dp_event_json": dp.event_to_json(plan.event),
+        "budget_left": policy.max_epsilon - ledger_epsilon, "dp_event_json": plan.event_json, **grid,
         "seeded": policy.seed is not None, "mean": policy.release_mean,
         "denominator": policy.public_denominator if policy.release_mean else 0.0,
         "ledger_releases": releases, "unclipped_fraction": 0.0,

@@ -106,7 +106,7 @@ class AdaptiveClipping(_message.Message):
     def __init__(self, target_unclipped_quantile: _Optional[float] = ..., learning_rate: _Optional[float] = ..., count_stddev: _Optional[float] = ..., initial_bound: _Optional[float] = ..., min_bound: _Optional[float] = ..., max_bound: _Optional[float] = ..., arithmetic_update: bool = ...) -> None: ...
 
 class PrivacyPolicy(_message.Message):
-    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics")
+    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics", "noise")
     class Neighbouring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ADD_REMOVE_ONE: _ClassVar[PrivacyPolicy.Neighbouring]
@@ -117,8 +117,16 @@ class PrivacyPolicy(_message.Message):
         __slots__ = ()
         RDP: _ClassVar[PrivacyPolicy.Accountant]
         PLD: _ClassVar[PrivacyPolicy.Accountant]
+        ZCDP: _ClassVar[PrivacyPolicy.Accountant]
     RDP: PrivacyPolicy.Accountant
     PLD: PrivacyPolicy.Accountant
+    ZCDP: PrivacyPolicy.Accountant
+    class Noise(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        GAUSSIAN: _ClassVar[PrivacyPolicy.Noise]
+        SECURE: _ClassVar[PrivacyPolicy.Noise]
+    GAUSSIAN: PrivacyPolicy.Noise
+    SECURE: PrivacyPolicy.Noise
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +142,7 @@ class PrivacyPolicy(_message.Message):
     METRICS_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DEBUG_RAW_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    NOISE_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     delta: float
     noise_multiplier: float
@@ -149,7 +158,8 @@ class PrivacyPolicy(_message.Message):
     metrics_noise_multiplier: float
     seed: int
     debug_raw_statistics: bool
-    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ...) -> None: ...
+    noise: PrivacyPolicy.Noise
+    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ..., noise: _Optional[_Union[PrivacyPolicy.Noise, str]] = ...) -> None: ...
 
 class CreateAggregationRequest(_message.Message):
     __slots__ = ("layers", "policy", "aggregation_id", "privacy")
@@ -324,7 +334,7 @@ class AggregationStats(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., failure_reason: _Optional[str] = ..., privacy_notice: _Optional[str] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples")
+    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     VALUE_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +357,8 @@ class Release(_message.Message):
     EXAMPLE_NORM_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     LAYER_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GRID_STEP_FIELD_NUMBER: _ClassVar[int]
+    GRID_NOISE_SCALE_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     noise_multiplier: float
     value_noise_multiplier: float
@@ -369,7 +381,9 @@ class Release(_message.Message):
     example_norm_histogram: _containers.RepeatedScalarFieldContainer[float]
     layer_clipped: _containers.RepeatedScalarFieldContainer[float]
     examples: float
-    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ...) -> None: ...
+    grid_step: float
+    grid_noise_scale: float
+    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ...) -> None: ...
 
 class GetLedgerRequest(_message.Message):
     __slots__ = ("ledger_id",)

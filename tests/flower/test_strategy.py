@@ -213,3 +213,20 @@ def test_public_denominator_is_m():
     adaptive = ClipdStrategy(FedAvg(), None, num_sampled_clients=10,
                              privacy=_privacy(adaptive=Adaptive(initial_bound=0.5)))
     assert adaptive.clipping_norm == 0.5
+
+
+def test_a_round_with_secure_noise(client):
+    """The strategy takes the secure noise as any policy: the server's grid release, divided by m; the deviation
+    from Flower's noiseless wrapper is that release's noise over m, of the stated scale (z C widened by < 0.2%)."""
+    m, z = 8, 2.0
+    model, updates = _model(4), _updates(m, seed=5)
+    expected = _flower_oracle(model, updates, m)
+    strategy = _strategy(client, m, privacy=_privacy(noise_multiplier=z, noise="secure", accountant="zcdp"))
+    _, (arrays, metrics) = _round(
+        strategy, model, lambda nodes: [reply(n, _plus(model, updates[i])) for i, n in enumerate(nodes)])
+    release = strategy.releases[-1]
+    assert release.grid_step > 0 and release.grid_noise_scale > 0 and not release.seeded
+    assert z * C < metrics["noise-stddev"] == release.noise_stddev < z * C * 1.002
+    assert math.isfinite(metrics["epsilon"]) and metrics["epsilon"] > 0
+    noise = np.concatenate([(ours - theirs).ravel() for ours, theirs in zip(arrays.to_numpy_ndarrays(), expected)])
+    assert 0.5 < np.std(noise * m / release.noise_stddev) < 1.6  # 40 draws: a loose check of the scale

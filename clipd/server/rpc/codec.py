@@ -27,6 +27,7 @@ NON_FINITE = {  # REJECT never reaches the engine: its batches are rejected on a
 SAMPLING = {code: dp.SamplingKind(name) for name, code in wire.SAMPLING.items()}
 NEIGHBOURING = {code: dp.Neighbouring(name) for name, code in wire.NEIGHBOURING.items()}
 ACCOUNTANTS = {code: dp.Accountant(name) for name, code in wire.ACCOUNTANTS.items()}
+NOISES = {code: dp.Noise(name) for name, code in wire.NOISES.items()}
 STATES = {  # FINALIZING has no proto state: it still reports OPEN
     State.WARMING_UP: pb.Aggregation.WARMING_UP,
     State.OPEN: pb.Aggregation.OPEN,
@@ -75,7 +76,8 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
     """The engine's privacy policy; ``InvalidArgument`` naming what is wrong."""
     for value, names, what in ((message.sampling.kind, SAMPLING, "sampling.kind"),
                                (message.neighbouring, NEIGHBOURING, "neighbouring"),
-                               (message.accountant, ACCOUNTANTS, "accountant")):
+                               (message.accountant, ACCOUNTANTS, "accountant"),
+                               (message.noise, NOISES, "noise")):
         if value not in names:
             raise InvalidArgument(f"privacy.{what}: unknown value {value}")
     if message.ledger_id:
@@ -98,7 +100,7 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
             adaptive=adaptive, public_denominator=message.public_denominator, release_mean=message.release_mean,
             metrics_noise_multiplier=message.metrics_noise_multiplier,
             seed=message.seed if message.HasField("seed") else None,
-            debug_raw_statistics=message.debug_raw_statistics,
+            debug_raw_statistics=message.debug_raw_statistics, noise=NOISES[message.noise],
         )
     except ValueError as e:
         raise InvalidArgument(f"privacy: {e}") from None

@@ -274,7 +274,7 @@ class ShardProcess:
         epochs = {k: self.store.claim_shard(aggregation_id, k) for k in mine}
         recovered = [self.store.load_checkpoint(aggregation_id, shard=k) if k in epochs else None
                      for k in range(shards)]
-        plan = privacy.plan(policy.example_bound(layers), len(layers)) if privacy is not None else None
+        plan = privacy.plan(policy.example_bound(layers), layers) if privacy is not None else None
         aggregation = Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
                                   self.settings.staging_bytes, recovered=recovered, created=record.created,
                                   max_clients=self.settings.max_clients, privacy=privacy, plan=plan, shards=shards)
