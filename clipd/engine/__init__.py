@@ -1,6 +1,14 @@
 """clipd.engine: the clipping math, in pure JAX (no gRPC, no web, no I/O)."""
 
-from ._accumulator import NUM_BUCKETS, RATIO_BUCKETS, AccumulatorState, ClipAccumulator, merge, multiplier
+from ._accumulator import (
+    FIXED_POINT_DELTA_ROWS,
+    NUM_BUCKETS,
+    RATIO_BUCKETS,
+    AccumulatorState,
+    ClipAccumulator,
+    merge,
+    multiplier,
+)
 from ._declearn import L2Clipping, L2GlobalClipping
 from ._jax_privacy import clip_pytree
 from ._partial import CorruptStateError, OverlapError, PartialState
@@ -11,6 +19,7 @@ from ._xla_cpu import CHUNK_ELEMENTS, Tricks, sum_buffer_runs
 
 __all__ = [
     "AccumulatorState",
+    "FIXED_POINT_DELTA_ROWS",
     "CHUNK_ELEMENTS",
     "BoundKind",
     "ClipAccumulator",

@@ -17,6 +17,17 @@ contribute exactly zero whatever they hold, so a few batch sizes are compiled
 once and never again. The state is donated, so the sums are updated in place.
 How the state is laid out in buffers, and where the dots are computed, is
 ``_xla_cpu``'s business (each of its tricks can be switched off).
+
+**Fixed point** (``fixed_point_step = g > 0``, the secure release's sums): each
+clipped example is rounded to the grid of step ``g`` on its own,
+``r_i = rint(m_i x_i / g)``, and the integers are summed exactly (two int32
+limbs, ``r = hi * 2^10 + lo``): the sum is the same in every order, and one
+example moves it by exactly ``r_i``. Its norm is bounded without trusting a
+float sum: the multiplier uses a bound ``C'`` below ``C`` by the worst-case
+error of the float32 norm, summed in two stages of at most ``2 sqrt(n)`` terms
+each (``conservative_bound``), so that ``||m_i x_i|| <= C`` whatever order XLA
+adds in; then ``||r_i|| <= C (1 + 2^-24) / g + sqrt(d) / 2``. GLOBAL bounds
+and whole-example zeroing of non-finite examples only.
 """
 
 from __future__ import annotations
@@ -44,6 +55,49 @@ bucket ending at 1.0 holds the examples that were not clipped (ties included).
 """
 NUM_BUCKETS = len(RATIO_BUCKETS) + 1
 
+LIMB_BITS = 10
+"""A fixed-point integer ``r`` (``|r| < 2^20``) is kept as ``hi * 2^LIMB_BITS + lo``, ``0 <= lo < 2^LIMB_BITS``."""
+FIXED_POINT_RANGE = 1 << 20
+"""``|r| < FIXED_POINT_RANGE`` for every coordinate of every example: ``C / g < 2^19`` (see ``_secure_noise``)."""
+FIXED_POINT_DELTA_ROWS = 1 << 20
+"""Rows a fixed-point state may sum before its limbs could pass 2^30: flush it into host totals before."""
+FLOAT32_UNIT = 2.0 ** -24  # the unit roundoff u of float32
+
+
+def norm_blocks(size: int) -> int:
+    """The block of the two-stage norm: a power of two near ``sqrt(size)``, so each stage adds ~sqrt(size) terms.
+
+    >>> norm_blocks(1), norm_blocks(1000), norm_blocks(10 ** 6)
+    (1, 32, 1024)
+    """
+    return 1 << max(0, math.ceil(math.log2(max(1, size)) / 2))
+
+
+def conservative_bound(bound: float, sizes: Sequence[int]) -> np.float32:
+    """``C'``: a float32 bound such that ``fl(min(1, C' / N^)) * ||x|| <= C`` for the computed norm ``N^``.
+
+    ``N^2`` sums float32 squares in three stages (blocks of ``norm_blocks``, the
+    blocks, the layers), each in any order: ``N^2 >= (1 - e) N^2`` with
+    ``e = u + g(b) + g(n / b) + g(K)``, ``g(k) = k u / (1 - k u)`` (Higham,
+    Accuracy and Stability, Lemma 3.1 and (3.4), for non-negative terms); the
+    square root, the division and the product each round by at most ``u``.
+
+    >>> 1.0 - 1e-4 < float(conservative_bound(1.0, [10 ** 6])) < 1.0 - 5e-5  # e is 1.2e-4 here
+    True
+    """
+    u, largest = FLOAT32_UNIT, max(sizes)
+    blocks = norm_blocks(largest)
+
+    def gamma(k: int) -> float:
+        return k * u / (1 - k * u)
+
+    error = u + gamma(blocks) + gamma(math.ceil(largest / blocks)) + gamma(len(sizes))
+    if error >= 0.01:
+        raise ValueError(f"fixed point: a layer of {largest} elements is too large for a float32 norm bound")
+    target = bound * (1 - u) * math.sqrt(1 - error) / (1 + u) * (1 - 1e-12)
+    value = np.float32(target)
+    return value if float(value) <= target else np.nextafter(value, np.float32(0))
+
 
 def multiplier(norm: jax.Array, bound: jax.Array, rescale_to_unit_norm: bool) -> jax.Array:
     """The factor an example (or layer) of norm ``norm`` is scaled by.
@@ -65,6 +119,7 @@ class _StepConfig(NamedTuple):
     rescale_to_unit_norm: bool
     non_finite: NonFinite
     tricks: Tricks = ALL
+    fixed_point_step: float = 0.0  # g > 0: the sums are exact integers on the grid of step g
 
 
 def _accumulate(state, layers, valid, limits, config):
@@ -74,7 +129,7 @@ def _accumulate(state, layers, valid, limits, config):
     """
     per_layer, mode = config.per_layer, config.non_finite
     groups = len(layers) if per_layer else 1
-    dtype = state.sum_chunks[0].dtype
+    dtype = jnp.dtype(jnp.float32) if config.fixed_point_step else state.sum_chunks[0].dtype
     rows = tuple(x.reshape(x.shape[0], -1) for x in layers)  # (B, n_k)
     squared = _squared_norms(rows, dtype)  # (K, B)
     finite = jnp.all(jnp.isfinite(squared), axis=0)  # (B,)
@@ -96,19 +151,45 @@ def _accumulate(state, layers, valid, limits, config):
             rows = tuple(jnp.where(keep[:, None], x, jnp.zeros((), x.dtype)) for x in rows)
         return clip_and_sum((rows, _squared_norms(rows, dtype), valid, limits))
 
-    # A multiplier of 0 drops a padding row, unless it holds a NaN or inf (0 * inf is NaN): only then
-    # are the rows cleaned. PROPAGATE lets non-finite examples into the sum, as optax.
-    dirty = ~finite & ~valid if mode is NonFinite.PROPAGATE else ~finite
-    sums, cleaned_squared = _xla_cpu.cond(jnp.any(dirty), clean_then_clip_and_sum, clip_and_sum,
-                                          (rows, squared, valid, limits), config.tricks.hoisted_fast_path)
-    if mode is NonFinite.ZERO_ENTRIES:  # the statistics are those of the cleaned rows
-        squared = cleaned_squared
+    if config.fixed_point_step:
+        sums = _fixed_point_sums(rows, valid & finite, limits[-1], config.fixed_point_step)
+    else:
+        # A multiplier of 0 drops a padding row, unless it holds a NaN or inf (0 * inf is NaN): only then
+        # are the rows cleaned. PROPAGATE lets non-finite examples into the sum, as optax.
+        dirty = ~finite & ~valid if mode is NonFinite.PROPAGATE else ~finite
+        sums, cleaned_squared = _xla_cpu.cond(jnp.any(dirty), clean_then_clip_and_sum, clip_and_sum,
+                                              (rows, squared, valid, limits), config.tricks.hoisted_fast_path)
+        if mode is NonFinite.ZERO_ENTRIES:  # the statistics are those of the cleaned rows
+            squared = cleaned_squared
     counted = valid & finite if mode is NonFinite.ZERO_EXAMPLE else valid
     return dataclasses.replace(
         state,
         sum_chunks=_xla_cpu.add_to_sum_buffers(state.sum_chunks, sums, state.chunk_runs),
         stats=_xla_cpu.add_stats(state.stats, *_statistics(squared, valid, finite, counted, limits, per_layer)),
     )
+
+
+def _fixed_point_sums(rows, keep, bound, step: float):
+    """Per layer ``[sum of hi limbs, sum of lo limbs]`` (int32) of ``rint(m_i x_i / step)`` over the kept rows."""
+    norms = jnp.sqrt(jnp.sum(jnp.stack([_two_stage_squared_norm(x) for x in rows]), axis=0))  # (B,)
+    scale = jnp.where(keep, multiplier(norms, bound, False), 0.0).astype(jnp.float32)
+    out = []
+    for x in rows:
+        clipped = scale[:, None] * jnp.where(keep[:, None], x.astype(jnp.float32), 0.0)
+        grid = jnp.rint(clipped * np.float32(1.0 / step)).astype(jnp.int32)  # exact: |grid| < 2^20
+        out.append(jnp.concatenate([jnp.sum(jnp.right_shift(grid, LIMB_BITS), axis=0, dtype=jnp.int32),
+                                    jnp.sum(jnp.bitwise_and(grid, (1 << LIMB_BITS) - 1), axis=0, dtype=jnp.int32)]))
+    return tuple(out)
+
+
+def _two_stage_squared_norm(x):
+    """``(B,)``: each row's squared norm, as blocks of ``norm_blocks`` then the blocks (a barrier keeps them apart)."""
+    x = x.astype(jnp.float32)
+    n = x.shape[1]
+    block = norm_blocks(n)
+    padded = jnp.pad(jnp.square(x), ((0, 0), (0, -n % block)))
+    partial = jnp.sum(padded.reshape(x.shape[0], -1, block), axis=2)
+    return jnp.sum(jax.lax.optimization_barrier(partial), axis=1)
 
 
 def _statistics(squared, valid, finite, counted, limits, per_layer):
@@ -170,7 +251,7 @@ def merge(a: AccumulatorState, b: AccumulatorState) -> AccumulatorState:
     worker would have reached on all their batches (up to float rounding).
     """
     return dataclasses.replace(
-        a,
+        a,  # (fixed point: limbs add as they are; the host decodes them in int64)
         sum_chunks=tuple(x + y for x, y in zip(a.sum_chunks, b.sum_chunks)),
         stats=_xla_cpu.add_stats(a.stats, *_xla_cpu.unpack_stats(b.stats, b.num_layers)),
     )
@@ -198,6 +279,7 @@ class AccumulatorState:
     stats: jax.Array | np.ndarray | tuple
     layers: tuple[tuple[tuple[int, ...], str], ...]  # static: (shape, sum dtype) per layer
     tricks: Tricks = ALL  # static
+    fixed_point_step: float = 0.0  # static: g > 0: each chunk is one layer's int32 limbs [hi..., lo...]
 
     @property
     def num_layers(self) -> int:
@@ -206,11 +288,14 @@ class AccumulatorState:
     @property
     def chunk_runs(self) -> tuple[tuple[int, int], ...]:
         sizes = [math.prod(shape) for shape, _ in self.layers]
-        return _xla_cpu.sum_buffer_runs(sizes, self.tricks.shared_sum_buffers)
+        return _xla_cpu.sum_buffer_runs(sizes, self.tricks.shared_sum_buffers and not self.fixed_point_step)
 
     @property
     def sums(self) -> tuple:
-        """Per layer: the clipped sum, in its layer's shape and sum dtype."""
+        """Per layer: the clipped sum, in its layer's shape and sum dtype (fixed point: float64 numpy, exact)."""
+        if self.fixed_point_step:
+            return tuple(fixed_point_values(np.asarray(chunk), self.fixed_point_step).reshape(shape)
+                         for chunk, (shape, _) in zip(self.sum_chunks, self.layers))
         out = []
         for chunk, (i, j) in zip(self.sum_chunks, self.chunk_runs):
             offset = 0
@@ -271,7 +356,19 @@ class AccumulatorState:
 
 
 jax.tree_util.register_dataclass(
-    AccumulatorState, data_fields=["sum_chunks", "stats"], meta_fields=["layers", "tricks"])
+    AccumulatorState, data_fields=["sum_chunks", "stats"], meta_fields=["layers", "tricks", "fixed_point_step"])
+
+
+def fixed_point_values(limbs: np.ndarray, step: float) -> np.ndarray:
+    """``(hi * 2^LIMB_BITS + lo) * step`` in float64 from one layer's limbs ``[hi..., lo...]``, decoded in int64.
+
+    Exact while ``|hi * 2^LIMB_BITS + lo| < 2^53``.
+
+    >>> fixed_point_values(np.array([1, -1, 5, 1023], np.int32), 0.25).tolist()  # 1029 and -1 steps
+    [257.25, -0.25]
+    """
+    hi, lo = np.split(limbs.astype(np.int64), 2)
+    return (hi * (1 << LIMB_BITS) + lo).astype(np.float64) * step
 
 
 def _sum_dtype(dtype: str) -> jnp.dtype:
@@ -293,28 +390,44 @@ class ClipAccumulator:
       (Array([1.75, 1.75, 1.75], dtype=float32), 3, 4)
     """
 
-    def __init__(self, layers: Sequence[LayerSpec], policy: ClipPolicy, tricks: Tricks = ALL) -> None:
+    def __init__(self, layers: Sequence[LayerSpec], policy: ClipPolicy, tricks: Tricks = ALL,
+                 fixed_point_step: float = 0.0) -> None:
         if not layers:
             raise ValueError("ClipAccumulator: at least one layer is needed.")
+        if fixed_point_step and (policy.is_per_layer or policy.rescale_to_unit_norm
+                                 or policy.non_finite is not NonFinite.ZERO_EXAMPLE):
+            raise ValueError("fixed point: a GLOBAL bound without rescaling, non-finite examples zeroed")
+        if fixed_point_step and not policy.l2_norm_clip / fixed_point_step < FIXED_POINT_RANGE / 2:
+            raise ValueError(f"fixed point: a step of {fixed_point_step} is too fine for the bound"
+                             f" {policy.l2_norm_clip} (at most 2^19 steps in the bound)")
         self.layers = tuple(LayerSpec(n, tuple(s), str(np.dtype(d))) for n, s, d in layers)
         self.policy = policy
         self.sum_dtypes = tuple(_sum_dtype(layer.dtype) for layer in self.layers)
         self.compute_dtype = jnp.result_type(*self.sum_dtypes)
         self.bounds = tuple(policy.layer_bounds(self.layers))
         groups = self.bounds if policy.is_per_layer else self.bounds[:1]
-        self._limits = jnp.asarray([*groups, policy.example_bound(self.layers)], self.compute_dtype)
-        self._config = _StepConfig(policy.is_per_layer, policy.rescale_to_unit_norm, policy.non_finite, tricks)
+        limits = [*groups, policy.example_bound(self.layers)]
+        if fixed_point_step:  # the bound the fixed-point multiplier uses, last
+            limits.append(conservative_bound(policy.l2_norm_clip, [layer.size for layer in self.layers]))
+        self._limits = jnp.asarray(limits, self.compute_dtype)
+        self.fixed_point_step = float(fixed_point_step)
+        self._config = _StepConfig(policy.is_per_layer, policy.rescale_to_unit_norm, policy.non_finite, tricks,
+                                   self.fixed_point_step)
 
     def init(self) -> AccumulatorState:
         """An empty state: zero sums and counts."""
         k, tricks = len(self.layers), self._config.tricks
         sizes = [layer.size for layer in self.layers]
+        if self.fixed_point_step:
+            chunks = tuple(jnp.zeros((2 * size,), jnp.int32) for size in sizes)
+        else:
+            chunks = tuple(jnp.zeros((sum(sizes[i:j]),), self.compute_dtype)
+                           for i, j in _xla_cpu.sum_buffer_runs(sizes, tricks.shared_sum_buffers))
         return AccumulatorState(
-            sum_chunks=tuple(jnp.zeros((sum(sizes[i:j]),), self.compute_dtype)
-                             for i, j in _xla_cpu.sum_buffer_runs(sizes, tricks.shared_sum_buffers)),
+            sum_chunks=chunks,
             stats=_xla_cpu.stats_zeros(2 + k + (k + 1) * NUM_BUCKETS, k, self.compute_dtype, tricks.packed_stats),
             layers=tuple((layer.shape, str(np.dtype(dt))) for layer, dt in zip(self.layers, self.sum_dtypes)),
-            tricks=tricks,
+            tricks=tricks, fixed_point_step=self.fixed_point_step,
         )
 
     def update(

@@ -485,13 +485,14 @@ class PrivacyPolicy:
         s = sensitivity(example_bound, self.neighbouring)
         if self.noise is Noise.SECURE:
             dimension = sum(layer.size for layer in layers)
-            step, widened, scale = secure.plan(s, z, dimension) if z > 0 else (0.0, 0, 0.0)
-            if z == 0:  # no noise: nothing private, as with the float noise
-                none = dpe.NonPrivateDpEvent()
-                return ReleasePlan(0.0, 0.0, s, 0.0, 0.0, 0.0, none, event_to_json(none))
+            contributions = 2 if self.neighbouring is Neighbouring.REPLACE_ONE else 1
+            step, widened, scale = secure.plan(example_bound, contributions, z, dimension)
+            event_json = secure.release_event_json(widened, scale, step, dimension)
+            if z == 0:  # no noise: nothing private, as with the float noise (the sums are still on the grid)
+                event_json = event_to_json(dpe.NonPrivateDpEvent())
             return ReleasePlan(noise_multiplier=z, value_noise_multiplier=z, sensitivity=s, noise_stddev=scale * step,
-                               count_noise_stddev=0.0, metrics_noise_stddev=0.0, event=None,
-                               event_json=secure.release_event_json(widened, scale, step, dimension))
+                               count_noise_stddev=0.0, metrics_noise_stddev=0.0, event=None, event_json=event_json,
+                               grid_step=step, grid_sensitivity=widened, grid_scale=scale)
         count_z = 0.0
         if self.adaptive is not None and self.adaptive.count_stddev > 0:
             count_z = self.adaptive.count_stddev / count_sensitivity(self.neighbouring)
@@ -516,3 +517,6 @@ class ReleasePlan:
     metrics_noise_stddev: float  # per coordinate of the statistics vector
     event: dpe.DpEvent | None  # dp_accounting's event (None for secure noise: see event_json)
     event_json: str  # the event as the ledger stores it (secure noise: _secure_noise.release_event_json)
+    grid_step: float = 0.0  # secure noise: g, the step of the fixed-point sums and of the release
+    grid_sensitivity: int = 0  # secure noise: Dg, in grid steps
+    grid_scale: float = 0.0  # secure noise: the discrete Gaussian's scale, in grid steps

@@ -1,47 +1,47 @@
 """Secure noise: a release on an integer grid with discrete Gaussian noise, and its accounting.
 
-The default release adds JAX's float32 normal to the float sum ``S``. Floating
-point leaves two holes there (the README's "What it does not protect
-against"): the set of floats a continuous sampler can output reveals the
-value it was added to (Mironov 2012; Jin et al. 2021), and a float sum can
-move by more than its nominal sensitivity when one contribution changes
-(Casacuberta et al. 2022). The secure release closes the first hole by never
-drawing a float:
+The default release adds JAX's float32 normal to a float sum. Floating point
+leaves two holes there (the README's "What it does not protect against"): the
+set of floats a continuous sampler can output reveals the value it was added
+to (Mironov 2012; Jin et al. 2021), and a float sum can move by more than its
+nominal sensitivity when one contribution changes, depending on the order of
+the additions (Casacuberta et al. 2022). The secure release closes both:
 
-    r        = round(S / g)                  the sum on the grid of step g (an integer vector)
-    release  = g * (r + Z),   Z ~ N_Z(0, s^2)^d   (Canonne, Kamath and Steinke 2020)
+    r_i      = rint(m_i x_i / g)                 each clipped example on the grid of step g
+    R        = sum_i r_i                          exact integers (the accumulator's fixed point)
+    release  = g * (R + Z),   Z ~ N_Z(0, s^2)^d   (Canonne, Kamath and Steinke 2020)
 
 with ``Z`` drawn by OpenDP's exact sampler (integer and rational arithmetic,
-bits from a CSPRNG), so every released value lies on the grid.
+bits from a CSPRNG), so every released value is a whole number of steps.
 
-**Sensitivity on the grid.** If one contribution moves the float sum by at most
-``D`` in L2, it moves ``r`` by at most ``ceil(D / g) + ceil(sqrt(d))``: in each
-coordinate ``|round(a) - round(b)| <= |a - b| + |e_a - e_b|`` with rounding
-errors ``|e| <= 1/2``, so over ``d`` coordinates the rounding adds at most
-``sqrt(d)`` (triangle inequality). :func:`grid_step` picks the largest power of
-two with ``sqrt(d) * g <= D / 2^GRID_BITS``: the rounding widens the
-sensitivity by at most ``2^-GRID_BITS`` (0.1%), and dividing a float by a power
-of two is exact.
+**Sensitivity on the grid.** The accumulator clips each example to norm at most
+``C`` whatever order its float norm was summed in, so its float32 product
+``v_i`` has ``||v_i|| <= C (1 + u)``, and ``||r_i - v_i / g|| <= sqrt(d) / 2``
+(each coordinate rounds by at most 1/2). ``R`` is exact, so adding or removing
+one example moves it by exactly ``r_i``, in any order:
+``||r_i|| <= C (1 + u) / g + sqrt(d) / 2``; replacing one moves it by twice that.
+:func:`grid_sensitivity` is that bound, rounded up.
+
+**The grid.** ``g`` is the largest power of two with ``sqrt(d) g <= C 2^-GRID_BITS``
+(the rounding widens the sensitivity by at most ``2^-(GRID_BITS + 1)``), but not
+below ``C 2^-19``: the accumulator's integers must stay under 2^20. Past
+``d = 2^20`` the floor decides, and the widening is ``sqrt(d) 2^-20`` (0.95% at
+``d = 10^8``). Dividing by a power of two is exact.
 
 **Privacy.** The discrete Gaussian with an integer shift ``mu`` satisfies
-``mu^2 / (2 s^2)``-zCDP (Canonne, Kamath and Steinke, Theorem 14 for the
-multivariate case; it is the continuous Gaussian's bound); with ``s = z * Dg``,
-``Dg`` the grid sensitivity above, a release is ``1 / (2 z^2)``-zCDP.
+``||mu||^2 / (2 s^2)``-zCDP (Canonne, Kamath and Steinke, Theorem 14 for the
+multivariate case; the continuous Gaussian's bound); with ``s = z * Dg``, a
+release is ``1 / (2 z^2)``-zCDP, as the continuous Gaussian of multiplier ``z``.
 Releases compose by adding their ``rho``; epsilon at ``delta`` is OpenDP's
-conversion of the total. This holds for releases on the whole data set;
+conversion of the total. This holds for releases on the whole data set:
 amplification by sampling is not claimed (no vetted accountant bounds the
 subsampled discrete Gaussian).
 
-What this module does not settle: ``D`` itself. The float sum's own rounding
-(Casacuberta et al.) must be inside ``D``; the server's sums are float32, and
-the fixed-point accumulation that would make them exact is not built yet
-(see docs/PRIVACY.md).
-
-Example: a sensitivity of 1 over a million coordinates:
+Example: a bound of 1 over a million coordinates:
 
   >>> step = grid_step(1.0, 1_000_000)
-  >>> step == 2.0 ** -20, grid_sensitivity(1.0, step, 1_000_000)
-  (True, 1049576)
+  >>> step == 2.0 ** -19, grid_sensitivity(1.0, step, 1_000_000)
+  (True, 524789)
 """
 
 from __future__ import annotations
@@ -59,50 +59,59 @@ from collections.abc import Sequence
 import numpy as np
 
 GRID_BITS = 10
-"""The grid is fine enough that rounding onto it widens the sensitivity by at most 2^-GRID_BITS."""
+"""Where it can, the grid is fine enough that rounding widens the sensitivity by at most 2^-(GRID_BITS + 1)."""
+FINEST = 19
+"""The grid is never finer than ``C 2^-FINEST``: the accumulator's integers stay under 2^20."""
+UNIT = 2.0 ** -24  # float32's unit roundoff
 
 CHUNK = 1 << 18
 """Draws per sampler call (bounds the memory of OpenDP's list); from ``PARALLEL_FROM`` draws on, processes share them."""
 PARALLEL_FROM = 1 << 18
 
 MAX_GRID_VALUE = 1 << 52
-"""``|S / g|`` must stay below this: then ``g * (r + Z)`` is exact in float64 (the noise is far smaller)."""
+"""``|R|`` must stay below this: then ``g * (R + Z)`` is exact in float64 (the noise is far smaller)."""
 
 
-def grid_step(sensitivity: float, dimension: int, bits: int = GRID_BITS) -> float:
-    """The largest power of two ``g`` with ``sqrt(dimension) * g <= sensitivity * 2^-bits``.
+def grid_step(bound: float, dimension: int, bits: int = GRID_BITS) -> float:
+    """The largest power of two ``g`` with ``sqrt(dimension) g <= bound 2^-bits``, but at least ``bound 2^-FINEST``.
 
-    >>> grid_step(1.0, 1), grid_step(4.0, 16)
-    (0.0009765625, 0.0009765625)
+    >>> grid_step(1.0, 1), grid_step(4.0, 16), grid_step(1.0, 10 ** 8) == 2.0 ** -19
+    (0.0009765625, 0.0009765625, True)
     """
-    if not (sensitivity > 0 and math.isfinite(sensitivity)) or dimension < 1:
-        raise ValueError(f"a grid needs a finite sensitivity > 0 and a dimension >= 1, got {sensitivity}, {dimension}")
-    step = 2.0 ** math.floor(math.log2(sensitivity * 2.0 ** -bits / math.sqrt(dimension)))
-    while math.sqrt(dimension) * step > sensitivity * 2.0 ** -bits:  # log2's rounding, at a power of two
+    if not (bound > 0 and math.isfinite(bound)) or dimension < 1:
+        raise ValueError(f"a grid needs a finite bound > 0 and a dimension >= 1, got {bound}, {dimension}")
+    step = 2.0 ** math.floor(math.log2(bound * 2.0 ** -bits / math.sqrt(dimension)))
+    while math.sqrt(dimension) * step > bound * 2.0 ** -bits:  # log2's rounding, at a power of two
         step /= 2
-    return step
+    finest = 2.0 ** math.ceil(math.log2(bound * 2.0 ** -FINEST))
+    while finest < bound * 2.0 ** -FINEST:
+        finest *= 2
+    return max(step, finest)
 
 
-def grid_sensitivity(sensitivity: float, step: float, dimension: int) -> int:
-    """``ceil(D / g) + ceil(sqrt(d))``: how far one contribution moves the sum on the grid (L2, integer).
+def grid_sensitivity(bound: float, step: float, dimension: int, contributions: int = 1) -> int:
+    """``ceil(k (C (1 + 2u) / g + sqrt(d) / 2))``: how far ``k`` examples (1: add or remove one; 2: replace one)
+    move the sum on the grid, in L2, rounded up to an integer.
 
-    >>> grid_sensitivity(1.0, 2.0 ** -4, 10)  # 16 + ceil(3.16...)
-    20
+    >>> grid_sensitivity(1.0, 2.0 ** -4, 9), grid_sensitivity(1.0, 2.0 ** -4, 9, contributions=2)  # 16 + 1.5
+    (18, 36)
     """
-    return math.ceil(sensitivity / step) + math.isqrt(dimension - 1) + 1
+    half_root = (math.isqrt(dimension - 1) + 1) / 2  # ceil(sqrt(d)) / 2 >= sqrt(d) / 2, exactly
+    return math.ceil(contributions * (bound / step * (1 + 2 * UNIT) + half_root))
 
 
-def to_grid(values: np.ndarray, step: float) -> np.ndarray:
-    """``round(values / step)`` as int64 (half to even): the sum on the grid.
+def on_grid(values: np.ndarray, step: float) -> np.ndarray:
+    """``values / step`` as int64, where every value is a whole number of steps (``ValueError`` otherwise).
 
-    >>> to_grid(np.array([0.3, -1.26, 2.5], np.float32), 0.5)
-    array([ 1, -3,  5])
+    >>> on_grid(np.array([0.5, -1.25, 3.0]), 0.25)
+    array([ 2, -5, 12])
     """
     scaled = np.asarray(values, np.float64) / step  # exact: step is a power of two
     if not np.all(np.abs(scaled) < MAX_GRID_VALUE):
-        raise OverflowError(f"a sum of {np.max(np.abs(values)):.6g} does not fit a grid of step {step:g};"
-                            " lower the bound or the number of contributions")
-    return np.rint(scaled).astype(np.int64)
+        raise OverflowError(f"a sum of {np.max(np.abs(values)):.6g} does not fit a grid of step {step:g}")
+    if not np.array_equal(np.rint(scaled), scaled):
+        raise ValueError(f"a sum is not on the grid of step {step:g}: it was not summed in fixed point")
+    return scaled.astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +120,7 @@ class GridRelease:
 
     values: tuple[np.ndarray, ...]
     step: float  # g
-    grid_sensitivity: int  # Dg: of the sum on the grid, in grid steps
+    grid_sensitivity: int  # Dg: of the sum on the grid, in grid steps (grid_sensitivity)
     scale: float  # s = z * Dg: of the discrete Gaussian, in grid steps
     event_json: str  # its ledger entry
 
@@ -121,30 +130,32 @@ class GridRelease:
         return self.scale * self.step
 
 
-def plan(sensitivity: float, noise_multiplier: float, dimension: int) -> tuple[float, int, float]:
-    """``(g, Dg, s)`` of a release of ``dimension`` coordinates with sensitivity ``D`` and multiplier ``z``."""
-    step = grid_step(sensitivity, dimension)
-    widened = grid_sensitivity(sensitivity, step, dimension)
+def plan(bound: float, contributions: int, noise_multiplier: float, dimension: int) -> tuple[float, int, float]:
+    """``(g, Dg, s)`` of a release of ``dimension`` coordinates of examples clipped to ``bound``, with multiplier
+    ``z``; ``contributions`` is 1 under add/remove-one, 2 under replace-one."""
+    step = grid_step(bound, dimension)
+    widened = grid_sensitivity(bound, step, dimension, contributions)
     return step, widened, noise_multiplier * widened
 
 
-def release(sums: Sequence[np.ndarray], sensitivity: float, noise_multiplier: float,
+def release(sums: Sequence[np.ndarray], step: float, grid_sensitivity: int, scale: float,
             processes: int | None = None) -> GridRelease:
-    """The secure release of ``sums`` (one array per layer) whose sensitivity is ``D``, with multiplier ``z``.
+    """The secure release of fixed-point ``sums`` (one float64 array per layer, every value on the grid of
+    ``step``): ``step * (sums / step + Z)``, ``Z`` of ``scale`` grid steps.
 
-    >>> out = release([np.array([1.0, 2.0]), np.array([[3.0]])], 1.0, 0.0)
+    >>> out = release([np.array([1.0, 2.0]), np.array([[3.0]])], 0.5, 4, 0.0)
     >>> out.values, out.step, out.grid_sensitivity
-    ((array([1., 2.]), array([[3.]])), 0.00048828125, 2050)
+    ((array([1., 2.]), array([[3.]])), 0.5, 4)
     """
     dimension = sum(int(np.size(s)) for s in sums)
-    step, widened, scale = plan(sensitivity, noise_multiplier, dimension)
-    flat = to_grid(np.concatenate([np.ravel(s) for s in sums]), step) + discrete_gaussian(dimension, scale, processes)
+    flat = on_grid(np.concatenate([np.ravel(s) for s in sums]), step) + discrete_gaussian(dimension, scale, processes)
     values = flat.astype(np.float64) * step  # exact: |flat| < 2^53 and step a power of two
     out, at = [], 0
     for total in sums:
         out.append(values[at:at + np.size(total)].reshape(np.shape(total)))
         at += np.size(total)
-    return GridRelease(tuple(out), step, widened, scale, release_event_json(widened, scale, step, dimension))
+    return GridRelease(tuple(out), step, grid_sensitivity, scale,
+                       release_event_json(grid_sensitivity, scale, step, dimension))
 
 
 # The sampler -------------------------------------------------------------------------------

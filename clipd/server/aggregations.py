@@ -79,6 +79,11 @@ def _client_of(client_id: str) -> str:
 
 
 
+def make_accumulator(layers: tuple[LayerSpec, ...], policy: ClipPolicy, plan) -> ClipAccumulator:
+    """An aggregation's accumulator: under secure noise, in fixed point on its release's grid (``plan.grid_step``)."""
+    return ClipAccumulator(layers, policy, fixed_point_step=plan.grid_step if plan is not None else 0.0)
+
+
 def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool,
                  privacy: dp.PrivacyPolicy | None = None, shards: int = 1) -> str:
     """An aggregation's layers, policy (with the bound in use), privacy policy and shard count as JSON, for the store."""
@@ -140,7 +145,7 @@ class Aggregation:
         self.layers = layers
         self.policy = policy
         self.reject_non_finite = reject_non_finite
-        self.accumulator = ClipAccumulator(layers, policy)
+        self.accumulator = make_accumulator(layers, policy, plan)
         self.example_bytes = sum(l.size * np.dtype(l.dtype).itemsize for l in layers)
         rows = max(1, min(max_device_rows, staging_bytes // max(1, self.example_bytes)))
         self.device_rows = 1 << (rows.bit_length() - 1)  # a power of two

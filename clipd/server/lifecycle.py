@@ -28,7 +28,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from clipd.engine import BoundKind, PartialState
+from clipd.engine import BoundKind, NonFinite, PartialState
+from clipd.engine import _privacy as dp
 from clipd.server.aggregations import Aggregation, Registry, Result, spec_to_json
 from clipd.server.errors import AlreadyExists, ClipdError, InvalidArgument
 from clipd.server.logs import event
@@ -174,6 +175,10 @@ class Lifecycle:
         bound = policy.example_bound(layers)
         if not math.isfinite(bound):
             raise InvalidArgument("privacy: an infinite bound (no clipping) has no finite sensitivity")
+        if privacy.noise is dp.Noise.SECURE and (policy.kind is not BoundKind.GLOBAL
+                                                 or policy.non_finite is not NonFinite.ZERO_EXAMPLE):
+            raise InvalidArgument("privacy.noise SECURE sums in fixed point: it needs a GLOBAL clip policy whose"
+                                  " non-finite examples are zeroed (ZERO_EXAMPLE) or rejected (REJECT)")
         try:
             plan = privacy.plan(bound, layers)
         except ValueError as e:

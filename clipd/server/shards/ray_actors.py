@@ -76,8 +76,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import jax
 
-from clipd.engine import ClipAccumulator, PartialState
-from clipd.server.aggregations import spec_from_json, spec_shards
+from clipd.engine import PartialState
+from clipd.server.aggregations import make_accumulator, spec_from_json, spec_shards
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition
 from clipd.server.lifecycle import fail
 from clipd.server.shards.process import ShardProcesses
@@ -96,7 +96,7 @@ class ShardOwner:
     """
 
     def __init__(self, store: Store, aggregation_id: str, shard: int, spec_json: str) -> None:
-        layers, policy, _reject_non_finite, _privacy = spec_from_json(spec_json)
+        layers, policy, _reject_non_finite, privacy = spec_from_json(spec_json)
         shards = spec_shards(spec_json)
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard}: the aggregation has {shards} shard(s)")
@@ -104,7 +104,8 @@ class ShardOwner:
         self.aggregation_id = aggregation_id
         self.shard = int(shard)
         self.layers = layers
-        self.accumulator = ClipAccumulator(layers, policy)
+        plan = privacy.plan(policy.example_bound(layers), layers) if privacy is not None else None
+        self.accumulator = make_accumulator(layers, policy, plan)
         self._fenced: FencedOut | None = None
         # Claim first, then read: no earlier owner can commit after the checkpoint we restore.
         self.epoch = store.claim_shard(aggregation_id, self.shard)

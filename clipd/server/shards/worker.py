@@ -50,7 +50,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from clipd.engine import PartialState
+from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState
 from clipd.server.aggregations import Aggregation, State
 from clipd.server.errors import Unavailable
 from clipd.server.lifecycle import fail
@@ -476,7 +476,9 @@ class DeviceWorker:
             slot.nbytes += nbytes
         slot.dirty = slot.dirty or bool(inflight.done)
         aggregation.record(inflight.done, stats, shard)
-        if slot.steps >= FLUSH_STEPS:
+        fixed_point_full = (aggregation.accumulator.fixed_point_step
+                            and (slot.steps + 1) * aggregation.device_rows > FIXED_POINT_DELTA_ROWS)
+        if slot.steps >= FLUSH_STEPS or fixed_point_full:  # (fixed point: before its int32 limbs could overflow)
             self._flush(aggregation, shard)
 
     # Flushes and checkpoints ------------------------------------------------------------
