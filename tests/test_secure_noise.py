@@ -100,7 +100,7 @@ def test_fixed_point_sums_are_the_same_in_casacuberta_orders_and_one_example_mov
     d, n, bound = 64, 600, 1.0
     big = np.zeros((40, d), np.float32)
     big[:, 0] = 1.0  # examples at the bound, all in one coordinate: a large running sum there
-    small = (rng.standard_normal((n - 40, d)) * 3e-4).astype(np.float32)  # each far under one float32 ulp of it
+    small = (rng.standard_normal((n - 40, d)) * 3e-4).astype(np.float32)  # a few dozen float32 ulps of it each
     data = [np.concatenate([big, small])]
     magnitude = np.abs(data[0]).sum(axis=1)
     orders = {"as given": np.arange(n), "big first": np.argsort(-magnitude, kind="stable"),
