@@ -41,6 +41,15 @@ def test_ledger_survives_sigkill_and_refuses_the_same_way(tmp_path):
             still_open = client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=reserving)
             with pytest.raises(FailedPreconditionError, match="1 more releases reserved") as reserved_before:
                 client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=reserving)
+            # Secure noise: a release made, and an open fixed-point sum with one client's rows acknowledged.
+            secure = Privacy("secure-survivor", 1e-5, noise_multiplier=1.0, noise="secure", accountant="zcdp")
+            secure_released = client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=secure)
+            client.submit(secure_released, {"w": np.ones((3, 16), np.float32)})
+            released.append((secure_released, client.finalize(secure_released)))
+            exact = Privacy("secure-exact", 1e-5, noise_multiplier=0.0, noise="secure", accountant="zcdp")
+            summing = client.create_aggregation({"w": (500,)}, l2_norm_clip=1.0, privacy=exact)
+            rows = [(np.random.default_rng(k).standard_normal((4, 500)) * 0.01).astype(np.float32) for k in (1, 2)]
+            client.submit(summing, {"w": rows[0]}, client_id="before-the-kill")
         proc.kill()
         proc.start()
         with _client(proc.port) as client:
@@ -53,6 +62,11 @@ def test_ledger_survives_sigkill_and_refuses_the_same_way(tmp_path):
                 client.create_aggregation({"w": (16,)}, l2_norm_clip=1.0, privacy=reserving)
             assert reserved_after.value.details == reserved_before.value.details
             assert client.finalize(still_open).release.ledger_releases == 2
+            client.submit(summing, {"w": rows[1]}, client_id="after-the-kill")
+            result = client.finalize(summing)  # the checkpointed fixed-point sum went on exactly
+            step = result.release.grid_step
+            expected = sum(np.rint(r.astype(np.float64) / step).sum(axis=0) for r in rows) * step
+            np.testing.assert_array_equal(result.sums["w"], expected)
             for agg, result in released:  # the releases themselves came back, not new noise
                 again = client.finalize(agg)
                 np.testing.assert_array_equal(again.sums["w"], result.sums["w"])
