@@ -8,11 +8,12 @@ tests/service_helpers.py, not clipd's code.
 from __future__ import annotations
 
 import time
+import uuid
 
 import numpy as np
 import pytest
 
-from clipd.client import Client, NotFoundError
+from clipd.client import Client, NotFoundError, Privacy
 from clipd.server.lifecycle import Shards
 from service_helpers import assert_exact_global_clip, random_batch
 
@@ -24,7 +25,8 @@ CLIENTS = [f"client-{i}" for i in range(4)]
 
 
 def check_shards_contract(server, target: str, **client_options) -> None:
-    """One server's shards, whatever their kind: declared interface, exact sums, appends, cancel, finalize."""
+    """One server's shards, whatever their kind: declared interface, exact sums, appends, cancel, finalize, and
+    fixed-point sums under secure noise."""
     kind = server.devices
     assert isinstance(kind, Shards), f"{type(kind).__name__} does not have every method of Shards"
     assert len(kind) >= 1 and isinstance(kind.device_kind, str) and kind.device_kind
@@ -61,3 +63,18 @@ def check_shards_contract(server, target: str, **client_options) -> None:
         c.submit(fresh, random_batch("y", 0, LAYERS, ROWS), client_id="y")
         assert_exact_global_clip(c.finalize(fresh), ["y"], range(1), ROWS, LAYERS, CLIP)
 
+        # Under secure noise every kind sums in fixed point on the release's grid: with z = 0 the release is exactly
+        # the sum of each example's grid integers, whichever shard summed it (rows far under the bound: unclipped).
+        secure = Privacy(f"contract-{uuid.uuid4().hex[:10]}", 1e-5, noise_multiplier=0.0, noise="secure",
+                         accountant="zcdp")
+        exact = c.create_aggregation(LAYERS, l2_norm_clip=CLIP, privacy=secure)
+        sent = {client: {name: x * 0.01 for name, x in random_batch(client, 0, LAYERS, ROWS).items()}
+                for client in CLIENTS}
+        for client, rows in sent.items():
+            c.submit(exact, rows, client_id=client)
+        released = c.finalize(exact)
+        step = released.release.grid_step
+        assert step > 0
+        for name in LAYERS:
+            expected = sum(np.rint(rows[name].astype(np.float64) / step).sum(axis=0) for rows in sent.values())
+            np.testing.assert_array_equal(released.sums[name], expected * step)

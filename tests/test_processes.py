@@ -300,22 +300,3 @@ def test_a_silent_stream_on_a_shard_process_is_closed_after_the_idle_timeout(tmp
     finally:
         server.stop(1.0)
 
-
-def test_secure_noise_sums_in_fixed_point_in_every_shard_process(behind_shards):
-    """Under secure noise each shard process sums on the release's grid: with z = 0 the release is the exact sum of
-    every example's grid integers (unclipped examples: rint(x / g)), whichever process summed which client."""
-    from clipd.client import Privacy
-
-    _, target = behind_shards
-    rng = np.random.default_rng(8)
-    clients = {f"secure-{k}": (rng.standard_normal((5, 300)) * 0.01).astype(np.float32) for k in range(6)}
-    assert len({wire.shard_of(client, 2) for client in clients}) == 2  # both processes take part
-    privacy = Privacy("secure-shards", 1e-5, noise_multiplier=0.0, noise="secure", accountant="zcdp")
-    with Client(target, token="admin-secret") as c:
-        aggregation = c.create_aggregation({"w": (300,)}, l2_norm_clip=1.0, privacy=privacy)
-        for client, rows in clients.items():
-            c.submit(aggregation, {"w": rows}, client_id=client)
-        result = c.finalize(aggregation)
-    step = result.release.grid_step
-    expected = sum(np.rint(rows.astype(np.float64) / step).sum(axis=0) for rows in clients.values()) * step
-    assert step > 0 and np.array_equal(result.sums["w"], expected)
