@@ -82,7 +82,7 @@ def test_sigkill_during_finalize_never_splits_a_release_from_its_ledger_entry(tm
     privacy = Privacy("atomic", 1e-5, noise_multiplier=1.0)
     aggregations = []
     try:
-        for _ in range(4):
+        for _ in range(3):
             with _client(proc.port) as client:
                 agg = client.create_aggregation({"w": (4096,)}, l2_norm_clip=1.0, privacy=privacy)
                 client.submit(agg, {"w": np.ones((8, 4096), np.float32)})
