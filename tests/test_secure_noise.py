@@ -59,13 +59,18 @@ def _fixed_point(shapes, bound: float, step: float):
     return ClipAccumulator(layers, ClipPolicy(l2_norm_clip=bound), fixed_point_step=step)
 
 
-def _grid_sum(acc, rows, order, batch: int) -> np.ndarray:
-    """The accumulator's sum of ``rows[order]`` in batches of ``batch``, in grid steps (exact integers)."""
+def _summed(acc, rows, order, batch: int):
+    """The accumulator's per-layer sums of ``rows[order]``, fed in batches of ``batch``."""
     state = acc.init()
     for start in range(0, len(order), batch):
         chosen = order[start:start + batch]
         state = acc.update(state, [x[chosen] for x in rows], np.ones(len(chosen), bool))
-    return np.concatenate([s.ravel() for s in state.sums]) / acc.fixed_point_step
+    return state.sums
+
+
+def _grid_sum(acc, rows, order, batch: int) -> np.ndarray:
+    """The fixed-point sum of ``rows[order]`` in grid steps (exact integers), all layers flat."""
+    return np.concatenate([s.ravel() for s in _summed(acc, rows, order, batch)]) / acc.fixed_point_step
 
 
 def test_every_released_value_lies_on_the_grid_and_the_noise_has_the_stated_scale():
@@ -120,16 +125,8 @@ def test_fixed_point_sums_are_the_same_in_casacuberta_orders_and_one_example_mov
         assert np.array_equal(first - _grid_sum(fixed, data, rest, 64), alone)
         assert np.linalg.norm(alone) <= limit
     floating = ClipAccumulator([LayerSpec("l0", (d,))], ClipPolicy(l2_norm_clip=bound))
-    float_sums = {name: np.asarray(_float_sum(floating, data, order)) for name, order in orders.items()}
+    float_sums = {name: np.asarray(_summed(floating, data, order, 1)[0]) for name, order in orders.items()}
     assert len({total.tobytes() for total in float_sums.values()}) > 1  # floats: the order shows in the sum
-
-
-def _float_sum(acc, rows, order, batch: int = 1):
-    state = acc.init()
-    for start in range(0, len(order), batch):
-        chosen = order[start:start + batch]
-        state = acc.update(state, [x[chosen] for x in rows], np.ones(len(chosen), bool))
-    return state.sums[0]
 
 
 def test_the_grid_sensitivity_is_reached_by_an_example_whose_every_coordinate_rounds_up():
@@ -188,9 +185,8 @@ def test_the_secure_release_spends_the_continuous_gaussians_epsilon_with_a_littl
     for dimension, at_most in ((10, 1.001), (10 ** 6, 1.001), (10 ** 8, 1.0096)):
         z, bound, rounds = 1.0, 1.0, 100
         step, widened, scale = secure.plan(bound, 1, z, dimension)
-        continuous = secure.epsilon_of_rho(rounds / (2 * z * z), 1e-5)
         discrete = secure.epsilon([secure.release_event_json(widened, scale, step, dimension)] * rounds, 1e-5)
-        assert discrete == pytest.approx(continuous, rel=1e-12)
+        assert discrete == pytest.approx(_opendp_epsilon([(1, z)] * rounds, 1e-5), rel=1e-9)  # OpenDP, rho = 1/(2z^2)
         widening = scale * step / (z * bound)
         assert 1.0 < widening <= 1 + (math.ceil(math.sqrt(dimension)) / 2 + 1) * step / bound
         assert widening < at_most
@@ -262,6 +258,49 @@ def test_secure_noise_is_calibrated_to_a_target_epsilon(client):
     agg = client.create_aggregation({"w": (3,)}, l2_norm_clip=1.0, privacy=privacy)
     release = client.finalize(agg).release
     assert _opendp_epsilon([(1, release.noise_multiplier)] * 4, 1e-5) == pytest.approx(2.0, rel=1e-6)
+    grid_sensitivity = math.ceil(1.0 / release.grid_step * (1 + 2 ** -23) + math.ceil(math.sqrt(3)) / 2)
+    assert release.grid_noise_scale == pytest.approx(release.noise_multiplier * grid_sensitivity, rel=1e-12)
+    assert release.ledger_epsilon == pytest.approx(_opendp_epsilon([(1, release.noise_multiplier)], 1e-5), rel=1e-9)
+
+
+def test_replace_one_doubles_the_grid_sensitivity_and_keeps_the_epsilon(client):
+    """Replacing one example moves the fixed-point sum by two examples' grid vectors: twice the add/remove bound
+    (each rounding included), so the noise doubles and the epsilon per release stays that of z."""
+    results = {}
+    for neighbouring in ("add_remove_one", "replace_one"):
+        privacy = _secure(_ledger(), noise_multiplier=1.0, neighbouring=neighbouring)
+        results[neighbouring] = client.finalize(
+            client.create_aggregation({"w": (3,)}, l2_norm_clip=1.0, privacy=privacy)).release
+    step = results["replace_one"].grid_step
+    one = 1.0 / step * (1 + 2 ** -23) + math.ceil(math.sqrt(3)) / 2
+    assert results["add_remove_one"].grid_noise_scale == math.ceil(one)
+    assert results["replace_one"].grid_noise_scale == math.ceil(2 * one) and results["replace_one"].sensitivity == 2.0
+    for release in results.values():
+        assert release.ledger_epsilon == pytest.approx(_opendp_epsilon([(1, 1.0)], 1e-5), rel=1e-9)
+
+
+def test_a_fixed_point_delta_is_flushed_before_its_limbs_could_overflow(server, client, monkeypatch):
+    """The worker flushes a fixed-point delta into the host's totals before it holds FIXED_POINT_DELTA_ROWS rows.
+    With that limit lowered to one step's rows, every step is flushed on its own; the sum stays exact."""
+    from clipd.server import aggregations
+    from clipd.server.shards import worker
+
+    flushes = []
+    flushed = aggregations.Aggregation.flushed
+    monkeypatch.setattr(aggregations.Aggregation, "flushed",
+                        lambda self, totals, shard: (flushes.append(self.id), flushed(self, totals, shard))[1])
+    privacy = _secure(_ledger(), noise_multiplier=0.0)
+    agg = client.create_aggregation({"w": (50,)}, l2_norm_clip=1.0, privacy=privacy)
+    rows_per_step = server.registry.get(agg).device_rows
+    monkeypatch.setattr(worker, "FIXED_POINT_DELTA_ROWS", rows_per_step)
+    batches = [{"w": (np.random.default_rng(k).standard_normal((rows_per_step, 50)) * 0.01).astype(np.float32)}
+               for k in range(12)]
+    client.submit(agg, batches)
+    result = client.finalize(agg)
+    assert flushes.count(agg) >= 12  # one flush per step at least: no delta outgrew one step
+    step = result.release.grid_step
+    expected = sum(np.rint(b["w"].astype(np.float64) / step).sum(axis=0) for b in batches) * step
+    np.testing.assert_array_equal(result.sums["w"], expected)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -270,10 +309,23 @@ def test_secure_noise_is_calibrated_to_a_target_epsilon(client):
     ({"noise_multiplier": 1.0, "seed": 3}, "a seed"),
     ({"noise_multiplier": 1.0, "metrics_noise_multiplier": 1.0}, "released statistics"),
     ({"noise_multiplier": 1.0, "noise": "gaussian"}, "zcdp accountant"),  # zcdp accounts secure noise only
+    ({"noise_multiplier": 1.0, "public_denominator": 4.0, "adaptive": "yes"}, "adaptive clipping"),
 ])
 def test_what_secure_noise_does_not_take_is_an_invalid_argument(client, fields, message):
     from clipd.client import InvalidArgumentError, Privacy
 
+    from clipd.client import Adaptive
+
     given = {"noise": "secure", "accountant": "zcdp", **fields}
+    if given.get("adaptive") == "yes":
+        given["adaptive"] = Adaptive(count_stddev=1.0, initial_bound=1.0)
     with pytest.raises(InvalidArgumentError, match=message):
         client.create_aggregation({"w": (3,)}, l2_norm_clip=1.0, privacy=Privacy(_ledger(), 1e-5, **given))
+
+
+def test_secure_noise_needs_a_global_bound(client):
+    from clipd.client import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="GLOBAL clip policy"):
+        client.create_aggregation({"w": (3,), "b": (2,)}, policy="per_layer_uniform", l2_norm_clip=1.0,
+                                  privacy=_secure(_ledger(), noise_multiplier=1.0))
