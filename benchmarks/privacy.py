@@ -87,7 +87,7 @@ def noise_table(sizes: list[int], repeats: int, secure_repeats: int) -> None:
         timed = []
         for _ in range(secure_repeats):
             started = time.perf_counter()
-            out = secure.release([on_grid], step, widened, scale)
+            out = secure.release([on_grid], step, scale)
             timed.append(time.perf_counter() - started)
             assert np.array_equal(out.values[0] / out.step, np.round(out.values[0] / out.step))
         a, b = statistics.median(default[1:]), statistics.median(timed)  # the first default run compiles

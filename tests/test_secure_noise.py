@@ -83,14 +83,14 @@ def test_every_released_value_lies_on_the_grid_and_the_noise_has_the_stated_scal
     rng = np.random.default_rng(3)
     rows = [rng.standard_normal((12, *shape)).astype(np.float32) for shape in shapes]
     state = acc.update(acc.init(), rows, np.ones(12, bool))
-    out = secure.release(state.sums, step, widened, scale)
+    out = secure.release(state.sums, step, scale)
     for value, total in zip(out.values, state.sums):
         assert value.shape == total.shape and value.dtype == np.float64
         on_grid = value / out.step
         assert np.array_equal(on_grid, np.round(on_grid))  # every value a whole number of steps
     noise = np.concatenate([np.ravel(v) - np.ravel(t) for v, t in zip(out.values, state.sums)]) / out.noise_stddev
     assert 0.93 < np.std(noise) < 1.07  # 3,000 draws: the stddev is within 7% (about 5 standard errors)
-    again = secure.release(state.sums, step, widened, scale)
+    again = secure.release(state.sums, step, scale)
     assert not np.array_equal(again.values[1], out.values[1])  # fresh noise per release
 
 
@@ -261,6 +261,18 @@ def test_secure_noise_is_calibrated_to_a_target_epsilon(client):
     grid_sensitivity = math.ceil(1.0 / release.grid_step * (1 + 2 ** -23) + math.ceil(math.sqrt(3)) / 2)
     assert release.grid_noise_scale == pytest.approx(release.noise_multiplier * grid_sensitivity, rel=1e-12)
     assert release.ledger_epsilon == pytest.approx(_opendp_epsilon([(1, release.noise_multiplier)], 1e-5), rel=1e-9)
+
+
+def test_a_power_of_two_bound_over_many_coordinates_sits_on_the_finest_grid(client):
+    """C = 1 over 70,000 coordinates: the grid's floor C 2^-19 decides, C / g = 2^19 exactly, and the fixed-point
+    sum still takes it (a regression: the accumulator once asked C / g < 2^19 and refused every such aggregation)."""
+    privacy = _secure(_ledger(), noise_multiplier=0.0)
+    agg = client.create_aggregation({"w": (70_000,)}, l2_norm_clip=1.0, privacy=privacy)
+    rows = (np.random.default_rng(4).standard_normal((3, 70_000)) * 1e-3).astype(np.float32)
+    client.submit(agg, {"w": rows})
+    result = client.finalize(agg)
+    assert result.release.grid_step == 2.0 ** -19
+    np.testing.assert_array_equal(result.sums["w"], np.rint(rows.astype(np.float64) * 2 ** 19).sum(axis=0) / 2 ** 19)
 
 
 def test_replace_one_doubles_the_grid_sensitivity_and_keeps_the_epsilon(client):

@@ -58,7 +58,7 @@ NUM_BUCKETS = len(RATIO_BUCKETS) + 1
 LIMB_BITS = 10
 """A fixed-point integer ``r`` (``|r| < 2^20``) is kept as ``hi * 2^LIMB_BITS + lo``, ``0 <= lo < 2^LIMB_BITS``."""
 FIXED_POINT_RANGE = 1 << 20
-"""``|r| < FIXED_POINT_RANGE`` for every coordinate of every example: ``C / g < 2^19`` (see ``_secure_noise``)."""
+"""``|r| < FIXED_POINT_RANGE`` for every coordinate of every example: ``C / g <= 2^19`` (``_secure_noise.FINEST``)."""
 FIXED_POINT_DELTA_ROWS = 1 << 20
 """Rows a fixed-point state may sum before its limbs could pass 2^30: flush it into host totals before."""
 FLOAT32_UNIT = 2.0 ** -24  # the unit roundoff u of float32
@@ -397,7 +397,7 @@ class ClipAccumulator:
         if fixed_point_step and (policy.is_per_layer or policy.rescale_to_unit_norm
                                  or policy.non_finite is not NonFinite.ZERO_EXAMPLE):
             raise ValueError("fixed point: a GLOBAL bound without rescaling, non-finite examples zeroed")
-        if fixed_point_step and not policy.l2_norm_clip / fixed_point_step < FIXED_POINT_RANGE / 2:
+        if fixed_point_step and not policy.l2_norm_clip / fixed_point_step <= FIXED_POINT_RANGE / 2:
             raise ValueError(f"fixed point: a step of {fixed_point_step} is too fine for the bound"
                              f" {policy.l2_norm_clip} (at most 2^19 steps in the bound)")
         self.layers = tuple(LayerSpec(n, tuple(s), str(np.dtype(d))) for n, s, d in layers)

@@ -270,12 +270,7 @@ def _zcdp_epsilon(counts: tuple[tuple[str, int], ...], delta: float) -> float:
     """Epsilon of secure releases: their rho added up (``count`` times each), converted by OpenDP."""
     if any(not secure.is_secure_event(text) for text, _ in counts):  # a debug entry (NonPrivateDpEvent)
         return math.inf
-    return secure.epsilon_of_rho(sum(count * _release_rho(text) for text, count in counts), delta)
-
-
-@functools.lru_cache(maxsize=256)
-def _release_rho(event_json: str) -> float:
-    return secure.release_rho(event_json)
+    return secure.epsilon_of_rho(sum(count * secure.release_rho(text) for text, count in counts), delta)
 
 
 @functools.lru_cache(maxsize=256)
@@ -485,14 +480,14 @@ class PrivacyPolicy:
         s = sensitivity(example_bound, self.neighbouring)
         if self.noise is Noise.SECURE:
             dimension = sum(layer.size for layer in layers)
-            contributions = 2 if self.neighbouring is Neighbouring.REPLACE_ONE else 1
+            contributions = int(sensitivity(1.0, self.neighbouring))  # examples one neighbour changes: 1 or 2
             step, widened, scale = secure.plan(example_bound, contributions, z, dimension)
             event_json = secure.release_event_json(widened, scale, step, dimension)
             if z == 0:  # no noise: nothing private, as with the float noise (the sums are still on the grid)
                 event_json = event_to_json(dpe.NonPrivateDpEvent())
             return ReleasePlan(noise_multiplier=z, value_noise_multiplier=z, sensitivity=s, noise_stddev=scale * step,
                                count_noise_stddev=0.0, metrics_noise_stddev=0.0, event=None, event_json=event_json,
-                               grid_step=step, grid_sensitivity=widened, grid_scale=scale)
+                               grid_step=step, grid_scale=scale)
         count_z = 0.0
         if self.adaptive is not None and self.adaptive.count_stddev > 0:
             count_z = self.adaptive.count_stddev / count_sensitivity(self.neighbouring)
@@ -518,5 +513,4 @@ class ReleasePlan:
     event: dpe.DpEvent | None  # dp_accounting's event (None for secure noise: see event_json)
     event_json: str  # the event as the ledger stores it (secure noise: _secure_noise.release_event_json)
     grid_step: float = 0.0  # secure noise: g, the step of the fixed-point sums and of the release
-    grid_sensitivity: int = 0  # secure noise: Dg, in grid steps
     grid_scale: float = 0.0  # secure noise: the discrete Gaussian's scale, in grid steps

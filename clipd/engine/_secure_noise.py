@@ -25,8 +25,8 @@ one example moves it by exactly ``r_i``, in any order:
 **The grid.** ``g`` is the largest power of two with ``sqrt(d) g <= C 2^-GRID_BITS``
 (the rounding widens the sensitivity by at most ``2^-(GRID_BITS + 1)``), but not
 below ``C 2^-19``: the accumulator's integers must stay under 2^20. Past
-``d = 2^20`` the floor decides, and the widening is ``sqrt(d) 2^-20`` (0.95% at
-``d = 10^8``). Dividing by a power of two is exact.
+``d = 2^18`` the floor decides, and the widening is ``sqrt(d) 2^-20`` (0.1% at
+``d = 10^6``, 0.95% at ``d = 10^8``). Dividing by a power of two is exact.
 
 **Privacy.** The discrete Gaussian with an integer shift ``mu`` satisfies
 ``||mu||^2 / (2 s^2)``-zCDP (Canonne, Kamath and Steinke, Theorem 14 for the
@@ -58,10 +58,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._accumulator import FIXED_POINT_RANGE
+
 GRID_BITS = 10
 """Where it can, the grid is fine enough that rounding widens the sensitivity by at most 2^-(GRID_BITS + 1)."""
-FINEST = 19
-"""The grid is never finer than ``C 2^-FINEST``: the accumulator's integers stay under 2^20."""
+FINEST = FIXED_POINT_RANGE.bit_length() - 2
+"""The grid is never finer than ``C 2^-FINEST`` (2^-19): the accumulator's integers stay under FIXED_POINT_RANGE."""
 UNIT = 2.0 ** -24  # float32's unit roundoff
 
 CHUNK = 1 << 18
@@ -120,9 +122,7 @@ class GridRelease:
 
     values: tuple[np.ndarray, ...]
     step: float  # g
-    grid_sensitivity: int  # Dg: of the sum on the grid, in grid steps (grid_sensitivity)
     scale: float  # s = z * Dg: of the discrete Gaussian, in grid steps
-    event_json: str  # its ledger entry
 
     @property
     def noise_stddev(self) -> float:
@@ -138,14 +138,13 @@ def plan(bound: float, contributions: int, noise_multiplier: float, dimension: i
     return step, widened, noise_multiplier * widened
 
 
-def release(sums: Sequence[np.ndarray], step: float, grid_sensitivity: int, scale: float,
-            processes: int | None = None) -> GridRelease:
+def release(sums: Sequence[np.ndarray], step: float, scale: float, processes: int | None = None) -> GridRelease:
     """The secure release of fixed-point ``sums`` (one float64 array per layer, every value on the grid of
     ``step``): ``step * (sums / step + Z)``, ``Z`` of ``scale`` grid steps.
 
-    >>> out = release([np.array([1.0, 2.0]), np.array([[3.0]])], 0.5, 4, 0.0)
-    >>> out.values, out.step, out.grid_sensitivity
-    ((array([1., 2.]), array([[3.]])), 0.5, 4)
+    >>> out = release([np.array([1.0, 2.0]), np.array([[3.0]])], 0.5, 0.0)
+    >>> out.values, out.step
+    ((array([1., 2.]), array([[3.]])), 0.5)
     """
     dimension = sum(int(np.size(s)) for s in sums)
     flat = on_grid(np.concatenate([np.ravel(s) for s in sums]), step) + discrete_gaussian(dimension, scale, processes)
@@ -154,8 +153,7 @@ def release(sums: Sequence[np.ndarray], step: float, grid_sensitivity: int, scal
     for total in sums:
         out.append(values[at:at + np.size(total)].reshape(np.shape(total)))
         at += np.size(total)
-    return GridRelease(tuple(out), step, grid_sensitivity, scale,
-                       release_event_json(grid_sensitivity, scale, step, dimension))
+    return GridRelease(tuple(out), step, scale)
 
 
 # The sampler -------------------------------------------------------------------------------
@@ -244,6 +242,7 @@ def is_secure_event(text: str) -> bool:
     return text.startswith('{"discrete_gaussian"')
 
 
+@functools.lru_cache(maxsize=256)
 def release_rho(event_json: str) -> float:
     """The zCDP ``rho`` of one secure release, as OpenDP maps it (``grid_sensitivity^2 / (2 scale^2)``).
 

@@ -235,7 +235,7 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
     key_sum, key_count, key_stats = jax.random.split(key, 3)
     grid = {}
     if policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
-        on_grid = secure.release(totals.sums, plan.grid_step, plan.grid_sensitivity, plan.grid_scale)
+        on_grid = secure.release(totals.sums, plan.grid_step, plan.grid_scale)
         sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
     else:
         sums = dp.add_gaussian_noise(totals.sums, plan.noise_stddev, key_sum, sum_dtypes)
