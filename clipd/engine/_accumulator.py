@@ -33,6 +33,7 @@ and whole-example zeroing of non-finite examples only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -153,6 +154,8 @@ def _accumulate(state, layers, valid, limits, config):
 
     if config.fixed_point_step:
         sums = _fixed_point_sums(rows, valid & finite, limits[-1], config.fixed_point_step)
+    elif rows[0].shape[0] == 1:
+        sums, squared = _one_example_sums(rows, squared, valid, finite, limits, config, dtype)
     else:
         # A multiplier of 0 drops a padding row, unless it holds a NaN or inf (0 * inf is NaN): only then
         # are the rows cleaned. PROPAGATE lets non-finite examples into the sum, as optax.
@@ -167,6 +170,26 @@ def _accumulate(state, layers, valid, limits, config):
         sum_chunks=_xla_cpu.add_to_sum_buffers(state.sum_chunks, sums, state.chunk_runs),
         stats=_xla_cpu.add_stats(state.stats, *_statistics(squared, valid, finite, counted, limits, per_layer)),
     )
+
+
+def _one_example_sums(rows, squared, valid, finite, limits, config, dtype):
+    """A batch of one example (B = 1): its clipped contribution per layer, ``m * x``, and the squared norms
+    the statistics use. The same values as the batch path, written elementwise so that XLA adds them
+    straight into the sum buffers: a dot and a cond would each output a buffer the size of the model
+    (a large update's step then peaks at one more copy of it; measured in tests/test_large_updates.py)."""
+    per_layer, mode = config.per_layer, config.non_finite
+    groups = len(rows) if per_layer else 1
+    zero = jnp.zeros((), rows[0].dtype)
+    if mode is NonFinite.ZERO_ENTRIES:  # NaN and inf entries count as 0, norms included
+        kept = tuple(jnp.where(valid[:, None] & jnp.isfinite(x), x, zero) for x in rows)
+        squared = jax.lax.cond(jnp.all(finite), lambda: squared, lambda: _squared_norms(
+            tuple(jnp.where(jnp.isfinite(x), x, zero) for x in rows), dtype))
+    else:  # a non-finite example is dropped whole (ZERO_EXAMPLE) or let through (PROPAGATE, as optax)
+        keep = valid & finite if mode is NonFinite.ZERO_EXAMPLE else valid
+        kept = tuple(jnp.where(keep[:, None], x, zero) for x in rows)
+    multipliers = multiplier(_clip_norms(squared, per_layer), limits[:groups, None], config.rescale_to_unit_norm)
+    multipliers = jnp.where(valid, multipliers, 0.0).astype(dtype)  # (G, 1)
+    return tuple(multipliers[i if per_layer else 0, 0] * x[0].astype(dtype) for i, x in enumerate(kept)), squared
 
 
 def _fixed_point_sums(rows, keep, bound, step: float):
@@ -243,6 +266,12 @@ def _exceedances(rows, norms, row_edges):
 _accumulate_jit = jax.jit(_accumulate, static_argnames=("config",), donate_argnums=(0,))
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _zeroed(state):
+    """``state`` with every sum and count zero, written over its own (donated) buffers."""
+    return jax.tree.map(jnp.zeros_like, state)
+
+
 @jax.jit
 def merge(a: AccumulatorState, b: AccumulatorState) -> AccumulatorState:
     """Combines two partial states of the same aggregation (sums and counts add up).
@@ -301,7 +330,7 @@ class AccumulatorState:
             offset = 0
             for shape, dtype in self.layers[i:j]:
                 size = math.prod(shape)
-                out.append(chunk[offset : offset + size].reshape(shape).astype(dtype))
+                out.append(chunk[offset : offset + size].reshape(shape).astype(dtype, copy=False))
                 offset += size
         return tuple(out)
 
@@ -429,6 +458,15 @@ class ClipAccumulator:
             layers=tuple((layer.shape, str(np.dtype(dt))) for layer, dt in zip(self.layers, self.sum_dtypes)),
             tricks=tricks, fixed_point_step=self.fixed_point_step,
         )
+
+    @staticmethod
+    def reset(state: AccumulatorState) -> AccumulatorState:
+        """``init()``'s empty state in ``state``'s own buffers (donated: do not use ``state`` afterwards).
+
+        A large model's delta restarts from zero after every flush; a fresh
+        ``init()`` would fault in a new buffer the size of the model each time.
+        """
+        return _zeroed(state)
 
     def update(
         self, state: AccumulatorState, batch: Sequence[jax.Array], valid: jax.Array

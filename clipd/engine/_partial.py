@@ -10,8 +10,13 @@ highest sequence number summed and the writer (one submission) that sent it.
 A partial state has four verbs, as TFF's ``CheckpointAggregator``:
 :meth:`PartialState.absorb` (accumulate a device delta), :meth:`PartialState.merge`
 (add another partial state; overlapping clients are refused, so nothing can be
-counted twice), :meth:`PartialState.to_bytes` and :meth:`PartialState.from_bytes`
-(a self-describing, checksummed blob).
+counted twice), :meth:`PartialState.write_to` and :meth:`PartialState.read_from`
+(a self-describing, checksummed format, streamed from and into the arrays' own buffers;
+:meth:`PartialState.to_bytes` and :meth:`PartialState.from_bytes` hold it in one ``bytes``).
+
+A large model's totals are gigabytes: a flush adds the delta into them in place
+(``absorb(..., in_place=True)``: no new float64 array) and a checkpoint streams
+them to a file with a running CRC-32 (no whole-state byte string).
 
 Example:
   >>> import numpy as np
@@ -31,10 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import struct
+import sys
 import zlib
 from collections.abc import Mapping, Sequence
+from typing import BinaryIO
 
 import numpy as np
 
@@ -44,6 +52,7 @@ from ._policy import LayerSpec
 MAGIC = b"CLIPDPS1"
 _HEAD = struct.Struct("<8sQ")  # magic, header length
 _CRC = struct.Struct("<I")
+_IO_PIECE = 16 << 20  # bytes an array is written or read in at a time (the CRC runs over each piece)
 
 
 class CorruptStateError(ValueError):
@@ -113,12 +122,13 @@ class PartialState:
 
     # Accumulate -------------------------------------------------------------------------
     def absorb(self, delta: AccumulatorState, clients: Mapping[str, ClientMark] = {},
-               batches: int = 0, nbytes: int = 0) -> PartialState:
+               batches: int = 0, nbytes: int = 0, in_place: bool = False) -> PartialState:
         """These totals plus a device delta (host numpy arrays) and the batches it covers.
 
         A statistics-only delta (``delta.sum_chunks is None``, see
         ``AccumulatorState.statistics_only``) leaves the sums as they are: the
-        server uses that for live statistics between flushes.
+        server uses that for live statistics between flushes. ``in_place``: see
+        :meth:`absorb_totals`.
         """
         hist = np.asarray(delta.layer_norm_histogram, np.int64)
         return self.absorb_totals(
@@ -130,22 +140,33 @@ class PartialState:
             example_histogram=np.asarray(delta.example_norm_histogram, np.int64),
             norm_sum=np.asarray(delta.norm_sum, np.float64),
             norm_max=np.asarray(delta.norm_max, np.float64),
-            clients=clients, batches=batches, nbytes=nbytes,
+            clients=clients, batches=batches, nbytes=nbytes, in_place=in_place,
         )
 
     def absorb_totals(self, *, sums=None, examples=0, non_finite=0, clip_counts=0, layer_histograms=0,
                       example_histogram=0, norm_sum=0.0, norm_max=0.0,
-                      clients: Mapping[str, ClientMark] = {}, batches=0, nbytes=0) -> PartialState:
-        """These totals plus the given ones (each defaults to nothing); the client marks move up."""
+                      clients: Mapping[str, ClientMark] = {}, batches=0, nbytes=0,
+                      in_place: bool = False) -> PartialState:
+        """These totals plus the given ones (each defaults to nothing); the client marks move up.
+
+        ``in_place``: the sums are added into this state's own arrays, which the
+        returned state shares (no new array the size of the model); this state's
+        sums then no longer match its counts, so its owner must drop it (the
+        server's device worker, which never flushes while a checkpoint of the
+        same arrays is being written).
+
+        >>> state = PartialState.empty([LayerSpec("w", (2,))])
+        >>> after = state.absorb_totals(sums=[np.array([1.0, 2.0], np.float32)], examples=1, in_place=True)
+        >>> after.sums[0] is state.sums[0], after.sums[0], after.examples
+        (True, array([1., 2.]), 1)
+        """
         marks = dict(self.clients)
         for client, (sequence, writer) in clients.items():
             if sequence > marks.get(client, (0, ""))[0]:
                 marks[client] = (int(sequence), writer)
         return dataclasses.replace(
             self,
-            sums=self.sums if sums is None else tuple(
-                total + np.asarray(s, np.float64).reshape(total.shape) for total, s in zip(self.sums, sums)
-            ),
+            sums=self.sums if sums is None else _add_sums(self.sums, sums, in_place),
             examples=self.examples + int(examples),
             non_finite=self.non_finite + int(non_finite),
             clip_counts=self.clip_counts + clip_counts,
@@ -158,11 +179,13 @@ class PartialState:
             bytes=self.bytes + int(nbytes),
         )
 
-    def merge(self, other: PartialState) -> PartialState:
+    def merge(self, other: PartialState, with_sums: bool = True) -> PartialState:
         """The totals of two partial states of one aggregation that cover different clients.
 
         Raises ``OverlapError`` when a client has batches in both (its batches
         would be counted twice) and ``ValueError`` when the layers differ.
+        ``with_sums=False`` adds the counts and statistics only (this state's sums
+        are kept as they are): what a statistics read needs, without a copy of the model.
         """
         if self.layers != other.layers:
             raise ValueError(f"merge: the layers differ ({self.layers} and {other.layers})")
@@ -170,14 +193,14 @@ class PartialState:
         if both:
             raise OverlapError(f"merge: clients {both[:5]} have batches in both partial states")
         return self.absorb_totals(
-            sums=other.sums, examples=other.examples, non_finite=other.non_finite,
+            sums=other.sums if with_sums else None, examples=other.examples, non_finite=other.non_finite,
             clip_counts=other.clip_counts, layer_histograms=other.layer_histograms,
             example_histogram=other.example_histogram, norm_sum=other.norm_sum, norm_max=other.norm_max,
             clients=other.clients, batches=other.batches, nbytes=other.bytes,
         )
 
     @staticmethod
-    def merge_all(states: Sequence[PartialState]) -> PartialState:
+    def merge_all(states: Sequence[PartialState], with_sums: bool = True) -> PartialState:
         """The merge of one or more partial states (the shards of an aggregation), in order.
 
         >>> layers = [LayerSpec("w", (1,))]
@@ -187,7 +210,7 @@ class PartialState:
         >>> merged.sums[0], sorted(merged.clients)
         (array([3.]), ['c0', 'c1', 'c2'])
         """
-        return functools.reduce(PartialState.merge, states)
+        return functools.reduce(lambda a, b: a.merge(b, with_sums), states)
 
     # Serialize ----------------------------------------------------------------------------
     def _arrays(self) -> list[tuple[str, np.ndarray]]:
@@ -196,21 +219,49 @@ class PartialState:
                 ("example_histogram", self.example_histogram), ("norm_sum", self.norm_sum),
                 ("norm_max", self.norm_max)]
 
-    def to_bytes(self) -> bytes:
-        """A self-describing blob: magic, a JSON header, the raw little-endian arrays, a CRC-32 of it all."""
-        arrays = [(name, np.ascontiguousarray(a, a.dtype.newbyteorder("<"))) for name, a in self._arrays()]
-        header = json.dumps({
+    def _header(self) -> bytes:
+        return json.dumps({
             "layers": [[l.name, list(l.shape), l.dtype] for l in self.layers],
             "examples": self.examples, "non_finite": self.non_finite,
             "batches": self.batches, "bytes": self.bytes,
             "clients": {c: [s, w] for c, (s, w) in sorted(self.clients.items())},
-            "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays],
+            "arrays": [[name, a.dtype.newbyteorder("<").str, list(a.shape)] for name, a in self._arrays()],
         }, separators=(",", ":")).encode()
-        parts = [_HEAD.pack(MAGIC, len(header)), header, *(memoryview(a).cast("B") for _, a in arrays)]
-        crc = 0
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        return b"".join([*parts, _CRC.pack(crc)])
+
+    def write_to(self, file: BinaryIO) -> tuple[int, int]:
+        """Writes the state: magic, a JSON header, the raw little-endian arrays, a CRC-32 of it all.
+
+        The arrays are written from their own buffers, a piece at a time, the CRC
+        running over each piece: no copy of the state is made (on a big-endian
+        host, one piece at a time is swapped). Returns ``(bytes written, CRC-32 of
+        all but the CRC's own 4 bytes)``, what a store keeps beside the file.
+        """
+        header = self._header()
+        head = _HEAD.pack(MAGIC, len(header))
+        crc = zlib.crc32(header, zlib.crc32(head))
+        file.write(head)
+        file.write(header)
+        nbytes = len(head) + len(header)
+        for _, array in self._arrays():
+            flat = np.ascontiguousarray(array).reshape(-1)
+            step = max(1, _IO_PIECE // max(1, flat.itemsize))
+            for start in range(0, flat.size, step):
+                piece = flat[start : start + step]
+                if sys.byteorder != "little" and piece.dtype.byteorder != "|":
+                    piece = piece.astype(piece.dtype.newbyteorder("<"))
+                view = memoryview(piece).cast("B")
+                crc = zlib.crc32(view, crc)
+                file.write(view)
+                nbytes += len(view)
+        trailer = _CRC.pack(crc)
+        file.write(trailer)
+        return nbytes + _CRC.size, zlib.crc32(trailer, crc)
+
+    def to_bytes(self) -> bytes:
+        """:meth:`write_to`'s format in one ``bytes`` (a store that keeps blobs in a database row)."""
+        out = io.BytesIO()
+        self.write_to(out)
+        return out.getvalue()
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> PartialState:
@@ -221,21 +272,46 @@ class PartialState:
         (crc,) = _CRC.unpack(data[-_CRC.size:])
         if zlib.crc32(data[: -_CRC.size]) != crc:
             raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
-        magic, header_len = _HEAD.unpack(data[: _HEAD.size])
+        return cls.read_from(io.BytesIO(data), len(data))
+
+    @classmethod
+    def read_from(cls, file: BinaryIO, nbytes: int, crc32: int | None = None) -> PartialState:
+        """Reads :meth:`write_to`'s ``nbytes`` bytes from ``file`` into new arrays, a piece at a time.
+
+        ``CorruptStateError`` if they are truncated, altered or of another format:
+        the state's own CRC-32 is checked, and ``crc32`` (what :meth:`write_to`
+        returned, kept by a store) when given, before the state is returned.
+        """
+        if nbytes < _HEAD.size + _CRC.size:
+            raise CorruptStateError(f"partial state: {nbytes} bytes is too short")
+        head = _read_exactly(file, _HEAD.size)
+        magic, header_len = _HEAD.unpack(head)
         if magic != MAGIC:
             raise CorruptStateError(f"partial state: unknown format {bytes(magic)!r}")
+        if header_len > nbytes - _HEAD.size - _CRC.size:
+            raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
+        raw_header = _read_exactly(file, header_len)
+        crc = zlib.crc32(raw_header, zlib.crc32(head))
         try:
-            header = json.loads(bytes(data[_HEAD.size : _HEAD.size + header_len]))
-            offset = _HEAD.size + header_len
+            header = json.loads(raw_header)
+            left = nbytes - _HEAD.size - header_len - _CRC.size
             arrays = {}
             for name, dtype, shape in header["arrays"]:
                 dtype = np.dtype(dtype)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                arrays[name] = np.frombuffer(data[offset : offset + nbytes], dtype).reshape(shape).astype(
-                    dtype.newbyteorder("="))
-                offset += nbytes
-            if offset != len(data) - _CRC.size:
+                size = int(np.prod(shape, dtype=np.int64))
+                if size * dtype.itemsize > left:
+                    raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
+                array = np.empty(size, dtype)
+                crc = _read_into(file, memoryview(array).cast("B"), crc)
+                left -= size * dtype.itemsize
+                arrays[name] = array.astype(dtype.newbyteorder("="), copy=False).reshape(shape)
+            if left != 0:
                 raise CorruptStateError("partial state: the arrays do not fill the blob")
+            trailer = _read_exactly(file, _CRC.size)
+            if _CRC.unpack(trailer)[0] != crc:
+                raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
+            if crc32 is not None and zlib.crc32(trailer, crc) != crc32:
+                raise CorruptStateError("partial state: CRC-32 differs from the store's")
             layers = tuple(LayerSpec(n, tuple(s), d) for n, s, d in header["layers"])
             return cls(
                 layers=layers,
@@ -266,3 +342,34 @@ class PartialState:
         )
 
     __hash__ = None  # mutable arrays inside
+
+
+def _add_sums(totals: tuple[np.ndarray, ...], sums, in_place: bool) -> tuple[np.ndarray, ...]:
+    """``totals + sums`` per layer in float64: into ``totals`` themselves when ``in_place``, else new arrays."""
+    out = []
+    for total, s in zip(totals, sums):
+        s = np.asarray(s).reshape(total.shape)
+        if in_place:
+            np.add(total, s, out=total)  # float32 into float64: numpy casts in small pieces, no temporary
+            out.append(total)
+        else:
+            out.append(total + s.astype(np.float64))
+    return tuple(out)
+
+
+def _read_exactly(file: BinaryIO, n: int) -> bytes:
+    data = file.read(n)
+    if len(data) != n:
+        raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
+    return data
+
+
+def _read_into(file: BinaryIO, view: memoryview, crc: int) -> int:
+    """Fills ``view`` from ``file`` a piece at a time; returns the CRC-32 continued over what was read."""
+    for start in range(0, len(view), _IO_PIECE):
+        piece = view[start : start + _IO_PIECE]
+        got = file.readinto(piece)
+        if got != len(piece):
+            raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
+        crc = zlib.crc32(piece, crc)
+    return crc

@@ -14,6 +14,19 @@ from clipd.server.rpc.codec import dtype_of
 from clipd.server.rpc.limits import ByteBudget, Reservation
 
 
+ALIGNMENT = 64  # bytes: JAX on the CPU reads host buffers aligned to this in place (others it copies)
+
+
+def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
+    """An uninitialised array whose data starts on an ``alignment``-byte boundary."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 class Batch(NamedTuple):
     """A complete, validated batch: one ``(rows, *shape)`` array per layer.
 
@@ -124,8 +137,8 @@ class BatchAssembler:
         if p.buffers[k] is None and end == p.expected[k]:
             p.buffers[k] = chunk.data  # the whole tensor in one chunk: no copy
         else:
-            if p.buffers[k] is None:
-                p.buffers[k] = np.empty(p.expected[k], np.uint8)
+            if p.buffers[k] is None:  # the one copy of a large update: where the device step reads it from
+                p.buffers[k] = aligned_empty(p.expected[k], np.uint8)
             p.buffers[k][chunk.offset : end] = np.frombuffer(chunk.data, np.uint8)
         p.received[k] = end
 

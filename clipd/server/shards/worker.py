@@ -54,7 +54,7 @@ from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState
 from clipd.server.aggregations import Aggregation, State
 from clipd.server.errors import Unavailable
 from clipd.server.lifecycle import fail
-from clipd.server.rpc.batches import Batch
+from clipd.server.rpc.batches import ALIGNMENT, Batch, aligned_empty
 from clipd.server.stores.base import Store
 
 log = logging.getLogger(__name__)
@@ -63,15 +63,6 @@ FILL_WAIT = 0.002  # how long a step less than half full waits for more batches 
 FILL_POLL = 0.0002  # how often that wait looks whether the aggregation's streams have all ended
 FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
 CHECKPOINT_FAILED = object()  # a slot's ``queued`` once the committer could not write them
-
-
-def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
-    """An uninitialised array whose data starts on an ``alignment``-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def bucket_sizes(device_rows: int) -> list[int]:
@@ -92,6 +83,18 @@ _warm_lock = threading.Lock()
 def _program_keys(aggregation: Aggregation, device) -> list[tuple]:
     return [(device.platform, device.id, aggregation.accumulator.program_key(bucket))
             for bucket in bucket_sizes(aggregation.device_rows)]
+
+
+def _aligned_rows(batch: Batch, start: int, rows: int) -> list[np.ndarray] | None:
+    """``batch``'s rows ``[start, start + rows)`` of every layer, if they are there and each starts on an
+    ``ALIGNMENT``-byte boundary: JAX on the CPU then reads them in place, and the step needs no copy
+    into the staging buffer (a large update is held once: in the buffer it was received into)."""
+    if start + rows > batch.rows:
+        return None
+    views = [layer[start : start + rows] for layer in batch.layers]
+    if all(v.flags.c_contiguous and v.ctypes.data % ALIGNMENT == 0 for v in views):
+        return views
+    return None
 
 
 def bucket_for(rows: int, buckets: list[int]) -> int:
@@ -122,6 +125,13 @@ class _InFlight:
     aggregation: Aggregation
     shard: int
     done: list[tuple[str, str, int, int, int]]  # (client, writer, sequence, rows, nbytes)
+    step: int = 0  # the worker's step count when it was dispatched
+    holds: list[Batch] = dataclasses.field(default_factory=list)  # batches whose own buffers it reads
+
+    def release(self) -> None:
+        for batch in self.holds:
+            batch.release()
+        self.holds = []
 
 
 @dataclasses.dataclass
@@ -385,6 +395,7 @@ class DeviceWorker:
         """On the worker thread: drops a failed aggregation's device state, parked and queued batches here."""
         self._drop_slots(aggregation)
         if self._inflight is not None and self._inflight.aggregation is aggregation:
+            self._inflight.release()
             self._inflight = None
         self._drop_parked(aggregation)
         with self._cond:
@@ -409,24 +420,40 @@ class DeviceWorker:
             aggregation.drop(1)
             return
         capacity = aggregation.device_rows
-        buffers = self._buffers(aggregation, slot)
+        buffers: list[np.ndarray] | None = None  # the staging buffer being filled (taken when first needed)
         fill, done = 0, []
         deadline = time.monotonic() + FILL_WAIT  # small batches arriving one by one fill a step
         work: _Work | None = first
         while work is not None:
-            batch, start = work.batch, 0
+            batch, start, direct_step = work.batch, 0, None
             while start < batch.rows:
+                whole = _aligned_rows(batch, start, capacity) if fill == 0 else None
+                if whole is not None:  # a whole step of this batch's own aligned rows: no copy
+                    if start + capacity == batch.rows:
+                        done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
+                    self._dispatch(aggregation, shard, slot, whole, capacity, done)
+                    start, done, direct_step = start + capacity, [], self.steps
+                    continue
+                if buffers is None:
+                    buffers = self._buffers(aggregation, slot)
                 take = min(batch.rows - start, capacity - fill)
                 for buf, layer in zip(buffers, batch.layers):
                     buf[fill : fill + take] = layer[start : start + take]
                 fill, start = fill + take, start + take
                 if fill == capacity and start < batch.rows:  # a batch larger than one step
                     self._dispatch(aggregation, shard, slot, buffers, fill, done)
-                    buffers, fill, done = self._buffers(aggregation, slot), 0, []
-            batch.release()  # copied: its buffers may go
+                    buffers, fill, done = None, 0, []
+            if direct_step is not None and self._inflight is not None and self._inflight.step == direct_step:
+                self._inflight.holds.append(batch)  # the step in flight reads its buffers: released after it
+            else:
+                batch.release()  # copied (or summed): its buffers may go
+            if not fill:  # its last rows went in a step of their own: nothing is waiting in staging
+                work = self._more_for(aggregation, shard, capacity, 0.0)
+                continue
             done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
             work = self._more_for(aggregation, shard, capacity - fill, deadline if fill < capacity // 2 else 0.0)
-        self._dispatch(aggregation, shard, slot, buffers, fill, done)
+        if fill:
+            self._dispatch(aggregation, shard, slot, buffers, fill, done)
 
     @staticmethod
     def _buffers(aggregation: Aggregation, slot: _Slot) -> list[np.ndarray]:
@@ -450,7 +477,7 @@ class DeviceWorker:
         slot.delta = aggregation.accumulator.update(slot.delta, layers, valid)
         slot.steps += 1
         self.steps += 1
-        self._inflight = _InFlight(aggregation, shard, done)
+        self._inflight = _InFlight(aggregation, shard, done, self.steps)
 
     def _finish_inflight(self) -> None:
         """Waits for the step in flight and publishes its batches and statistics."""
@@ -468,8 +495,10 @@ class DeviceWorker:
                 stats = None
                 jax.block_until_ready(slot.delta.stats)
         except Exception as e:
+            inflight.release()
             self._fail(aggregation, f"device step failed: {type(e).__name__}: {e}")
             return
+        inflight.release()  # the step has read them
         for client, writer, sequence, _, nbytes in inflight.done:
             slot.marks[client] = (sequence, writer)
             slot.batches += 1
@@ -488,9 +517,12 @@ class DeviceWorker:
         slot = self._slots.get((aggregation, shard))
         if slot is None or not slot.steps:
             return aggregation.shard_totals[shard]
-        delta = jax.device_get(slot.delta)
-        totals = aggregation.shard_totals[shard].absorb(delta, slot.marks, slot.batches, slot.nbytes)
-        slot.delta = aggregation.accumulator.init()
+        with self._cond:  # the totals are added to in place: never while the committer writes them
+            self._cond.wait_for(lambda: not slot.committing)
+        delta = jax.device_get(slot.delta)  # on the CPU, views of the device buffers
+        totals = aggregation.shard_totals[shard].absorb(delta, slot.marks, slot.batches, slot.nbytes, in_place=True)
+        del delta
+        slot.delta = aggregation.accumulator.reset(slot.delta)  # zeroed in its own buffers
         slot.marks, slot.batches, slot.nbytes, slot.steps = {}, 0, 0, 0
         aggregation.flushed(totals, shard)
         return totals

@@ -273,12 +273,13 @@ class SQLStore(Store):
         blob = partial.to_bytes()
         with self._transaction() as tx:
             key = self._key(tx, aggregation_id)
-            self._add_checkpoint(tx, aggregation_id, key, shard, epoch, None, blob, blob)
+            self._add_checkpoint(tx, aggregation_id, key, shard, epoch, None, blob, len(blob), zlib.crc32(blob))
 
     def _add_checkpoint(self, tx: Tx, aggregation_id: str, key: int, shard: int, epoch: int | None,
-                        generation: int | None, payload: Any, blob: bytes) -> list:
+                        generation: int | None, payload: Any, nbytes: int, crc: int) -> list:
         """In ``tx``: the epoch checked (``FencedOut``), the row of ``generation`` (None: the next)
-        holding ``payload``, the shard's older rows dropped (returns :meth:`_drop_checkpoints`)."""
+        holding ``payload`` (of ``nbytes`` bytes with CRC-32 ``crc``), the shard's older rows dropped
+        (returns :meth:`_drop_checkpoints`)."""
         if epoch is not None:
             current = self._epoch(tx, key, shard)
             if current != epoch:
@@ -288,7 +289,7 @@ class SQLStore(Store):
             (generation,) = tx.one(NEXT_GENERATION, (key,))
         tx.execute("INSERT INTO checkpoints (aggregation, generation, shard, nbytes, crc32,"
                    f" {self.CHECKPOINT_PAYLOAD}) VALUES (?, ?, ?, ?, ?, ?)",
-                   (key, generation, shard, len(blob), zlib.crc32(blob), payload))
+                   (key, generation, shard, nbytes, crc, payload))
         return self._drop_checkpoints(tx, _OLD_GENERATIONS, (key, shard, key, shard, KEEP_GENERATIONS))
 
     def _drop_checkpoints(self, tx: Tx, where: str, params: tuple) -> list:

@@ -251,7 +251,6 @@ class SQLiteStore(SQLStore):
         ``KeyError`` (and nothing written) if the aggregation does not exist;
         ``FencedOut`` (nothing kept) if ``epoch`` is not the shard's current one.
         """
-        blob = partial.to_bytes()
         with self._files_lock:
             key, directory = self._made_state_dir(aggregation_id)
             if self._sibling:  # processes commit to one database at once: the generation is taken in the commit
@@ -259,13 +258,13 @@ class SQLiteStore(SQLStore):
             else:
                 generation = self._query(NEXT_GENERATION, (key,))[0][0]
                 name = f"{generation}.state"
-            _write_durably(directory, name, blob)
+            nbytes, crc = _write_durably(directory, name, partial.write_to)  # from the arrays, no blob
             # If the commit fails, the file stays: it has no row (swept at the next open), and deleting it
             # would be wrong if the commit did reach the disk before the error.
             try:
                 with self._transaction() as tx:
                     pruned = self._add_checkpoint(tx, aggregation_id, key, shard, epoch, generation, name,
-                                                  blob)
+                                                  nbytes, crc)
             except FencedOut:
                 _remove_files(directory, [name])  # refused before the commit: no row points at it
                 raise
@@ -281,7 +280,10 @@ class SQLiteStore(SQLStore):
 
     def _read_checkpoint(self, key: int, generation: int, nbytes: int, crc: int, name: str) -> PartialState:
         with open(os.path.join(self._state_dir(key), name), "rb") as f:
-            return PartialState.from_bytes(checked(f.read(), nbytes, crc, name))
+            size = os.fstat(f.fileno()).st_size
+            if size != nbytes:
+                raise CorruptStateError(f"{name}: {size} bytes, the row says {nbytes}")
+            return PartialState.read_from(f, nbytes, crc)  # into the arrays, a piece at a time
 
     def submit_token_key(self) -> bytes:
         """``<data_dir>/submit-token.key`` (0600), made on first use."""
@@ -292,7 +294,7 @@ class SQLiteStore(SQLStore):
         """The release file durable first, then one commit: its row, the entry, FINALIZED, raw rows gone."""
         with self._files_lock:
             key, directory = self._made_state_dir(aggregation_id)
-            _write_durably(directory, RELEASE_FILE, release)
+            _write_durably(directory, RELEASE_FILE, lambda f: f.write(release))
             with self._transaction() as tx:
                 raw = self._add_release(tx, key, release, ledger_id, entry, position, finished)
             _remove_files(directory, raw)
@@ -360,12 +362,13 @@ def _make_dir(path: str) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _write_durably(directory: str, name: str, data: bytes) -> None:
-    """``directory/name`` holds ``data`` on disk, or (after a crash) is absent or the old file."""
+def _write_durably(directory: str, name: str, write):
+    """``directory/name`` holds what ``write(file)`` wrote, on disk, or (after a crash) is absent or the old
+    file; returns what ``write`` returned."""
     tmp = os.path.join(directory, name + ".tmp")
     try:
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(data)
+            written = write(f)
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, os.path.join(directory, name))
@@ -374,6 +377,7 @@ def _write_durably(directory: str, name: str, data: bytes) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
+    return written
 
 
 def _remove_files(directory: str, names: list[str]) -> None:
