@@ -187,8 +187,9 @@ def _malformed_cases(updates):
         "layer index": ([msg([_chunk(7, w)])], grpc.StatusCode.INVALID_ARGUMENT, "layer index 7"),
         "wrong shape": ([msg([_chunk(0, w.reshape(2, 4, 6))])], grpc.StatusCode.INVALID_ARGUMENT,
                         "layer 'w': shape \\[2, 4, 6\\], expected \\[batch, 6, 4\\]"),
-        "wrong dtype": ([msg([_chunk(0, w.astype(np.float16), dtype=pb.FLOAT16)])], grpc.StatusCode.INVALID_ARGUMENT,
-                        "dtype float16, expected float32"),
+        # (float16 and bfloat16 are taken for a float32 layer: half the bytes on the wire)
+        "wrong dtype": ([msg([_chunk(0, w.astype(np.float64), dtype=pb.FLOAT64)])], grpc.StatusCode.INVALID_ARGUMENT,
+                        "dtype float64, expected float32"),
         "unknown dtype": ([msg([_chunk(0, w, dtype=0)])], grpc.StatusCode.INVALID_ARGUMENT, "unsupported dtype"),
         "byte length": ([msg([_chunk(0, w, data=w.tobytes() + b"1234")])], grpc.StatusCode.INVALID_ARGUMENT,
                         "196 bytes, expected 192"),

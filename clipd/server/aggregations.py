@@ -20,6 +20,7 @@ import numpy as np
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine import _privacy as dp
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
+from clipd.server.settings import STATE_BYTES_PER_PARAMETER
 from clipd.wire import SPREAD_MARK, shard_of
 
 
@@ -171,6 +172,7 @@ class Aggregation:
         totals = self.totals
         marks = {client: sequence for client, (sequence, _) in totals.clients.items()}
         self._accepted = dict(marks)
+        self._summed = dict(marks)  # the highest batch of each client in the sum (maybe not yet durable)
         self._durable = dict(marks)
         self._last_writer = {client: writer for client, (_, writer) in totals.clients.items()}
         self._open_writers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -198,6 +200,11 @@ class Aggregation:
     def parameters(self) -> int:
         """Elements of all layers together."""
         return sum(l.size for l in self.layers)
+
+    @property
+    def state_bytes(self) -> int:
+        """What its sums take in memory: each shard's float64 totals and float32 device delta."""
+        return self.parameters * STATE_BYTES_PER_PARAMETER * self.shards
 
     @property
     def withheld(self) -> bool:
@@ -313,6 +320,11 @@ class Aggregation:
             self.pending += 1
             return True
 
+    def summed(self, client_id: str) -> int:
+        """The client's highest batch in the sum (durable or not yet)."""
+        with self.cond:
+            return max(self._summed.get(client_id, 0), self._durable.get(client_id, 0))
+
     def durable(self, client_id: str) -> int:
         """The client's highest batch in a committed checkpoint."""
         with self.cond:
@@ -323,7 +335,9 @@ class Aggregation:
         """Marks ``(client, writer, sequence, rows, nbytes)`` batches summed, with the shard's delta statistics."""
         now = time.time()
         with self.cond:
-            for _, _, _, rows, nbytes in done:
+            for client, _, sequence, rows, nbytes in done:
+                if sequence > self._summed.get(client, 0):
+                    self._summed[client] = sequence
                 self._examples += rows
                 self._bytes += nbytes
                 self._batches += 1
@@ -516,7 +530,7 @@ class Aggregation:
         return self.shard_totals[shard] if stats is None else self.shard_totals[shard].absorb(stats)
 
     def _raw_stats_locked(self) -> Stats:
-        t = PartialState.merge_all([self._live_locked(k) for k in range(self.shards)])
+        t = PartialState.merge_all([self._live_locked(k) for k in range(self.shards)], with_sums=False)
         counted = t.layer_histograms.sum(axis=1)
         bounds = self._layer_bounds()
         layers = tuple(
@@ -565,9 +579,11 @@ class Aggregation:
 class Registry:
     """The aggregations of one server, by id. Only open ones count toward ``max_aggregations``."""
 
-    def __init__(self, max_aggregations: int, max_total_parameters: int | None = None) -> None:
+    def __init__(self, max_aggregations: int, max_total_parameters: int | None = None,
+                 memory: int | None = None) -> None:
         self.max_aggregations = max_aggregations
         self.max_total_parameters = max_total_parameters
+        self.memory = memory  # bytes for the sums of open aggregations and the updates in flight (None: no check)
         self._lock = threading.Lock()
         self._by_id: dict[str, Aggregation] = {}
 
@@ -595,9 +611,27 @@ class Registry:
                     f"open aggregations hold {held} parameters; {aggregation.parameters} more would pass the"
                     f" limit of {self.max_total_parameters} (max_total_parameters); finalize or cancel some"
                 )
+            if self.memory is not None:
+                self._check_memory(aggregation, sum(a.state_bytes for a in open_now))
             publish(aggregation)
             self._by_id[aggregation_id] = aggregation
             return aggregation, True
+
+    def _check_memory(self, aggregation: Aggregation, held: int) -> None:
+        """Refuses an aggregation whose sums and one update in flight do not fit the memory budget now."""
+        needed = aggregation.state_bytes + aggregation.example_bytes
+        if held + needed > self.memory:
+            raise ResourceExhausted(
+                f"aggregation of {aggregation.parameters} parameters: its sums take {aggregation.state_bytes} bytes"
+                f" ({aggregation.shards} shard(s) x {STATE_BYTES_PER_PARAMETER} bytes a parameter) and an update"
+                f" {aggregation.example_bytes} more; the memory budget is {self.memory} bytes (memory_budget), of"
+                f" which open aggregations hold {held}" + ("; finalize or cancel some" if held else ""))
+
+    def state_bytes(self) -> int:
+        """Bytes the sums of the open aggregations take (their totals and device deltas, every shard)."""
+        with self._lock:
+            return sum(a.state_bytes for a in self._by_id.values()
+                       if a.state in (*TAKES_BATCHES, State.FINALIZING))
 
     def add(self, aggregation: Aggregation) -> None:
         """Adds a recovered aggregation."""

@@ -53,7 +53,7 @@ class ClipdServer:
             jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
-        self.registry = Registry(settings.max_aggregations, settings.max_total_parameters)
+        self.registry = Registry(settings.max_aggregations, settings.max_total_parameters or None, settings.memory)
         if settings.processes:  # the port is held here, bound (not listening) until the shard processes take it
             from clipd.server.shards.process import ShardProcesses
 

@@ -37,12 +37,19 @@ class Settings:
     grpc_port: int = 50051  # 0 picks a free port
     admin_port: int = 8080  # 0 picks a free port; -1 disables the admin API
     max_message_bytes: int = 16 * MiB  # largest gRPC message either way
-    max_batch_bytes: int = 256 * MiB  # largest batch (all its chunks)
-    max_buffered_bytes: int = 1024 * MiB  # partly received and queued batches of all streams together
+    # What the server may hold for the sums of open aggregations and the updates in flight; 0: 3/4 of the
+    # machine's memory (or of its cgroup's limit). The next four limits follow from it unless set.
+    memory_budget: int = 0
+    max_batch_bytes: int = 0  # largest batch (all its chunks); 0: whatever the buffer has room for
+    # Partly received and queued batches of all streams together; 0: what memory_budget leaves once the open
+    # aggregations' sums are counted (12 bytes a parameter and shard), recomputed at each batch.
+    max_buffered_bytes: int = 0
     buffer_wait: float = 5.0  # seconds a new batch waits for room in max_buffered_bytes before RESOURCE_EXHAUSTED
     max_aggregations: int = 64  # open at once (finalized ones are kept until cancelled)
-    max_parameters: int = 1 << 27  # elements of one aggregation (all layers)
-    max_total_parameters: int = 1 << 28  # elements of all open aggregations together
+    # Elements of one aggregation (all layers); 0: what memory_budget holds for one (16 bytes a parameter: its
+    # float64 sums, its float32 delta and one float32 update in flight).
+    max_parameters: int = 0
+    max_total_parameters: int = 0  # elements of all open aggregations together; 0: memory_budget decides
     max_layers: int = 4096  # layers of one aggregation
     max_name_length: int = 256  # characters of a layer name
     max_clients: int = 100_000  # distinct client_ids of one aggregation
@@ -85,11 +92,15 @@ class Settings:
     log_format: str = "text"  # text, or json: one JSON object a line
 
     def __post_init__(self) -> None:
-        for field in ("max_message_bytes", "max_batch_bytes", "max_buffered_bytes", "max_aggregations",
-                      "max_parameters", "max_total_parameters", "max_layers", "max_name_length", "max_clients",
+        for field in ("max_message_bytes", "max_aggregations", "max_layers", "max_name_length", "max_clients",
                       "max_device_rows", "staging_bytes", "max_streams", "unary_workers"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
+        for field in ("memory_budget", "max_batch_bytes", "max_buffered_bytes", "max_parameters",
+                      "max_total_parameters"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"Settings.{field} must be positive (or 0: derived from memory_budget), got"
+                                 f" {getattr(self, field)}")
         for field in ("checkpoint_interval", "finalize_timeout", "retention_seconds", "buffer_wait",
                       "warmup_timeout", "stream_idle_timeout", "shutdown_grace"):
             if not getattr(self, field) > 0:
@@ -129,7 +140,7 @@ class Settings:
         if self.buffer_wait >= self.stream_idle_timeout:
             raise ValueError("Settings.buffer_wait must be shorter than stream_idle_timeout (a stream waiting"
                              " for buffer room would be closed as idle)")
-        if self.max_batch_bytes > self.max_buffered_bytes:
+        if self.max_batch_bytes and self.max_buffered_bytes and self.max_batch_bytes > self.max_buffered_bytes:
             raise ValueError("Settings.max_batch_bytes can't exceed max_buffered_bytes (no batch could ever fit)")
         if not self.data_dir:
             raise ValueError("Settings.data_dir must name a directory (or 'memory')")
@@ -154,6 +165,16 @@ class Settings:
             raise ValueError(f"Settings.log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"Settings.log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+
+    @property
+    def memory(self) -> int:
+        """The memory budget in bytes: ``memory_budget``, or 3/4 of what this machine (or cgroup) has."""
+        return self.memory_budget or machine_memory() * 3 // 4
+
+    @property
+    def parameter_limit(self) -> int:
+        """The most parameters one aggregation may have: ``max_parameters``, or what the memory budget holds."""
+        return self.max_parameters or self.memory // BYTES_PER_PARAMETER_IN_FLIGHT
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> Settings:
@@ -190,6 +211,24 @@ class Settings:
                 raise SettingsError(f"{flag}: unknown setting {name!r}")
             values[name] = (_checked(fields[name], value, flag), flag)
         return _build(cls, values)
+
+
+STATE_BYTES_PER_PARAMETER = 12  # an open shard's float64 totals and float32 device delta
+BYTES_PER_PARAMETER_IN_FLIGHT = STATE_BYTES_PER_PARAMETER + 4  # ... and one float32 update being received
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -242,16 +242,20 @@ class SubmitRequest(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., writer_id: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("acknowledged_sequence", "aggregation_examples", "accepted_sequence", "writer_id")
+    __slots__ = ("acknowledged_sequence", "aggregation_examples", "accepted_sequence", "writer_id", "received_bytes", "summed_sequence")
     ACKNOWLEDGED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SUMMED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     acknowledged_sequence: int
     aggregation_examples: int
     accepted_sequence: int
     writer_id: str
-    def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ..., accepted_sequence: _Optional[int] = ..., writer_id: _Optional[str] = ...) -> None: ...
+    received_bytes: int
+    summed_sequence: int
+    def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ..., accepted_sequence: _Optional[int] = ..., writer_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., summed_sequence: _Optional[int] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
     __slots__ = ("aggregation_id",)

@@ -51,9 +51,19 @@ class _Partial:
         self.sequence = sequence
         self.rows: int | None = None
         self.buffers: list[np.ndarray | bytes | None] = [None] * num_layers
-        self.received = [0] * num_layers
-        self.expected = [0] * num_layers
+        self.received = [0] * num_layers  # wire bytes of each layer received so far
+        self.expected = [0] * num_layers  # bytes of each layer in its own dtype (what the server holds)
+        self.wire: list[str | None] = [None] * num_layers  # each layer's dtype on the wire (its first chunk's)
         self.reservation: Reservation | None = None
+
+    def wire_bytes(self, k: int, spec: LayerSpec) -> int:
+        """Bytes layer ``k`` takes on the wire (16-bit values of a float32 layer: half its bytes)."""
+        if self.wire[k] is None or self.wire[k] == spec.dtype:
+            return self.expected[k]
+        return self.expected[k] // np.dtype(spec.dtype).itemsize * 2
+
+
+NARROW_WIRE_DTYPES = ("bfloat16", "float16")  # what a float32 layer may travel as (widened on arrival)
 
 
 class BatchAssembler:
@@ -63,12 +73,16 @@ class BatchAssembler:
     range), so a bad batch is refused before the rest of it is read. A batch
     reserves its whole size in ``budget`` on its first chunk (waiting up to
     ``wait`` seconds for room); :meth:`discard` gives back an incomplete one.
+    A batch larger than one message is received straight into one 64-byte-aligned
+    buffer per layer, the one copy the server holds of it (the device step reads
+    it in place). A float32 layer may arrive as bfloat16 or float16 (half the
+    bytes on the wire): its chunks are widened into that buffer as they come.
     """
 
     def __init__(self, layers: tuple[LayerSpec, ...], max_batch_bytes: int,
                  budget: ByteBudget | None = None, wait: float = 0.0) -> None:
         self.layers = layers
-        self.max_batch_bytes = max_batch_bytes
+        self.max_batch_bytes = max_batch_bytes  # 0: no limit of its own (the budget's)
         self.budget = budget
         self.wait = wait
         self._partial: _Partial | None = None
@@ -85,11 +99,18 @@ class BatchAssembler:
     def incomplete_sequence(self) -> int | None:
         return None if self._partial is None else self._partial.sequence
 
+    @property
+    def incomplete_bytes(self) -> int:
+        """Wire bytes received of the incomplete batch (0 without one)."""
+        p = self._partial
+        return 0 if p is None else sum(p.received)
+
     def add(self, sequence: int, chunks) -> Batch | None:
         """Adds one message's chunks; returns the batch if this message completed it."""
         p = self._partial
         if p is not None and p.sequence != sequence:
-            missing = [self.layers[k].name for k in range(len(self.layers)) if p.received[k] < p.expected[k] or p.buffers[k] is None]
+            missing = [self.layers[k].name for k in range(len(self.layers))
+                       if p.buffers[k] is None or p.received[k] < p.wire_bytes(k, self.layers[k])]
             raise InvalidArgument(
                 f"batch {p.sequence} is incomplete (layers {missing} short) but batch {sequence} started"
             )
@@ -99,11 +120,29 @@ class BatchAssembler:
             p = self._partial = _Partial(sequence, len(self.layers))
         for chunk in chunks:
             self._add_chunk(p, chunk)
-        if all(b is not None for b in p.buffers) and p.received == p.expected:
+        if all(b is not None and r == p.wire_bytes(k, spec)
+               for k, (b, r, spec) in enumerate(zip(p.buffers, p.received, self.layers))):
             self._partial = None
             layers = [self._as_array(k, p) for k in range(len(self.layers))]
             return Batch(sequence, p.rows, layers, sum(p.expected), p.reservation)
         return None
+
+    def _admit(self, p: _Partial) -> None:
+        """The batch's size is known (its first chunk): refused if it can never fit, else its bytes reserved."""
+        nbytes = sum(p.expected)
+        what = f"batch {p.sequence}: " + (f"one example of {nbytes} bytes" if p.rows == 1 else f"{nbytes} bytes")
+        advice = ("; send smaller batches" if p.rows > 1 else
+                  "; an example can't be split: the server must be given more memory")
+        if self.max_batch_bytes and nbytes > self.max_batch_bytes:
+            raise ResourceExhausted(f"{what}, the limit is {self.max_batch_bytes} (max_batch_bytes){advice}")
+        if self.budget is None:
+            return
+        limit = self.budget.limit
+        if nbytes > limit:
+            raise ResourceExhausted(f"{what}, more than the {limit} bytes this server can buffer for updates in"
+                                    f" flight (max_buffered_bytes, or what memory_budget leaves beside the open"
+                                    f" aggregations' sums){advice}")
+        p.reservation = self.budget.reserve(nbytes, self.wait)
 
     def _add_chunk(self, p: _Partial, chunk) -> None:
         if chunk.layer >= len(self.layers):
@@ -111,30 +150,39 @@ class BatchAssembler:
         k, spec = chunk.layer, self.layers[chunk.layer]
         where = f"batch {p.sequence}, layer {spec.name!r}"
         dtype = dtype_of(chunk.dtype, where)
-        if str(dtype) != spec.dtype:
-            raise InvalidArgument(f"{where}: dtype {dtype}, expected {spec.dtype}")
+        name = wire.DTYPE_NAMES[chunk.dtype]
+        if name != spec.dtype and not (spec.dtype == "float32" and name in NARROW_WIRE_DTYPES):
+            raise InvalidArgument(f"{where}: dtype {dtype}, expected {spec.dtype}"
+                                  + (" (or bfloat16, float16 on the wire)" if spec.dtype == "float32" else ""))
+        if p.wire[k] is not None and p.wire[k] != name:
+            raise InvalidArgument(f"{where}: dtype {name}, its earlier chunks were {p.wire[k]}")
         shape = tuple(chunk.shape)
         if len(shape) != 1 + len(spec.shape) or shape[1:] != spec.shape or shape[0] < 1:
             raise InvalidArgument(f"{where}: shape {list(shape)}, expected [batch, {', '.join(map(str, spec.shape))}]")
         if p.rows is None:
             p.rows = shape[0]
             p.expected = [p.rows * layer.size * wire.numpy_dtype(layer.dtype).itemsize for layer in self.layers]
-            if sum(p.expected) > self.max_batch_bytes:
-                raise ResourceExhausted(
-                    f"batch {p.sequence}: {sum(p.expected)} bytes, the limit is {self.max_batch_bytes}; send smaller batches"
-                )
-            if self.budget is not None:
-                p.reservation = self.budget.reserve(sum(p.expected), self.wait)
+            self._admit(p)
         elif shape[0] != p.rows:
             raise InvalidArgument(f"{where}: batch size {shape[0]}, other layers have {p.rows}")
+        p.wire[k] = name
         if chunk.offset != p.received[k]:
             raise InvalidArgument(f"{where}: chunk at byte {chunk.offset}, expected {p.received[k]} (chunks go in order)")
         end = chunk.offset + len(chunk.data)
-        if end > p.expected[k]:
+        total = p.wire_bytes(k, spec)
+        if end > total:
             raise InvalidArgument(
-                f"{where}: {end} bytes, expected {p.expected[k]} ({p.rows} x {math.prod(spec.shape)} x {dtype.itemsize})"
+                f"{where}: {end} bytes, expected {total} ({p.rows} x {math.prod(spec.shape)} x {dtype.itemsize})"
             )
-        if p.buffers[k] is None and end == p.expected[k]:
+        if name != spec.dtype:  # 16-bit values of a float32 layer: widened into its buffer
+            if chunk.offset % 2 or len(chunk.data) % 2:
+                raise InvalidArgument(f"{where}: a {name} chunk covers whole 2-byte values (offset {chunk.offset},"
+                                      f" {len(chunk.data)} bytes)")
+            if p.buffers[k] is None:
+                p.buffers[k] = aligned_empty(p.expected[k], np.uint8)
+            out = p.buffers[k].view(np.float32)[chunk.offset // 2 : end // 2]
+            wire.widen_into(chunk.data, name, out)
+        elif p.buffers[k] is None and end == total:
             p.buffers[k] = chunk.data  # the whole tensor in one chunk: no copy
         else:
             if p.buffers[k] is None:  # the one copy of a large update: where the device step reads it from

@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import threading
 import time
+from collections.abc import Callable
 
 from clipd.server.errors import ResourceExhausted
 
@@ -47,12 +48,17 @@ class ByteBudget:
     0
     """
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | Callable[[], int]) -> None:
+        self._limit = limit  # bytes, or a function giving them now (what the memory budget leaves)
         self.used = 0
         self.refused = 0
         self.released = 0  # bytes given back in all (the server trims the heap after large releases)
         self._cond = threading.Condition()
+
+    @property
+    def limit(self) -> int:
+        """Bytes that may be buffered now."""
+        return self._limit() if callable(self._limit) else self._limit
 
     def reserve(self, nbytes: int, wait: float) -> Reservation:
         if nbytes > self.limit:

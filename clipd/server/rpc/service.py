@@ -48,6 +48,7 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CHUNK_OVERHEAD = 1024  # bytes of a FinalizeResponse besides the tensor data
+PROGRESS_PERIOD = 1.0  # seconds between progress messages of a stream whose batches the server is working on
 
 
 class Malformed:
@@ -112,11 +113,17 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.lifecycle = lifecycle
         self.registry = lifecycle.registry
         self.submit_tokens = submit_tokens
-        self.budget = ByteBudget(settings.max_buffered_bytes)
+        self.budget = ByteBudget(settings.max_buffered_bytes or self._memory_left)
         self.stream_slots = StreamSlots(settings.max_streams, "Submit stream")
         self.rejections: dict[str, int] = {}  # gRPC status name -> count
         self.payload_bytes = 0  # tensor bytes of the batches that Submit streams delivered to this process
         self._lock = threading.Lock()
+
+    def _memory_left(self) -> int:
+        """The buffer for updates in flight in this process: its share of the memory budget, less the sums of
+        the aggregations open here (a shard process holds about its share of each aggregation's shards)."""
+        share = max(1, self.settings.processes)
+        return max(0, self.settings.memory // share - self.registry.state_bytes() // share)
 
     @property
     def active_streams(self) -> int:
@@ -298,7 +305,12 @@ class _SubmitSession:
         self.writer = ""
         self.greeting: pb.SubmitResponse | None = None  # the answer to a hello, until sent
         self.last_sequence = 0  # the highest sequence this stream delivered whole
-        self.last_heard = time.monotonic()  # when the last message arrived (idle timeout)
+        self.acknowledged = 0  # the highest sequence acknowledged to the client
+        self.receiving = False  # a batch of this stream is partly received (the server waits for its rest)
+        self.received_bytes = 0  # tensor bytes received on this stream (progress)
+        # When the client was last heard, or last answered: the idle timeout counts from there, and only
+        # while the server waits for the client (not while it sums or checkpoints what the client sent).
+        self.last_heard = time.monotonic()
         self.finished = False
         self.evicted = False  # the slot went to a client of another owner (StreamSlots)
         self.error: Exception | None = None
@@ -330,10 +342,13 @@ class _SubmitSession:
                     raise InvalidArgument("a stream carries one aggregation and one client_id")
                 if message.sequence < 1:
                     raise InvalidArgument(f"sequence must be >= 1, got {message.sequence}")
+                self.receiving = True
+                self.received_bytes += sum(len(chunk.data) for chunk in message.chunks)
                 batch = assembler.add(message.sequence, message.chunks)
                 del message  # a zero-copy batch keeps its message alive: nothing else may
                 if batch is None:
                     continue
+                self.receiving = False
                 self._take(batch)
                 self.last_sequence = batch.sequence
                 del batch
@@ -374,13 +389,15 @@ class _SubmitSession:
         timeout = self.servicer.settings.stream_idle_timeout
         if self.finished or time.monotonic() - self.last_heard < timeout:
             return False
+        if self.last_sequence > self.acknowledged and not self.receiving:
+            return False  # the client waits for the server (its batches are being summed or checkpointed)
         self.error = Unavailable(f"nothing received for {timeout:g} s: the stream is closed;"
                                  " reconnect to go on (unacknowledged batches must be sent again)")
         return True
 
     def _wait_time(self) -> float:
         left = self.servicer.settings.stream_idle_timeout - (time.monotonic() - self.last_heard)
-        return max(0.01, min(1.0, left))
+        return max(0.01, min(PROGRESS_PERIOD, left)) if left > 0 else PROGRESS_PERIOD
 
     def acknowledgements(self, context):
         """Yields the hello's answer, then an acknowledgement whenever this client's durable sequence moves."""
@@ -411,16 +428,27 @@ class _SubmitSession:
     def _acknowledge(self, aggregation: Aggregation, sent: int, context):
         """Acknowledges each move of the client's durable sequence until the stream's batches are all durable
         or it ended otherwise (``self.error``); True if the client went away. Woken by the event given to
-        :meth:`Aggregation.listen`, never by other clients' steps and checkpoints."""
+        :meth:`Aggregation.listen`, never by other clients' steps and checkpoints. While the server holds
+        batches of this stream not yet acknowledged, a progress message goes out every ``PROGRESS_PERIOD``."""
+        self.acknowledged = sent
+        last_said = time.monotonic()
         while True:
             self.wake.clear()  # before reading: a wake-up after the read is not lost
             with aggregation.cond:
                 done = aggregation.durable(self.client)
+                summed = aggregation.summed(self.client)
                 examples = aggregation.examples
                 state = aggregation.state
+            now = time.monotonic()
             if done > sent:
-                sent = done
+                sent = self.acknowledged = done
+                self.last_heard = last_said = now  # the client's turn again: its silence counts from here
                 yield pb.SubmitResponse(acknowledged_sequence=done, aggregation_examples=examples)
+            elif ((self.receiving or self.last_sequence > done) and not self.finished
+                  and now - last_said >= PROGRESS_PERIOD):
+                last_said = now  # a large update in the works: say how far it is
+                yield pb.SubmitResponse(acknowledged_sequence=done, aggregation_examples=examples,
+                                        received_bytes=self.received_bytes, summed_sequence=summed)
             if self.finished and (self.error is not None or done >= self.last_sequence):
                 return
             if state is State.CANCELLED:
@@ -445,6 +473,7 @@ def check_limits(layers, settings: Settings) -> None:
             raise InvalidArgument(f"layer {layer.name[:32]!r}...: names have at most {settings.max_name_length}"
                                   f" characters, got {len(layer.name)}")
     parameters = sum(math.prod(layer.shape) for layer in layers)
-    if parameters > settings.max_parameters:
-        raise InvalidArgument(f"the layers hold {parameters} parameters, the limit is {settings.max_parameters}"
-                              " (max_parameters)")
+    if parameters > settings.parameter_limit:
+        derived = "" if settings.max_parameters else f", what the memory budget of {settings.memory} bytes holds"
+        raise InvalidArgument(f"the layers hold {parameters} parameters, the limit is {settings.parameter_limit}"
+                              f" (max_parameters{derived})")

@@ -1,0 +1,287 @@
+"""Large updates (a whole model per client): streamed into the sum in bounded memory.
+
+Small models with small limits force the paths a billion-parameter update takes: an example
+larger than a message and than the staging buffer (received straight into the one buffer the
+step reads), admission against a memory budget that waits instead of overrunning it, a
+checkpoint slower than the idle timeout, 16-bit values on the wire, per-layer bounds, a private
+release, and shard processes killed mid-update. benchmarks/large.py measures the speed and the
+memory at 2^28 parameters and more.
+
+The float64 references need no model-sized copies per client: update i is ``c_i * v`` for one
+vector ``v``, so the clipped sum is ``(sum_i min(1, C / ||c_i v||) c_i) v``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+
+from clipd import wire
+from clipd.client import Client, Privacy, ResourceExhaustedError
+from clipd.server.app import create_server
+from clipd.server.settings import Settings
+from clipd.v1 import clipd_pb2 as pb
+from clipd.v1 import clipd_pb2_grpc as pb_grpc
+from conftest import TEST_SETTINGS
+from service_helpers import ServerProcess, free_port, reference
+
+KiB, MiB = 1 << 10, 1 << 20
+LAYERS = {"a": (180_000,), "b": (30, 2_000)}  # 240,000 float32 parameters: 960 KB an update
+PARAMETERS = 240_000
+UPDATE_BYTES = PARAMETERS * 4
+LARGE = dict(max_message_bytes=256 * KiB, staging_bytes=64 * KiB)  # an update spans messages and staging
+
+
+def direction(seed: int = 0) -> dict[str, np.ndarray]:
+    """``v``: one fixed float32 vector, split into the layers; its norm is about 490."""
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in LAYERS.items()}
+
+
+def scaled(v: dict[str, np.ndarray], c: float) -> dict[str, np.ndarray]:
+    return {name: (np.float32(c) * x)[None] for name, x in v.items()}  # one example: a batch of one
+
+
+def clipped_sum(v: dict[str, np.ndarray], cs, clip: float) -> dict[str, np.ndarray]:
+    """The float64 clipped sum of the updates ``c_i * v`` (the float32 products, as sent)."""
+    norm = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in v.values()))
+    out = {name: np.zeros(x.shape) for name, x in v.items()}
+    for c in cs:
+        sent = {name: (np.float32(c) * x).astype(np.float64) for name, x in v.items()}
+        factor = min(1.0, clip / (abs(c) * norm)) if c else 1.0
+        for name in out:
+            out[name] += factor * sent[name]
+    return out
+
+
+def assert_exact(result, expected: dict[str, np.ndarray]) -> None:
+    """Sums within 1e-6 of the largest value (float32 steps, float64 totals)."""
+    scale = max(np.abs(x).max() for x in expected.values())
+    for name, x in expected.items():
+        np.testing.assert_allclose(result.sums[name], x, rtol=0, atol=1e-6 * scale)
+
+
+@pytest.fixture()
+def durable_server(tmp_path):
+    servers = []
+
+    def start(**overrides):
+        settings = Settings(**{**TEST_SETTINGS, **LARGE, "data_dir": str(tmp_path / f"s{len(servers)}"),
+                               **overrides})
+        server, port = create_server(settings)
+        servers.append(server)
+        return server, f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(grace=1.0)
+
+
+def test_updates_larger_than_a_message_and_the_staging_buffer_are_summed_exactly(durable_server):
+    server, target = durable_server()
+    v, cs = direction(), [0.001, -0.0015, 0.5, 3.0]  # norms 0.49, 0.74, 245, 1470: the last two clipped
+    with Client(target, message_bytes=128 * KiB) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+        reports = [client.submit(agg, scaled(v, c), client_id=f"silo-{i}") for i, c in enumerate(cs)]
+        assert server.registry.get(agg).device_rows == 1  # one example per step: no staging copy either
+        result = client.finalize(agg)
+    assert [r.reconnects for r in reports] == [0] * 4
+    assert result.examples == 4 and result.clip_counts == {"a": 2, "b": 2}
+    assert_exact(result, clipped_sum(v, cs, 1.0))
+    assert server.servicer.budget.used == 0  # every reservation went back once its step had read the buffer
+
+
+def test_per_layer_bounds_on_large_updates_match_the_reference_api(durable_server):
+    _, target = durable_server()
+    v = direction(1)
+    updates = {name: np.concatenate([np.float32(c) * x[None] for c in (0.001, 0.2, 4.0)]) for name, x in v.items()}
+    with Client(target, message_bytes=128 * KiB) as client:
+        agg = client.create_aggregation(LAYERS, policy="per_layer_explicit", layer_clips=[2.0, 30.0])
+        for i in range(3):
+            client.submit(agg, {name: x[i : i + 1] for name, x in updates.items()}, client_id=f"silo-{i}")
+        result = client.finalize(agg)
+    sums, counts = reference(updates, "per_layer_explicit", layer_clips=[2.0, 30.0])  # opacus' per-layer clipper
+    assert result.clip_counts == counts and 0 < counts["a"] < 3  # some clipped, some not
+    for name in LAYERS:
+        np.testing.assert_allclose(result.sums[name], sums[name], rtol=1e-5, atol=1e-6 * np.abs(sums[name]).max())
+
+
+def test_admission_waits_for_memory_and_refuses_what_could_never_fit(durable_server):
+    # Room for one update in flight beside the sums (12 bytes a parameter), not two: the second waits.
+    state = PARAMETERS * 12
+    server, target = durable_server(memory_budget=state + UPDATE_BYTES * 3 // 2, buffer_wait=20.0,
+                                    stream_idle_timeout=30.0)
+    budget = server.servicer.budget
+    v, cs = direction(2), [0.5, -0.25, 2.0, 0.001]
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], budget.used)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with Client(target, message_bytes=128 * KiB) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+        assert budget.limit == UPDATE_BYTES * 3 // 2  # what the budget leaves beside the open sums
+        errors: list[Exception] = []
+
+        def send(i: int) -> None:
+            try:
+                client.submit(agg, scaled(v, cs[i]), client_id=f"silo-{i}")
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        assert errors == []
+        # A model whose sums and one update do not fit the budget beside the open aggregation's: refused at
+        # creation, with the numbers.
+        with pytest.raises(ResourceExhaustedError, match=r"memory budget is \d+ bytes \(memory_budget\), of"
+                                                         rf" which open aggregations hold {state}"):
+            client.create_aggregation({"w": (PARAMETERS,)}, l2_norm_clip=1.0)
+        result = client.finalize(agg)
+        assert_exact(result, clipped_sum(v, cs, 1.0))
+        assert 0 < peak[0] <= UPDATE_BYTES * 3 // 2  # never two updates buffered at once
+
+
+def test_an_example_larger_than_any_buffer_is_refused_at_once_with_its_size(durable_server):
+    _, target = durable_server(max_buffered_bytes=UPDATE_BYTES // 2)
+    stub = pb_grpc.ClipdStub(grpc.insecure_channel(target))
+    with Client(target) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+    messages = wire.submit_batch(agg, "big", 1, [x for x in scaled(direction(), 1.0).values()], 128 * KiB)
+    started = time.monotonic()
+    call = stub.Submit(iter([pb.SubmitRequest.FromString(m) for m in messages]))
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert time.monotonic() - started < 2.0  # no wait for room that can never come
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"one example of {UPDATE_BYTES} bytes, more than the {UPDATE_BYTES // 2} bytes" in info.value.details()
+    assert "smaller batches" not in info.value.details()
+    assert wire.RETRY_AFTER_KEY not in dict(info.value.trailing_metadata() or ())  # retrying would not help
+
+
+def test_a_checkpoint_slower_than_the_idle_timeout_never_closes_the_stream_and_progress_is_reported(durable_server):
+    server, target = durable_server(stream_idle_timeout=0.5, buffer_wait=0.25)
+    save = server.store.save_checkpoint
+
+    def slow_save(*args, **kwargs):  # a disk much slower than the update is large
+        time.sleep(1.2)
+        return save(*args, **kwargs)
+
+    v = direction(3)
+    with Client(target, message_bytes=128 * KiB) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+        server.store.save_checkpoint = slow_save
+        report = client.submit(agg, scaled(v, 0.5), client_id="patient")
+        assert report.reconnects == 0  # not closed as idle while its checkpoint was being written
+
+        # The same on a raw stream, which stays open after its batch: progress messages come while it waits.
+        requests: queue.Queue = queue.Queue()
+        for message in [wire.submit_request(agg, "raw", 0, [], "w"),
+                        *wire.submit_batch(agg, "raw", 1, list(scaled(v, 0.25).values()), 128 * KiB, "w")]:
+            requests.put(pb.SubmitRequest.FromString(message))
+        responses = []
+        call = pb_grpc.ClipdStub(grpc.insecure_channel(target)).Submit(iter(requests.get, None))
+        for response in call:
+            responses.append(response)
+            if response.acknowledged_sequence == 1:
+                break
+        requests.put(None)
+        call.cancel()
+        server.store.save_checkpoint = save
+        result = client.finalize(agg)
+    progress = [r for r in responses[1:] if r.acknowledged_sequence == 0]
+    assert progress and all(r.received_bytes == UPDATE_BYTES for r in progress)
+    assert any(r.summed_sequence == 1 for r in progress)  # summed, waiting for its checkpoint
+    assert_exact(result, clipped_sum(v, [0.5, 0.25], 1.0))
+
+
+@pytest.mark.parametrize("wire_dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_values_on_the_wire_are_clipped_and_summed_in_float32(durable_server, wire_dtype):
+    _, target = durable_server()
+    v, cs = direction(4), [0.001, 2.0]
+    narrow = np.dtype(ml_dtypes.bfloat16) if wire_dtype == "bfloat16" else np.dtype(np.float16)
+    with Client(target, message_bytes=128 * KiB, wire_dtype=wire_dtype) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+        for i, c in enumerate(cs):
+            client.submit(agg, scaled(v, c), client_id=f"silo-{i}")
+        result = client.finalize(agg)
+    # The oracle: each float32 value rounded to the 16-bit format (ml_dtypes / numpy), widened back, then clipped.
+    received = [{name: (np.float32(c) * x).astype(narrow).astype(np.float32) for name, x in v.items()} for c in cs]
+    expected = {name: np.zeros(x.shape) for name, x in v.items()}
+    for update in received:
+        norm = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in update.values()))
+        for name, x in update.items():
+            expected[name] += min(1.0, 1.0 / norm) * x.astype(np.float64)
+    assert_exact(result, expected)
+    sent = clipped_sum(v, cs, 1.0)
+    assert not all(np.array_equal(result.sums[n], sent[n]) for n in LAYERS)  # the rounding is really there
+
+
+def test_a_private_release_of_large_updates_is_noised_with_its_stated_stddev(durable_server):
+    _, target = durable_server()
+    v, cs, z = direction(5), [0.5, 3.0, -2.0], 2.0
+    with Client(target, message_bytes=128 * KiB) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=Privacy(
+            ledger_id="silos", delta=1e-6, noise_multiplier=z, sampling="none", seed=7))
+        for i, c in enumerate(cs):
+            client.submit(agg, scaled(v, c), client_id=f"silo-{i}")
+        result = client.finalize(agg)
+    assert result.release.noise_stddev == pytest.approx(z * 1.0)
+    noise = np.concatenate([(result.sums[n] - s).ravel() for n, s in clipped_sum(v, cs, 1.0).items()])
+    assert abs(noise.mean()) < 0.05 and noise.std() == pytest.approx(z, rel=0.02)  # 240,000 draws
+
+
+def test_sigkill_of_shard_processes_mid_update_loses_nothing_acknowledged(tmp_path):
+    port = free_port()
+    server = ServerProcess(tmp_path / "data", tmp_path / "cache", port, args=(
+        "--admin-port", "-1", "--processes", "2", "--max-message-bytes", str(256 * KiB),
+        "--staging-bytes", str(64 * KiB), "--checkpoint-interval", "0.2"))
+    server.start()
+    v, cs = direction(6), [0.001 * (k + 1) * (-1) ** k for k in range(8)] + [1.0, -2.0]
+    pulled = threading.Event()
+
+    def updates():
+        for k, c in enumerate(cs):
+            if k == 4:
+                pulled.set()  # with two updates in the window, at least two are acknowledged by now
+            yield scaled(v, c)
+
+    try:
+        with Client(f"127.0.0.1:{port}", message_bytes=128 * KiB, window_bytes=2 * UPDATE_BYTES,
+                    retry_timeout=90) as client:
+            agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+            reports, errors = [], []
+
+            def send() -> None:
+                try:  # one client, one example per batch: its stream goes to its shard's process
+                    reports.append(client.submit(agg, updates(), client_id="silo", spread=1))
+                except Exception as e:  # reported below
+                    errors.append(e)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            assert pulled.wait(60)
+            server.kill()  # mid-submission: some updates summed and acknowledged, others in flight
+            server.start()
+            sender.join(120)
+            assert not sender.is_alive() and errors == []
+            assert reports[0].reconnects >= 1
+            result = client.finalize(agg)
+    finally:
+        server.stop()
+    assert result.examples == len(cs)  # each exactly once
+    assert_exact(result, clipped_sum(v, cs, 1.0))
