@@ -2,11 +2,12 @@
 
 Owns, once for both sides: the enums by name (their .proto names in lower case: the client's
 arguments, and the values of the engine's enums; ``float32`` ... are the DType codes' numpy names);
-the byte order of tensors (little-endian) and how they are cut into chunks; the Submit format, both
-halves (the client's encoder copies a batch's data once, the server's parser not at all); the
-metadata keys (retry-after, the bearer credential) and Submit's method path; which shard sums a
-client id. Imports numpy and ``clipd.v1`` only (``ml_dtypes`` when a bfloat16 is met), so the
-client keeps its small dependency set.
+the byte order of tensors (little-endian) and how they are cut into chunks; the 16-bit wire formats a
+float32 layer may be sent in (``to_wire_dtype``, ``widen_into``); the Submit format, both halves (the
+client's encoder copies a batch's data once, a message at a time as it is sent, the server's parser not
+at all); the metadata keys (retry-after, the bearer credential) and Submit's method path; which shard
+sums a client id. Imports numpy and ``clipd.v1`` only (``ml_dtypes`` when a bfloat16 layer is met; the
+16-bit wire formats need neither it nor JAX), so the client keeps its small dependency set.
 
 The Submit encoding of a batch of two examples of one float32 layer of shape (3,):
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -223,21 +224,166 @@ def submit_request(aggregation_id: str, client_id: str, sequence: int, chunks: S
 
 
 def submit_batch(aggregation_id: str, client_id: str, sequence: int, batch: Sequence[np.ndarray],
-                 max_bytes: int, writer_id: str = "") -> list[bytes]:
+                 max_bytes: int, writer_id: str = "", wire_dtype: str | None = None) -> list[bytes]:
     """The serialized SubmitRequests of one batch (one array per layer, batch axis first): its
-    tensors packed whole while they fit in ``max_bytes`` of data a message, else cut into chunks."""
-    messages, chunks, size = [], [], 0
+    tensors packed whole while they fit in ``max_bytes`` of data a message, else cut into chunks.
+    All of them at once: :func:`iter_submit_batch` makes them one at a time."""
+    return list(iter_submit_batch(aggregation_id, client_id, sequence, batch, max_bytes, writer_id, wire_dtype))
+
+
+def iter_submit_batch(aggregation_id: str, client_id: str, sequence: int, batch: Sequence[np.ndarray],
+                      max_bytes: int, writer_id: str = "", wire_dtype: str | None = None) -> Iterator[bytes]:
+    """:func:`submit_batch`'s messages one by one, each made when asked for: a batch of gigabytes is
+    never in memory twice (see :func:`encode_batch`)."""
+    for message, _ in encode_batch(aggregation_id, client_id, sequence, batch, max_bytes, writer_id, wire_dtype):
+        yield message
+
+
+def encode_batch(aggregation_id: str, client_id: str, sequence: int, batch: Sequence[np.ndarray],
+                 max_bytes: int, writer_id: str = "", wire_dtype: str | None = None) -> Iterator[tuple[bytes, int]]:
+    """Yields each serialized SubmitRequest of one batch with its bytes of tensor data, made when asked for.
+
+    The batch's arrays are read, not copied whole: each message copies its own part of them (once, when it
+    is joined), so encoding holds about one message at a time, whatever the batch's size (an array that is
+    not C-contiguous is made so first, whole). A big-endian array is swapped piece by piece.
+
+    ``wire_dtype`` None sends each layer in its own dtype. ``"bfloat16"`` or ``"float16"`` sends the
+    float32 layers' values in that 16-bit format (:func:`to_wire_dtype`, converted a message's piece at a
+    time; other dtypes as they are): the chunks' dtype says so, their shape is still the whole tensor's,
+    offsets and data are bytes of the 16-bit encoding and always hold whole elements (a chunk holds one at
+    least, 2 bytes, whatever ``max_bytes``).
+    """
+    check_wire_dtype(wire_dtype)
+    chunks: list = []
+    size = 0
     for k, array in enumerate(batch):
-        data, code = tensor_bytes(array), dtype_code(array.dtype)
-        for offset in chunk_offsets(len(data), max_bytes):
-            piece = data[offset : offset + max_bytes]
-            if chunks and size + len(piece) > max_bytes:
-                messages.append(submit_request(aggregation_id, client_id, sequence, chunks, writer_id))
+        code, nbytes, step, piece = _tensor_source(array, wire_name(array.dtype, wire_dtype), max_bytes)
+        for offset in range(0, max(nbytes, 1), step):
+            n = min(step, nbytes - offset)
+            if chunks and size + n > max_bytes:
+                yield submit_request(aggregation_id, client_id, sequence, chunks, writer_id), size
                 chunks, size = [], 0
-            chunks.append(tensor_chunk(k, code, array.shape, offset, piece))
-            size += len(piece)
-    messages.append(submit_request(aggregation_id, client_id, sequence, chunks, writer_id))
-    return messages
+            chunks.append(tensor_chunk(k, code, array.shape, offset, piece(offset, n)))
+            size += n
+    yield submit_request(aggregation_id, client_id, sequence, chunks, writer_id), size
+
+
+def _tensor_source(array: np.ndarray, name: str, max_bytes: int):
+    """``(dtype code, wire bytes, chunk step, piece(offset, size))`` of one tensor as the wire carries it in
+    the dtype ``name``: ``piece`` gives a byte range of its wire bytes, a view where they are the array's."""
+    flat = np.ascontiguousarray(array).reshape(-1)  # a view of a C-contiguous array
+    if name != flat.dtype.name:  # a float32 tensor in a 16-bit wire format: whole elements, 2 bytes each
+        step = max(2, max_bytes - max_bytes % 2)
+        return (DTYPES[name], 2 * flat.size, step,
+                lambda offset, size: to_wire_dtype(flat[offset // 2 : (offset + size) // 2], name).view(np.uint8))
+    little = flat.dtype.newbyteorder("<")
+    if flat.dtype == little or flat.dtype.itemsize == 1:
+        data = flat.view(np.uint8)
+        return dtype_code(flat.dtype), data.size, max(1, max_bytes), lambda offset, size: data[offset : offset + size]
+    itemsize = flat.dtype.itemsize
+
+    def swapped(offset: int, size: int) -> np.ndarray:  # the elements under the byte range, little-endian
+        first, skip = divmod(offset, itemsize)
+        part = flat[first : -(-(offset + size) // itemsize)].astype(little).view(np.uint8)
+        return part[skip : skip + size]
+
+    return dtype_code(flat.dtype), flat.size * itemsize, max(1, max_bytes), swapped
+
+
+# 16-bit wire formats of float32 layers ------------------------------------------------------------
+NARROW_DTYPES = ("float16", "bfloat16")  # what a float32 layer's values may be sent as (the client's wire_dtype)
+
+
+def check_wire_dtype(wire_dtype: str | None) -> str | None:
+    """``wire_dtype`` if it is one (None: each layer's own dtype), else a ValueError."""
+    if wire_dtype is not None and wire_dtype not in NARROW_DTYPES:
+        raise ValueError(f"wire_dtype must be None or one of {list(NARROW_DTYPES)}, got {wire_dtype!r}")
+    return wire_dtype
+
+
+def wire_name(dtype, wire_dtype: str | None) -> str:
+    """The wire dtype of a layer of numpy ``dtype`` sent with the client's ``wire_dtype``.
+
+    >>> wire_name(np.float32, "bfloat16"), wire_name(np.float64, "bfloat16"), wire_name(np.float32, None)
+    ('bfloat16', 'float64', 'float32')
+    """
+    name = np.dtype(dtype).name
+    return wire_dtype if wire_dtype is not None and name == "float32" else name
+
+
+def accepts_wire_dtype(layer_dtype: str, name: str) -> bool:
+    """Whether a layer of dtype ``layer_dtype`` may come in chunks of the wire dtype ``name`` (its own,
+    or a 16-bit format for a float32 layer: then :func:`widen_into` gives its values).
+
+    >>> accepts_wire_dtype("float32", "bfloat16"), accepts_wire_dtype("float64", "float16")
+    (True, False)
+    """
+    return name == layer_dtype or (layer_dtype == "float32" and name in NARROW_DTYPES)
+
+
+def wire_nbytes(batch: Sequence[np.ndarray], wire_dtype: str | None = None) -> int:
+    """The bytes of tensor data a batch takes on the wire (its float32 layers' halved by a 16-bit wire_dtype)."""
+    return sum(a.size * (2 if wire_name(a.dtype, wire_dtype) != a.dtype.name else a.dtype.itemsize) for a in batch)
+
+
+_BLOCK = 1 << 16  # elements a step of the bfloat16 rounding: its temporaries stay small (256 KiB)
+_BF16_NAN = np.array([0x7FC0, 0xFFC0], np.uint16)  # the quiet NaN, by sign (as ml_dtypes and XLA round a NaN)
+
+
+def to_wire_dtype(values: np.ndarray, name: str) -> np.ndarray:
+    """The 16-bit wire encoding ``name`` ("float16" or "bfloat16") of float32 ``values`` (a 1-D piece of a
+    tensor, a message's worth): a new little-endian array of 2-byte elements (uint16 for bfloat16).
+
+    float16: numpy's ``astype`` (IEEE round to nearest, ties to even). Beyond float16's range (65504)
+    a value becomes inf, and such an example is non-finite at the server (its policy then drops,
+    zeroes or refuses it); below 6.1e-5 precision drops (subnormals), below 3e-8 values become 0.
+    bfloat16 (float32's range, 8 bits of precision): round to nearest, ties to even, on the float32
+    bit pattern, subnormals kept, a value beyond bfloat16's largest rounds to inf, NaN stays NaN (the
+    quiet NaN of its sign): bit for bit ``ml_dtypes.bfloat16``'s conversion, without needing it.
+
+    >>> to_wire_dtype(np.array([1.0, 1.00390625, 1.01171875, -np.inf], np.float32), "bfloat16")
+    array([16256, 16256, 16258, 65408], dtype=uint16)
+    """
+    values = np.asarray(values, dtype=np.float32).reshape(-1)
+    if name == "float16":
+        return values.astype("<f2")
+    if name != "bfloat16":
+        raise ValueError(f"a 16-bit wire dtype is one of {list(NARROW_DTYPES)}, got {name!r}")
+    out = np.empty(values.size, "<u2")
+    for start in range(0, values.size, _BLOCK):
+        part = values[start : start + _BLOCK]
+        bits = np.ascontiguousarray(part).view(np.uint32)  # the float32 bit patterns (native ints)
+        rounded = bits >> 16
+        rounded &= 1  # the last bit kept: a tie rounds to even
+        rounded += 0x7FFF
+        rounded += bits  # no carry out of 32 bits but for negative NaNs, fixed below
+        rounded >>= 16
+        out[start : start + part.size] = rounded
+        nan = np.isnan(part)
+        if nan.any():
+            out[start : start + part.size][nan] = _BF16_NAN[np.signbit(part[nan]).view(np.uint8)]
+    return out
+
+
+def widen_into(data, name: str, out: np.ndarray) -> np.ndarray:
+    """Decodes 16-bit wire data ``data`` (bytes-like; ``name`` "float16" or "bfloat16") into ``out``, a
+    preallocated float32 1-D array of ``len(data) // 2`` elements; returns ``out``. Exact: every 16-bit
+    value is a float32 (a NaN stays NaN). One vectorised pass over a view of ``data``, no temporary.
+
+    >>> widen_into(bytes([0x80, 0x3F, 0xC0, 0x7F]), "bfloat16", np.empty(2, np.float32))
+    array([ 1., nan], dtype=float32)
+    """
+    nbytes = memoryview(data).nbytes
+    if out.dtype != np.float32 or out.ndim != 1 or nbytes != 2 * out.size:
+        raise ValueError(f"{nbytes} bytes of {name} need a 1-D float32 array of {nbytes / 2:g} elements,"
+                         f" got {out.dtype} {out.shape}")
+    if name == "bfloat16":  # a bfloat16 is the upper half of the float32 of the same value
+        np.left_shift(np.frombuffer(data, "<u2"), 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif name == "float16":
+        np.copyto(out, np.frombuffer(data, "<f2"))
+    else:
+        raise ValueError(f"a 16-bit wire dtype is one of {list(NARROW_DTYPES)}, got {name!r}")
+    return out
 
 
 class Chunk(NamedTuple):

@@ -175,3 +175,47 @@ def test_training_benchmark_quick_run():
         assert _positive(rows[f"client: {phase}"][0])
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("training: opacus_ms=") and "overhead_ms=" in last and "service_ms=" in last
+
+
+def test_large_benchmark_quick_run():
+    """benchmarks/large.py --quick: 4 whole-model updates (P = 2^22) on the memory and durable stores, and the same
+    bytes as 1 MiB examples; every row exact, without a reconnect; the ratios recomputed from the rows."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "large.py"), "--quick"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    header = next(line for line in lines if line.startswith("case "))
+    assert [" ".join(part.split()) for part in header.split("|")] == [
+        "case", "store", "params", "examples", "clipped", "submit s", "finalize s", "GB/s", "peak/update",
+        "reconnects", "errors", "exact"], header
+    rows = {}
+    for line in lines:
+        parts = [part.strip() for part in line.split("|")]
+        if len(parts) == 12 and parts[0] in ("large", "1 MiB"):
+            rows[parts[0], parts[1]] = parts
+    assert set(rows) == {("large", "memory"), ("large", "durable"), ("1 MiB", "memory")}, out.stdout
+    params = 1 << 22
+    gbps, peak = {}, {}
+    for key, (case, store, p, examples, clipped, submit_s, finalize_s, rate, over, reconnects, errors, exact) \
+            in rows.items():
+        assert int(p) == params, key
+        # one update per client, or P / 262,144 examples of 1 MiB each; two of the four clients' clipped
+        assert (int(examples), int(clipped)) == ((4, 2) if case == "large" else (64, 32)), (key, out.stdout)
+        assert reconnects == "0" and errors == "0", (key, out.stdout)
+        match = re.fullmatch(r"True \((\d\.\de[-+]\d\d)\)", exact)
+        assert match and float(match[1]) <= 1e-6, (key, out.stdout)
+        seconds = _positive(submit_s) + float(finalize_s)
+        gbps[key], peak[key] = _positive(rate), _positive(over)
+        expected = 4 * params * 4 / seconds / 1e9  # 4 clients x P float32, over submit + finalize
+        assert abs(gbps[key] - expected) <= 0.02 * expected + 0.002, (key, out.stdout)
+    memory, durable, small = gbps["large", "memory"], gbps["large", "durable"], gbps["1 MiB", "memory"]
+    match = re.fullmatch(rf"P={params}: memory_over_small=(\d+\.\d{{3}}) durable_over_memory=(\d+\.\d{{3}})", lines[-2])
+    assert match, out.stdout
+    for got, expected in zip(match.groups(), (memory / small, durable / memory)):
+        assert abs(float(got) - expected) <= 0.02 * expected + 0.002, out.stdout
+    match = re.fullmatch(r"large: params=(\d+) gbps_memory=(\d+\.\d{3}) gbps_durable=(\d+\.\d{3})"
+                         r" gbps_small=(\d+\.\d{3}) peak_over_update=(\d+\.\d{3})", lines[-1])
+    assert match and int(match[1]) == params, out.stdout
+    for got, expected in zip(match.groups()[1:], (memory, durable, small, max(peak["large", "memory"],
+                                                                                 peak["large", "durable"]))):
+        assert _positive(got) == expected, out.stdout

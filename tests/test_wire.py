@@ -126,6 +126,37 @@ def test_a_batch_split_into_messages_is_read_back_whole(layers, max_bytes):
         np.testing.assert_array_equal(wire.as_array(data, array.dtype.name, array.shape), array)
 
 
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 5), st.lists(st.integers(1, 6), max_size=3),
+                          st.sampled_from(["float32", "float16", "float64"])), min_size=1, max_size=4),
+       st.integers(1, 200), st.sampled_from(["bfloat16", "float16"]))
+def test_a_narrow_batch_is_read_back_as_the_16_bit_values_of_its_float32_layers(layers, max_bytes, wire_dtype):
+    """With a 16-bit wire dtype the float32 layers' chunks say BFLOAT16 (FLOAT16) and carry the whole
+    2-byte tensor, in order, in whole elements; the other layers go as they are. The generator and the
+    list agree."""
+    rows = layers[0][0]
+    rng = np.random.default_rng(len(layers) + max_bytes)
+    batch = [rng.standard_normal((rows, *shape)).astype(dtype) for _, shape, dtype in layers]
+    messages = wire.submit_batch("agg", "c", 7, batch, max_bytes, "w", wire_dtype)
+    assert messages == list(wire.iter_submit_batch("agg", "c", 7, batch, max_bytes, "w", wire_dtype))
+    received = [bytearray() for _ in batch]
+    for message in messages:
+        for chunk in wire.parse_submit_request(message).chunks:
+            array = batch[chunk.layer]
+            assert chunk.offset == len(received[chunk.layer]) and chunk.shape == array.shape
+            narrow = array.dtype == np.float32
+            assert wire.DTYPE_NAMES[chunk.dtype] == (wire_dtype if narrow else array.dtype.name)
+            assert not narrow or (chunk.offset % 2 == 0 and len(chunk.data) % 2 == 0 and chunk.data)
+            received[chunk.layer] += chunk.data
+    for array, data in zip(batch, received):
+        if array.dtype == np.float32:
+            assert bytes(data) == wire.to_wire_dtype(array.reshape(-1), wire_dtype).tobytes()
+            widened = wire.widen_into(data, wire_dtype, np.empty(array.size, np.float32))
+            np.testing.assert_array_equal(widened, wire.as_array(data, wire_dtype, (array.size,)).astype(np.float32))
+        else:
+            np.testing.assert_array_equal(wire.as_array(data, array.dtype.name, array.shape), array)
+
+
 def test_the_tables_cover_the_proto_enums_and_name_the_engine_enums():
     assert set(wire.DTYPES.values()) == set(pb.DType.values()) - {pb.DTYPE_UNSPECIFIED}
     assert set(wire.CLIP_KINDS.values()) == set(pb.ClipPolicy.Kind.values()) - {pb.ClipPolicy.KIND_UNSPECIFIED}

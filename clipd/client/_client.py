@@ -5,12 +5,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import random
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -25,6 +26,16 @@ from .privacy import Privacy
 from .updates import Layer, example_nbytes, iter_updates, rebatch
 
 MiB = 1 << 20
+
+
+class _ClientsOwn:
+    """``submit(wire_dtype=...)``'s default: the client's own (None means each layer's dtype)."""
+
+    def __repr__(self) -> str:
+        return "<the client's wire_dtype>"
+
+
+_CLIENT_WIRE_DTYPE: Any = _ClientsOwn()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +110,21 @@ class Client:
     client's certificate chain and its private key. Given without
     ``root_certificates``, the server is verified against the system's CAs.
     ``token`` is the admin bearer token, sent on every call when set.
+
+    Large updates: ``submit`` does not copy the arrays it is given (it keeps references until the
+    server acknowledges them and encodes each message as it is sent, again after a reconnect), so
+    an update of gigabytes costs about ``message_bytes`` more memory, not its size again. Don't modify
+    them in place while ``submit`` runs. ``window_bytes`` bounds the bytes of batches sent and not yet
+    acknowledged (a batch larger than it is sent alone).
+
+    ``wire_dtype``: None (default) sends each layer in its own dtype; ``"bfloat16"`` or ``"float16"``
+    sends the float32 layers' values in that 16-bit format, half the bytes (the server widens them back
+    to float32 and sums in float32; other dtypes go as they are); ``submit(wire_dtype=...)`` overrides it.
+    bfloat16 keeps float32's range with 8 bits of precision (a relative error up to 2**-9 per value);
+    float16 keeps 11 bits but only its range: a value beyond 65504 becomes inf, which makes the example
+    non-finite at the server (the aggregation's ``non_finite`` policy then drops, zeroes or refuses it),
+    and values below about 6e-5 lose precision (below 3e-8 they become 0). Needs a server that accepts
+    16-bit chunks for float32 layers.
     """
 
     def __init__(
@@ -115,7 +141,9 @@ class Client:
         timeout: float = 120.0,
         retry_timeout: float = 60.0,
         retry_delay: float = 0.05,
+        wire_dtype: str | None = None,
     ) -> None:
+        wire.check_wire_dtype(wire_dtype)
         if message_bytes > max_message_bytes - 64 * 1024:
             raise ValueError("message_bytes must leave room for the message header under max_message_bytes")
         options = [
@@ -144,6 +172,7 @@ class Client:
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         self.retry_delay = retry_delay
+        self.wire_dtype = wire_dtype
         self._layers: dict[str, list[Layer]] = {}
 
     # Plumbing ---------------------------------------------------------------------------
@@ -253,7 +282,7 @@ class Client:
 
     # Streaming ------------------------------------------------------------------------------
     def submit(self, aggregation_id: str, updates: Any, *, client_id: str | None = None,
-               progress: bool = False, spread: int | None = None) -> SubmitReport:
+               progress: bool = False, spread: int | None = None, wire_dtype: Any = _CLIENT_WIRE_DTYPE) -> SubmitReport:
         """Streams updates into an aggregation and returns once every one is durably summed.
 
         ``updates`` is one example (a pytree of arrays, one per layer), a batch
@@ -283,15 +312,27 @@ class Client:
         (examples of this call durably in the sum: with one stream, the first
         ones of ``updates``) and ``progress``; :meth:`resume` sends exactly what
         was not acknowledged.
+
+        The arrays of ``updates`` are not copied (one of the layer's dtype, C-contiguous, little-endian
+        is sent as it is, however large): they are held until acknowledged and must not change meanwhile.
+        ``wire_dtype`` (default: the client's, see :class:`Client`) None, ``"bfloat16"`` or ``"float16"``:
+        the format of the float32 layers' values on the wire. ``progress``: one line on stderr, redrawn
+        while data moves: bytes sent (as they are handed to gRPC) and acknowledged, MB/s, a bar for a batch
+        of many messages, and what the server reports of a large batch as it works on it (received bytes,
+        the highest batch summed, the highest durable).
         """
+        if wire_dtype is _CLIENT_WIRE_DTYPE:
+            wire_dtype = self.wire_dtype
+        wire.check_wire_dtype(wire_dtype)
         layers = self.layers(aggregation_id)
-        batches = rebatch(iter_updates(updates, layers), example_nbytes(layers), self.message_bytes)
+        batches = rebatch(iter_updates(updates, layers), example_nbytes(layers, wire_dtype), self.message_bytes)
         client_id = client_id or uuid.uuid4().hex
         streams = spread if spread is not None else self.placement(aggregation_id).shards
         if streams < 1:
             raise ValueError(f"spread: at least 1 stream, got {streams}")
         if streams == 1:
-            stream = _BatchStream(aggregation_id, client_id, batches, self.message_bytes, self.window_bytes)
+            stream = _BatchStream(aggregation_id, client_id, batches, self.message_bytes, self.window_bytes,
+                                  wire_dtype)
             return self._stream(stream, progress)
         source = _SharedSource(batches)
         firsts = source.take(streams)  # one batch for each stream to start with (fewer batches: fewer streams)
@@ -300,24 +341,33 @@ class Client:
         window = max(self.message_bytes, self.window_bytes // len(firsts))
         spread_streams = [_BatchStream(aggregation_id, wire.spread_id(client_id, k),
                                        itertools.chain([first] if first is not None else [], source),
-                                       self.message_bytes, window) for k, first in enumerate(firsts)]
+                                       self.message_bytes, window, wire_dtype) for k, first in enumerate(firsts)]
         return self._run_spread(_Spread(spread_streams), progress)
 
     def _run_spread(self, spread: _Spread, progress: bool) -> SubmitReport:
         """Runs the spread's streams at once, on threads of their own; then the whole submission's report."""
         started, reports, errors = time.perf_counter(), [], []
+        bar = _ProgressBar(spread, self.message_bytes) if progress else None
+        for stream in spread.streams:
+            stream.on_sent = bar.show if bar is not None else None
 
         def run(stream: _BatchStream) -> None:
             try:
-                reports.append(self._stream(stream, False))
+                reports.append(self._stream_attempts(stream, bar))
             except Exception as e:  # reported below, with the whole submission's progress
                 errors.append(e)
 
         threads = [threading.Thread(target=run, args=(s,), name="clipd-spread", daemon=True) for s in spread.streams]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                thread.join()
+        finally:
+            for stream in spread.streams:
+                stream.on_sent = None
+            if bar is not None:
+                bar.close()
         if errors:
             raise _with_progress(errors[0], spread)
         return SubmitReport(spread.client_id, spread.batches_acked, spread.examples_acked, spread.bytes_acked,
@@ -340,6 +390,19 @@ class Client:
         return self._stream(stream, progress)
 
     def _stream(self, stream: _BatchStream, progress: bool) -> SubmitReport:
+        if not progress:
+            return self._stream_attempts(stream, None)
+        bar = _ProgressBar(stream, self.message_bytes)
+        stream.on_sent = bar.show
+        try:
+            return self._stream_attempts(stream, bar)
+        finally:
+            stream.on_sent = None
+            bar.close()
+
+    def _stream_attempts(self, stream: _BatchStream, bar: _ProgressBar | None) -> SubmitReport:
+        """Runs one stream to the end, reconnecting while the server is unavailable (``bar``: redrawn on
+        every response; the stream's ``on_sent`` redraws it as each message is handed to gRPC)."""
         started, failures, reconnects = time.perf_counter(), 0, 0
         last_progress = time.monotonic()
         while True:
@@ -353,14 +416,13 @@ class Client:
                     if not greeted:  # the answer to this attempt's hello
                         stream.greet(response)
                         greeted = True
-                    else:
+                    else:  # an acknowledgement, or a report of progress within a large batch: idempotent
                         stream.acknowledge(response.acknowledged_sequence)
-                    if progress:
-                        _show_progress(stream, started)
+                    stream.observe(response)
+                    if bar is not None:
+                        bar.show()
                 if stream.complete:
                     stream.stop()
-                    if progress:
-                        print(file=sys.stderr)
                     if stream.source_error is not None:
                         raise _with_progress(stream.source_error, stream)
                     return SubmitReport(stream.client_id, stream.batches_acked, stream.examples_acked,
@@ -492,6 +554,16 @@ class _Spread:
     examples_acked = property(lambda self: sum(s.examples_acked for s in self.streams))
     bytes_acked = property(lambda self: sum(s.bytes_acked for s in self.streams))
     unacknowledged = property(lambda self: sum(s.unacknowledged for s in self.streams))
+    # What the progress line shows (each stream numbers its own batches: no sequence numbers here).
+    wire_bytes_sent = property(lambda self: sum(s.wire_bytes_sent for s in self.streams))
+    wire_bytes_acked = property(lambda self: sum(s.wire_bytes_acked for s in self.streams))
+    received_bytes = property(lambda self: sum(s.received_bytes for s in self.streams))
+    summed_sequence = durable_sequence = 0
+
+    def in_flight(self) -> tuple[int, int, int] | None:
+        """The largest batch being sent by any stream (see ``_BatchStream.in_flight``)."""
+        batches = [b for b in (s.in_flight() for s in self.streams) if b is not None]
+        return max(batches, key=lambda b: b[2]) if batches else None
 
 
 def _backoff(error: ClipdError, delay: float, tries: int) -> float:
@@ -516,21 +588,95 @@ def _layer_specs(layers: Any, dtype: str) -> list[Layer]:
     return [Layer(l[0], tuple(l[1]), l[2] if len(l) > 2 else dtype) for l in layers]
 
 
-def _show_progress(stream: _BatchStream, started: float) -> None:
-    elapsed = max(1e-9, time.perf_counter() - started)
-    print(
-        f"\r{stream.examples_acked:>10} examples summed  {stream.examples_acked / elapsed:>10.0f}/s"
-        f"  {stream.bytes_acked / elapsed / MiB:>8.1f} MiB/s",
-        end="", file=sys.stderr, flush=True,
-    )
+def _amount(nbytes: float) -> str:
+    """
+    >>> _amount(1_500_000), _amount(4_294_967_296)
+    ('1.5 MB', '4.29 GB')
+    """
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _progress_line(*, sent: int, acked: int, examples: int, elapsed: float, batch: tuple[int, int, int] | None = None,
+                   received: int = 0, summed: int = 0, durable: int = 0, width: int = 24) -> str:
+    """The progress line of a submission: ``batch`` (sequence, bytes sent, its bytes) draws a bar.
+
+    >>> _progress_line(sent=3_000_000_000, acked=0, examples=0, elapsed=30.0, batch=(1, 3_000_000_000, 4_000_000_000),
+    ...                received=2_000_000_000, summed=0, durable=0, width=8)
+    '[######..]  75% of batch 1 (4.00 GB)  sent 3.00 GB  acked 0.0 MB  100.0 MB/s  received 2.00 GB'
+    """
+    parts = []
+    if batch is not None:
+        sequence, batch_sent, batch_bytes = batch
+        done = min(1.0, batch_sent / max(1, batch_bytes))
+        filled = int(done * width)
+        bar = "#" * filled + "." * (width - filled)
+        parts.append(f"[{bar}] {done:4.0%} of batch {sequence} ({_amount(batch_bytes)})")
+    parts += [f"sent {_amount(sent)}", f"acked {_amount(acked)}", f"{sent / max(elapsed, 1e-9) / 1e6:.1f} MB/s"]
+    if examples:
+        parts.append(f"{examples} examples summed")
+    if received:
+        parts.append(f"received {_amount(received)}")
+    if summed:
+        parts.append(f"summed #{summed}")
+    if durable:
+        parts.append(f"durable #{durable}")
+    return "  ".join(parts)
+
+
+class _ProgressBar:
+    """``submit(progress=True)``: one line on stderr, redrawn with ``\\r`` (a newline at the end): bytes handed
+    to gRPC and acknowledged, MB/s, and a bar while a batch of several messages is sent. Drawn on every
+    response and every message handed to gRPC (so it moves within one large batch), at most every
+    ``INTERVAL`` seconds, from whichever thread that is (the stream's, gRPC's request reader)."""
+
+    INTERVAL = 0.1
+
+    def __init__(self, stream: _BatchStream | _Spread, message_bytes: int, file=None) -> None:
+        self._stream = stream
+        self._message_bytes = message_bytes
+        self._file = file if file is not None else sys.stderr
+        self._started = time.perf_counter()
+        self._lock = threading.Lock()  # one drawer at a time
+        self._drawn = -math.inf  # when the line was last drawn
+        self._width = 0  # of the last line drawn: a shorter one is padded over it
+        self._closed = False
+
+    def line(self) -> str:
+        stream = self._stream
+        batch = stream.in_flight()
+        if batch is not None and batch[2] <= self._message_bytes:
+            batch = None  # a bar only for a batch of several messages
+        return _progress_line(sent=stream.wire_bytes_sent, acked=stream.wire_bytes_acked,
+                              examples=stream.examples_acked, elapsed=time.perf_counter() - self._started,
+                              batch=batch, received=stream.received_bytes, summed=stream.summed_sequence,
+                              durable=stream.durable_sequence)
+
+    def show(self, end: str = "") -> None:
+        """Draws the line, unless it was drawn less than ``INTERVAL`` ago (``end``: always, and then ends it)."""
+        now = time.monotonic()
+        if not end and (self._closed or now - self._drawn < self.INTERVAL):
+            return
+        with self._lock:
+            if self._closed or (not end and now - self._drawn < self.INTERVAL):
+                return
+            line = self.line()
+            print(f"\r{line}{' ' * max(0, self._width - len(line))}", end=end, file=self._file, flush=True)
+            self._width, self._drawn = len(line), now
+            self._closed = bool(end)
+
+    def close(self) -> None:
+        """Draws the last line and ends it with a newline (once)."""
+        self.show(end="\n")
 
 
 @dataclasses.dataclass
 class _Sent:
     sequence: int
     rows: int
-    nbytes: int
-    messages: list[bytes]  # serialized SubmitRequest messages
+    nbytes: int  # the batch's bytes (window accounting)
+    batch: list[np.ndarray]  # the caller's arrays (no copy): encoded as sent, again on a resend
+    wire_bytes: int  # its tensor data on the wire (a 16-bit wire_dtype halves the float32 layers')
+    sent_bytes: int = 0  # of wire_bytes, handed to gRPC by the latest attempt that sent it
 
 
 class _BatchStream:
@@ -544,7 +690,7 @@ class _BatchStream:
     """
 
     def __init__(self, aggregation_id: str, client_id: str, batches: Iterator[list[np.ndarray]],
-                 message_bytes: int, window_bytes: int) -> None:
+                 message_bytes: int, window_bytes: int, wire_dtype: str | None = None) -> None:
         self.aggregation_id = aggregation_id
         self.client_id = client_id
         self.writer_id = uuid.uuid4().hex  # this submission, as the server tells writers apart
@@ -560,10 +706,47 @@ class _BatchStream:
         self.source_error: Exception | None = None  # a bad update: nothing after it is sent
         self.message_bytes = message_bytes
         self.window_bytes = window_bytes
+        self.wire_dtype = wire.check_wire_dtype(wire_dtype)
         self.acked = 0  # the client's highest acknowledged sequence
         self.batches_acked = 0  # of this submission
         self.examples_acked = 0
         self.bytes_acked = 0
+        self.wire_bytes_acked = 0  # the bytes on the wire of the acknowledged batches
+        self.received_bytes = 0  # what the server says it received of this stream (0: it does not say)
+        self.summed_sequence = 0  # the highest batch in the sum, not yet durable, by the server (0: unsaid)
+        self.on_sent: Callable[[], None] | None = None  # called as each message is handed to gRPC (progress)
+
+    @property
+    def durable_sequence(self) -> int:
+        """The client's highest batch durably in the sum (the server's acknowledgement)."""
+        return self.acked
+
+    @property
+    def wire_bytes_sent(self) -> int:
+        """Bytes of tensor data handed to gRPC: the acknowledged batches' and what the latest attempt
+        sent of the others (a resend starts its batch again)."""
+        with self._cond:
+            return self.wire_bytes_acked + sum(entry.sent_bytes for entry in self._window)
+
+    def in_flight(self) -> tuple[int, int, int] | None:
+        """``(sequence, bytes sent, its bytes on the wire)`` of the latest batch sent (or being sent) and
+        not acknowledged; None if none."""
+        with self._cond:
+            for entry in reversed(self._window):
+                if entry.sent_bytes:
+                    return entry.sequence, entry.sent_bytes, entry.wire_bytes
+        return None
+
+    def observe(self, response: pb.SubmitResponse) -> None:
+        """Takes what a response says of the server's progress within large batches (servers that send
+        ``received_bytes`` and ``summed_sequence``; 0 where they are unknown)."""
+        received = getattr(response, "received_bytes", 0)
+        summed = getattr(response, "summed_sequence", 0)
+        with self._cond:
+            if received:
+                self.received_bytes = received
+            if summed:
+                self.summed_sequence = max(self.summed_sequence, summed)
 
     @property
     def complete(self) -> bool:
@@ -601,6 +784,7 @@ class _BatchStream:
             self.batches_acked += 1
             self.examples_acked += done.rows
             self.bytes_acked += done.nbytes
+            self.wire_bytes_acked += done.wire_bytes
         self.acked = max(self.acked, sequence)
         self._cond.notify_all()
 
@@ -640,7 +824,14 @@ class _BatchStream:
                 if entry is None:
                     return
             sent = entry.sequence
-            yield from entry.messages
+            entry.sent_bytes = 0
+            for message, data_bytes in self._encode_lazily(entry):
+                if generation != self._generation:  # a newer attempt resends it: stop encoding for this one
+                    return
+                entry.sent_bytes += data_bytes  # counted as it is handed to gRPC
+                if self.on_sent is not None:
+                    self.on_sent()
+                yield message
 
     def _next_to_send(self, sent: int) -> _Sent | None:
         for entry in self._window:
@@ -664,13 +855,19 @@ class _BatchStream:
                     self._exhausted = True
                     self._cond.notify_all()
                     return None
-                entry = _Sent(self._next_sequence, batch[0].shape[0], sum(a.nbytes for a in batch),
-                              self._encode(self._next_sequence, batch))
+                entry = _Sent(self._next_sequence, batch[0].shape[0], sum(a.nbytes for a in batch), batch,
+                              wire.wire_nbytes(batch, self.wire_dtype))
                 self._next_sequence += 1
                 self._window.append(entry)
                 self._unacked_bytes += entry.nbytes
                 return entry
 
+    def _encode_lazily(self, entry: _Sent) -> Iterator[tuple[bytes, int]]:
+        """A batch's messages with their bytes of tensor data, each made when gRPC asks for the next."""
+        return wire.encode_batch(self.aggregation_id, self.client_id, entry.sequence, entry.batch,
+                                 self.message_bytes, self.writer_id, self.wire_dtype)
+
     def _encode(self, sequence: int, batch: list[np.ndarray]) -> list[bytes]:
+        """All of a batch's messages at once (the benchmarks' encoder; a stream encodes lazily)."""
         return wire.submit_batch(self.aggregation_id, self.client_id, sequence, batch, self.message_bytes,
-                                 self.writer_id)
+                                 self.writer_id, self.wire_dtype)

@@ -266,7 +266,9 @@ def _check_rows(batch: Sequence[np.ndarray], layers: Sequence[Layer]) -> None:
 
 
 def _cast(arr: np.ndarray, layer: Layer) -> np.ndarray:
-    """``arr`` in the layer's dtype (little-endian, as the wire sends it), contiguous."""
+    """``arr`` in the layer's dtype (little-endian, as the wire sends it), contiguous: ``arr`` itself (no
+    copy, whatever its size) when it is so already; else one copy, converted (another floating dtype, a
+    big-endian one, a strided or Fortran-ordered view)."""
     dtype = wire.numpy_dtype(layer.dtype)
     if arr.dtype != dtype:
         arr = arr.astype(dtype)
@@ -346,6 +348,9 @@ def rebatch(batches: Iterable[list[np.ndarray]], example_bytes: int, target_byte
 
     If ``batches`` raises (a bad update), the rows before it are yielded first,
     then the error is raised: the good updates before a bad one are sent.
+
+    No copy of large examples: a batch's rows are views of the arrays given; only rows of different
+    updates gathered into one batch (each of them smaller than ``target_bytes``) are concatenated.
     """
     rows_per_batch = max(1, target_bytes // max(1, example_bytes))
     pending: list[list[np.ndarray]] = []
@@ -375,10 +380,17 @@ def rebatch(batches: Iterable[list[np.ndarray]], example_bytes: int, target_byte
 
 
 def _concat(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """One batch of the parts (about ``target_bytes`` in all): the part itself, not a copy, if it is alone."""
     if len(parts) == 1:
         return parts[0]
     return [np.concatenate(layer) for layer in zip(*parts)]
 
 
-def example_nbytes(layers: Sequence[Layer]) -> int:
-    return sum(math.prod(layer.shape) * wire.numpy_dtype(layer.dtype).itemsize for layer in layers)
+def example_nbytes(layers: Sequence[Layer], wire_dtype: str | None = None) -> int:
+    """The bytes of one example on the wire (a 16-bit ``wire_dtype`` halves its float32 layers').
+
+    >>> example_nbytes([Layer("w", (2, 3), "float32"), Layer("b", (3,), "float64")], "bfloat16")
+    36
+    """
+    return sum(math.prod(layer.shape) * (2 if wire_dtype is not None and layer.dtype == "float32"
+                                         else wire.numpy_dtype(layer.dtype).itemsize) for layer in layers)

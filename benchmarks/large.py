@@ -1,0 +1,529 @@
+"""Large updates: cross-silo federated learning, one whole-model update per client, streamed into clipd.
+
+What runs (loopback, a fresh ``clipd serve`` subprocess per row, ``--processes 0``): a model of P
+float32 parameters in 8 layers of P/8 each (shape ``(P/8,)``), one aggregation with global
+clipping at C = 1.0, and 4 clients, each its own ``Client`` (its own channel) and client id, at
+most 2 submitting at once (two threads, each running 2 clients in turn):
+
+  large    each client submits ONE example: its whole update ``x_i = c_i * v`` (v: one fixed,
+           seeded random float32 vector of P elements with ||v|| about 1; c_i = 0.25, 0.5, 2, 4,
+           powers of two, so x_i is exact in float32 and two of the four are clipped). A thread
+           computes x_i into one reusable buffer of its own when it is that client's turn (the
+           first one before the clock starts); the client gets ``{layer: x_i[None]}``, views of it.
+  1 MiB    the reference for throughput, the same bytes as 1 MiB examples: a layer spec of one
+           float32 layer of 262,144 values, each client submitting P / 262,144 examples from a
+           generator (made one at a time from slices of v, scaled by c_i and a power of two g, so
+           that again the examples of two clients are clipped and two are not).
+
+The large rows run against the server's memory store (``--data-dir memory``) and its durable
+store (a fresh temporary directory: SQLite plus checkpoint files, fsynced); the 1 MiB row
+against the memory store (``--small-durable`` adds it on the durable store too). Each row's
+server is started with ``--max-parameters P`` (room for the model) and otherwise its defaults;
+``--server-arg`` (repeatable) appends flags to its command line. The server's environment gets
+``MALLOC_MMAP_THRESHOLD_=33554432``, ``MALLOC_TRIM_THRESHOLD_=1073741824`` and
+``OPENBLAS_NUM_THREADS=1`` (as the Dockerfile and benchmarks/service.py set them) unless the
+environment already sets them.
+
+The clock runs from the first submit (the threads are released at once) to the last
+acknowledgement (the last ``submit`` returning), plus the Finalize (called right after, its
+wall time added). Computing the update buffers of the second clients (and the 1 MiB examples)
+is inside the clock, the same bytes multiplied in both kinds of rows. The server's memory is its
+process tree's (``clipd serve`` and all its descendants) VmRSS summed, sampled every 25 ms by a
+thread from ``/proc/<pid>/status``; the idle RSS is measured just before the clients start (the
+aggregation created and compiled, the clients connected).
+
+Columns: case, store, params (P), examples (all clients', as the finalized aggregation counts
+them), clipped (as it counts them: 2 of the 4 large examples, half of the 1 MiB ones), submit s
+(first submit to last acknowledgement), finalize s, GB/s (payload bytes, 4 x P x 4, over submit +
+finalize seconds; 1 GB = 1e9 bytes), peak/update (the peak RSS of the server's tree minus its
+idle RSS, over the update size P x 4 bytes), reconnects (the sum of ``SubmitReport.reconnects``),
+errors (client and server errors, each one listed below the table), exact (the finalized sums
+against a float64 reference of the clipped sum, ``max |result - reference| <= 1e-6 * max
+|reference|``, and the example count; the relative error in brackets). With ``--repeats N`` every
+row runs N times (the order reversed every other repeat); the table shows medians (reconnects and
+errors summed, exact only if every repeat was).
+
+Robustness: every client call is caught, so an error is reported in its row (whose timings are then
+nan) and the run goes on with the next row; each server is stopped in a ``finally`` (and gets
+SIGTERM should this process die); ``--timeout`` bounds each row, from the server's start to the
+check (1800 s, ``--quick`` 30 s).
+
+Per P, two ratios: ``memory_over_small`` (large on the memory store over 1 MiB examples, GB/s)
+and ``durable_over_memory`` (large, durable over memory); then, per P (the largest last)::
+
+    large: params=<P> gbps_memory=<a> gbps_durable=<b> gbps_small=<c> peak_over_update=<d>
+
+d: the larger peak/update of the two large rows. The last line is the one for the largest P.
+
+Run::
+
+    python benchmarks/large.py                      # P = 2^28 and 2^29 (1 GiB and 2 GiB an update)
+    python benchmarks/large.py --params 268435456   # one P
+    python benchmarks/large.py --huge               # also P = 2^30 (4 GiB an update)
+    python benchmarks/large.py --quick              # P = 2^22 (16 MiB), a smoke run of a few seconds
+    python benchmarks/large.py --server-arg=--max-batch-bytes=2147483648 --server-arg=--max-buffered-bytes=4294967296
+
+The benchmark process holds v, one buffer per thread and the finalized sums (about 4 x P x 4
+bytes, plus the float64 checks done in chunks); the server what it needs. Mind the memory of
+the machine for P = 2^29 and 2^30.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import platform
+import queue
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+from scale import stop_process  # benchmarks/scale.py (benchmarks/ is this script's directory)
+
+LAYERS = 8
+SMALL_WIDTH = 262_144  # float32: 1 MiB an example
+CLIP = 1.0
+SCALARS = (0.25, 0.5, 2.0, 4.0)  # c_i: powers of two (exact in float32); ||v|| ~ 1, so the last two are clipped
+CLIENTS = len(SCALARS)
+AT_ONCE = 2  # clients submitting at once (threads)
+TOLERANCE = 1e-6  # max |result - reference| <= TOLERANCE * max |reference|
+SERVER_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824",
+              "OPENBLAS_NUM_THREADS": "1"}
+SAMPLE_INTERVAL = 0.025  # seconds between RSS samples
+CHECK_CHUNK = 1 << 22  # elements per chunk of the float64 checks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The server's memory ---------------------------------------------------------------------------
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc/<pid>/task/<tid>/children)."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return pids
+
+
+def tree_rss(pid: int) -> int:
+    """Bytes: the VmRSS of ``pid`` and its descendants, summed."""
+    total = 0
+    for p in _tree(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+    return total
+
+
+class RssSampler:
+    """The peak of ``tree_rss(pid)``, sampled every ``interval`` seconds on a thread of its own."""
+
+    def __init__(self, pid: int, interval: float = SAMPLE_INTERVAL) -> None:
+        self.pid, self.interval = pid, interval
+        self.peak = self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def sample(self) -> int:
+        rss = tree_rss(self.pid)
+        self.peak = max(self.peak, rss)
+        self.samples += 1
+        return rss
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+# The server ---------------------------------------------------------------------------------------
+# ``clipd serve ARGS`` that gets SIGTERM should this process die, even killed (a test's timeout):
+# PR_SET_PDEATHSIG (1), kept across the exec; argv[1] is this process's pid (if it died already, exit).
+_SERVE = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM);"
+          " os.getppid() == int(sys.argv[1]) or sys.exit('clipd serve: the benchmark is gone');"
+          " os.execv(sys.executable, [sys.executable, '-m', 'clipd', 'serve', *sys.argv[2:]])")
+
+
+class Server:
+    """``clipd serve`` on free loopback ports, with ``data_dir`` and the extra flags; stop() always."""
+
+    def __init__(self, data_dir: str, params: int, workdir: str, extra: list[str], start_timeout: float) -> None:
+        self.port = _free_port()
+        command = [sys.executable, "-c", _SERVE, str(os.getpid()), "--grpc-port", str(self.port),
+                   "--admin-port", "-1", "--data-dir", data_dir,
+                   "--max-parameters", str(params),
+                   "--compilation-cache-dir", os.path.join(workdir, "jax-cache"), "--log-level", "warning", *extra]
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}
+        for key, value in SERVER_ENV.items():
+            env.setdefault(key, value)
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []  # its last lines, for an error message
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._drain, args=(self.proc.stdout, lines.put), daemon=True).start()
+        threading.Thread(target=self._drain, args=(self.proc.stderr, self._keep), daemon=True).start()
+        try:
+            line = lines.get(timeout=start_timeout)  # "clipd serving gRPC on ...", or "" if it exited
+        except queue.Empty:
+            line = ""
+        if "serving" not in line:
+            self.stop()
+            time.sleep(0.1)  # its last words on stderr
+            raise RuntimeError(f"clipd serve did not start: {line!r} {' '.join(self.stderr[-3:])}")
+        self.target = f"127.0.0.1:{self.port}"
+
+    def _keep(self, line: str) -> None:
+        self.stderr = (self.stderr + [line.strip()])[-20:]
+
+    @staticmethod
+    def _drain(stream, put) -> None:
+        """Reads the pipe to its end (so the server never blocks on a full one), then puts "" (EOF)."""
+        with contextlib.suppress(ValueError, OSError):
+            for line in stream:
+                put(line)
+        put("")
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+# Updates and references -----------------------------------------------------------------------------
+def base_vector(params: int, seed: int) -> np.ndarray:
+    """v: P float32 values, standard normal / sqrt(P) (so ||v|| is about 1), made in chunks."""
+    rng = np.random.default_rng(seed)
+    v = np.empty(params, np.float32)
+    scale = np.float32(1 / math.sqrt(params))
+    for start in range(0, params, CHECK_CHUNK):
+        part = v[start : start + CHECK_CHUNK]
+        rng.standard_normal(part.shape, dtype=np.float32, out=part)
+        part *= scale
+    return v
+
+
+def norm64(x: np.ndarray) -> float:
+    """||x|| in float64, in chunks (no float64 copy of all of x)."""
+    total = 0.0
+    for start in range(0, x.size, CHECK_CHUNK):
+        part = x[start : start + CHECK_CHUNK].astype(np.float64)
+        total += float(np.dot(part, part))
+    return math.sqrt(total)
+
+
+def small_gain(params: int) -> float:
+    """g: the power of two nearest sqrt(P / 262,144), so that a 1 MiB slice of g * v has a norm of about 1."""
+    return 2.0 ** round(math.log2(math.sqrt(params / SMALL_WIDTH)))
+
+
+def large_check(sums: dict[str, np.ndarray], names: list[str], v: np.ndarray) -> float:
+    """max |result - reference| / max |reference|, reference = (sum_i min(1, C/||x_i||) c_i) v in float64."""
+    norm_v = norm64(v)
+    s = sum(min(1.0, CLIP / (abs(c) * norm_v)) * c for c in SCALARS)
+    width = v.size // len(names)
+    worst = top = 0.0
+    for k, name in enumerate(names):
+        got = np.asarray(sums[name]).reshape(-1)
+        if got.size != width:
+            raise AssertionError(f"layer {name}: {got.size} values, expected {width}")
+        for start in range(0, width, CHECK_CHUNK):
+            end = min(start + CHECK_CHUNK, width)
+            ref = s * v[k * width + start : k * width + end].astype(np.float64)
+            worst = max(worst, float(np.max(np.abs(got[start:end] - ref))))
+            top = max(top, float(np.max(np.abs(ref))))
+    return worst / top
+
+
+def small_examples(v: np.ndarray, scale: float):
+    """The 1 MiB examples of one client: ``scale * v[j*W:(j+1)*W]``, made one at a time."""
+    factor = np.float32(scale)
+    for start in range(0, v.size, SMALL_WIDTH):
+        yield {"x": v[start : start + SMALL_WIDTH] * factor}
+
+
+def small_check(total: np.ndarray, v: np.ndarray, gain: float) -> float:
+    """The same error for the 1 MiB row: reference = sum_j (sum_i min(1, C/||g c_i v_j||) g c_i) v_j."""
+    ref = np.zeros(SMALL_WIDTH)
+    for start in range(0, v.size, SMALL_WIDTH):
+        part = v[start : start + SMALL_WIDTH].astype(np.float64)
+        norm = math.sqrt(float(np.dot(part, part)))
+        ref += sum(min(1.0, CLIP / (abs(gain * c) * norm)) * gain * c for c in SCALARS) * part
+    return float(np.max(np.abs(np.asarray(total, np.float64).reshape(-1) - ref)) / np.max(np.abs(ref)))
+
+
+# One row ------------------------------------------------------------------------------------------------
+class Row:
+    def __init__(self, case: str, store: str, params: int) -> None:
+        self.case, self.store, self.params = case, store, params
+        self.examples = 0
+        self.submit_s = self.finalize_s = math.nan
+        self.peak_over_update = math.nan
+        self.reconnects = 0
+        self.clipped = 0
+        self.errors: list[str] = []
+        self.rel_error = math.nan
+        self.exact = False
+
+    @property
+    def payload(self) -> int:
+        return CLIENTS * self.params * 4
+
+    @property
+    def gbps(self) -> float:
+        """Payload GB over submit + finalize seconds; nan for a row with an error."""
+        return self.payload / (self.submit_s + self.finalize_s) / 1e9 if not self.errors else math.nan
+
+
+def _error(e: BaseException) -> str:
+    details = getattr(e, "details", None)
+    if callable(details):
+        with contextlib.suppress(Exception):
+            details = details()
+    return f"{type(e).__name__}: {details or e}"[:300]
+
+
+def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, extra: list[str],
+            timeout: float) -> Row:
+    """One row: a fresh server, one aggregation, 4 clients (2 at once), Finalize, the check."""
+    from clipd.client import Client
+
+    row = Row(case, store, params)
+    deadline = time.monotonic() + timeout
+    data_dir = "memory" if store == "memory" else tempfile.mkdtemp(prefix="data-", dir=workdir)
+    large = case == "large"
+    width = params // LAYERS
+    names = [f"layer{k}" for k in range(LAYERS)] if large else ["x"]
+    layers = {name: (width,) for name in names} if large else {"x": (SMALL_WIDTH,)}
+    gain = 1.0 if large else small_gain(params)
+    server = clients = None
+    start, abort = threading.Event(), threading.Event()
+    try:
+        server = Server(data_dir, params, workdir, extra, start_timeout=min(120.0, timeout))
+        clients = [Client(server.target, timeout=timeout, retry_timeout=min(60.0, timeout)) for _ in range(CLIENTS)]
+        aggregation = clients[0].create_aggregation(layers, policy="global", l2_norm_clip=CLIP)
+        _wait_open(clients[0], aggregation, deadline)
+        for client in clients:
+            client.layers(aggregation)  # connected, the layers known: nothing of it in the clock
+        lock, ready = threading.Lock(), threading.Barrier(AT_ONCE + 1)
+        reports = []
+
+        def worker(turns: list[int]) -> None:
+            buffer = np.empty(params, np.float32) if large else None
+
+            def updates(i: int):
+                if large:
+                    np.multiply(v, np.float32(SCALARS[i]), out=buffer)
+                    return {name: buffer[k * width : (k + 1) * width][None] for k, name in enumerate(names)}
+                return small_examples(v, gain * SCALARS[i])
+
+            try:
+                first = updates(turns[0])
+            except Exception as e:
+                first = None
+                with lock:
+                    row.errors.append(f"client {turns[0]}: {_error(e)}")
+            with contextlib.suppress(threading.BrokenBarrierError):
+                ready.wait(timeout)
+            start.wait()
+            for n, i in enumerate(turns):
+                if abort.is_set():
+                    return
+                try:
+                    update = first if n == 0 else updates(i)
+                    if update is None:
+                        continue
+                    client_id = f"{'large' if large else 'small'}-{i}"
+                    report = clients[i].submit(aggregation, update, client_id=client_id)
+                    with lock:
+                        reports.append(report)
+                except Exception as e:  # reported in the row
+                    with lock:
+                        row.errors.append(f"client {i}: {_error(e)}")
+
+        threads = [threading.Thread(target=worker, args=(list(range(t, CLIENTS, AT_ONCE)),), daemon=True)
+                   for t in range(AT_ONCE)]
+        for thread in threads:
+            thread.start()
+        ready.wait(max(1.0, deadline - time.monotonic()))  # every thread has its first update
+        idle = tree_rss(server.proc.pid)
+        sampler = RssSampler(server.proc.pid)
+        sampler.peak = idle
+        with sampler:
+            t0 = time.perf_counter()
+            start.set()
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if any(thread.is_alive() for thread in threads):
+                raise TimeoutError(f"the clients did not finish within {timeout:.0f} s (--timeout)")
+            row.submit_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            result = clients[0].finalize(aggregation)
+            row.finalize_s = time.perf_counter() - t1
+        row.peak_over_update = (sampler.peak - idle) / (params * 4)
+        row.reconnects = sum(r.reconnects for r in reports)
+        row.examples = result.examples
+        row.clipped = result.clip_counts[names[0]]
+        expected = CLIENTS * (1 if large else params // SMALL_WIDTH)
+        row.rel_error = large_check(result.sums, names, v) if large else small_check(result.sums["x"], v, gain)
+        row.exact = row.rel_error <= TOLERANCE and row.examples == expected  # the examples column shows the count
+    except Exception as e:  # the row reports it; the run goes on
+        row.errors.append(_error(e))
+        if server is not None and server.proc.poll() is not None:
+            row.errors.append(f"clipd serve exited {server.proc.returncode}: {' | '.join(server.stderr[-3:])}")
+    finally:
+        abort.set()  # threads still waiting for the start (the row failed before it) return
+        start.set()
+        if clients:
+            for client in clients:
+                with contextlib.suppress(Exception):
+                    client.close()
+        if server is not None:
+            server.stop()
+        if data_dir != "memory":
+            shutil.rmtree(data_dir, ignore_errors=True)
+    return row
+
+
+def _wait_open(client, aggregation: str, deadline: float) -> None:
+    from clipd.v1 import clipd_pb2 as pb
+
+    while (state := client.get_aggregation(aggregation).state) != pb.Aggregation.OPEN:
+        if state not in (pb.Aggregation.WARMING_UP, pb.Aggregation.STATE_UNSPECIFIED):
+            raise RuntimeError(f"aggregation {aggregation} is {pb.Aggregation.State.Name(state)}, not OPEN")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"aggregation {aggregation} did not open (compile) in time")
+        time.sleep(0.05)
+
+
+# Output ----------------------------------------------------------------------------------------------------
+HEADER = (f"{'case':<6} | {'store':<7} | {'params':>10} | {'examples':>8} | {'clipped':>7} | {'submit s':>8} |"
+          f" {'finalize s':>10} | {'GB/s':>6} | {'peak/update':>11} | {'reconnects':>10} | {'errors':>6} | exact")
+
+
+def summarize(runs: list[Row]) -> dict:
+    """Medians over the repeats of a row (reconnects and errors summed, exact only if every repeat was)."""
+    ok = [r for r in runs if not r.errors]
+
+    def median(values) -> float:
+        values = list(values)
+        return statistics.median(values) if values else math.nan
+
+    return dict(case=runs[0].case, store=runs[0].store, params=runs[0].params, examples=runs[0].examples,
+                clipped=runs[0].clipped,
+                submit_s=median(r.submit_s for r in ok), finalize_s=median(r.finalize_s for r in ok),
+                gbps=median(r.gbps for r in ok), peak=median(r.peak_over_update for r in ok),
+                reconnects=sum(r.reconnects for r in runs), errors=sum(len(r.errors) for r in runs),
+                exact=all(r.exact for r in runs),
+                rel_error=max((r.rel_error for r in runs if not math.isnan(r.rel_error)), default=math.nan))
+
+
+def print_row(s: dict) -> None:
+    print(f"{s['case']:<6} | {s['store']:<7} | {s['params']:>10} | {s['examples']:>8} | {s['clipped']:>7} |"
+          f" {s['submit_s']:8.3f} | {s['finalize_s']:10.3f} | {s['gbps']:6.3f} | {s['peak']:11.3f} |"
+          f" {s['reconnects']:>10} |"
+          f" {s['errors']:>6} | {s['exact']} ({s['rel_error']:.1e})", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=int, nargs="+", default=None,
+                        help="P, parameters of the model (default 2^28 and 2^29); multiples of 2,097,152")
+    parser.add_argument("--huge", action="store_true", help="also P = 2^30 (4 GiB an update)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: P = 2^22 (16 MiB an update)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every row (medians shown)")
+    parser.add_argument("--small-durable", action="store_true", help="the 1 MiB row on the durable store too")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                        help="appended to the clipd serve command line (repeatable), e.g."
+                             " --server-arg=--max-batch-bytes=2147483648")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds a row may take, server start to the check (default 1800, quick 30)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    sizes = [1 << 22] if args.quick else (args.params or [1 << 28, 1 << 29])
+    if args.huge:
+        sizes = sizes + [1 << 30]
+    sizes = sorted(set(sizes))
+    if any(p <= 0 or p % (LAYERS * SMALL_WIDTH) for p in sizes):
+        parser.error(f"--params: positive multiples of {LAYERS * SMALL_WIDTH:,} (8 layers, whole 1 MiB examples)")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    timeout = args.timeout or (30.0 if args.quick else 1800.0)
+    cases = [("large", "memory"), ("large", "durable"), ("1 MiB", "memory")]
+    if args.small_durable:
+        cases.append(("1 MiB", "durable"))
+
+    print(f"large benchmark: {CLIENTS} clients x one update of P float32 in {LAYERS} layers (global clip {CLIP},"
+          f" c_i = {', '.join(map(str, SCALARS))}), {AT_ONCE} at once; P = {', '.join(f'{p:,}' for p in sizes)};"
+          f" {args.repeats} repeat(s), medians; reference: the same bytes as 1 MiB examples")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()};"
+          f" server flags: --max-parameters P {' '.join(args.server_arg)}".rstrip())
+    workdir = tempfile.mkdtemp(prefix="clipd-large-")
+    tables: dict[int, list[dict]] = {}
+    all_errors: list[str] = []
+    try:
+        for params in sizes:
+            v = base_vector(params, args.seed)
+            runs: dict[tuple[str, str], list[Row]] = {case: [] for case in cases}
+            for repeat in range(args.repeats):
+                for case, store in (cases if repeat % 2 == 0 else cases[::-1]):
+                    row = measure(case, store, params, v, workdir, args.server_arg, timeout)
+                    runs[(case, store)].append(row)
+                    all_errors += [f"P={params} {case}/{store} repeat {repeat + 1}: {e}" for e in row.errors]
+                    print(f"  P={params} repeat {repeat + 1}: {case:>5}/{store:<7} {row.gbps:.3f} GB/s,"
+                          f" peak/update {row.peak_over_update:.3f}, errors {len(row.errors)}", flush=True)
+            del v
+            tables[params] = [summarize(runs[case]) for case in cases]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print()
+    print(HEADER)
+    print("-" * len(HEADER))
+    for rows in tables.values():
+        for s in rows:
+            print_row(s)
+    if all_errors:
+        print("\nerrors:")
+        for error in all_errors:
+            print(f"  {error}")
+    print()
+    lines = []
+    for params, rows in tables.items():
+        by = {(s["case"], s["store"]): s for s in rows}
+        memory, durable, small = by[("large", "memory")], by[("large", "durable")], by[("1 MiB", "memory")]
+        print(f"P={params}: memory_over_small={memory['gbps'] / small['gbps']:.3f}"
+              f" durable_over_memory={durable['gbps'] / memory['gbps']:.3f}")
+        peak = max(memory["peak"], durable["peak"])
+        lines.append(f"large: params={params} gbps_memory={memory['gbps']:.3f} gbps_durable={durable['gbps']:.3f}"
+                     f" gbps_small={small['gbps']:.3f} peak_over_update={peak:.3f}")
+    for line in lines:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
