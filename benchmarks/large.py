@@ -34,8 +34,9 @@ aggregation created and compiled, the clients connected).
 
 Columns: case, store, params (P), examples (all clients', as the finalized aggregation counts
 them), clipped (as it counts them: 2 of the 4 large examples, half of the 1 MiB ones), submit s
-(first submit to last acknowledgement), finalize s, GB/s (payload bytes, 4 x P x 4, over submit +
-finalize seconds; 1 GB = 1e9 bytes), peak/update (the peak RSS of the server's tree minus its
+(first submit to last acknowledgement), finalize s, GB/s (payload bytes, 4 x P x 4, over the submit
+seconds: until every update is durably acknowledged; 1 GB = 1e9 bytes; the Finalize, which returns
+a sum as large as one update for the large rows and of 1 MiB for the small one, has its own column), peak/update (the peak RSS of the server's tree minus its
 idle RSS, over the update size P x 4 bytes), reconnects (the sum of ``SubmitReport.reconnects``),
 errors (client and server errors, each one listed below the table), exact (the finalized sums
 against a float64 reference of the clipped sum, ``max |result - reference| <= 1e-6 * max
@@ -295,8 +296,8 @@ class Row:
 
     @property
     def gbps(self) -> float:
-        """Payload GB over submit + finalize seconds; nan for a row with an error."""
-        return self.payload / (self.submit_s + self.finalize_s) / 1e9 if not self.errors else math.nan
+        """Payload GB over the submit seconds (until all acknowledged); nan for a row with an error."""
+        return self.payload / self.submit_s / 1e9 if not self.errors else math.nan
 
 
 def _error(e: BaseException) -> str:

@@ -123,11 +123,14 @@ class _StepConfig(NamedTuple):
     fixed_point_step: float = 0.0  # g > 0: the sums are exact integers on the grid of step g
 
 
-def _accumulate(state, layers, valid, limits, config):
+def _accumulate(state, layers, valid, limits, config, fresh=False):
     """One step: ``state`` plus the clipped sum and statistics of the batch's valid rows.
 
     ``limits`` is ``[bounds (G), example bound]``: G = K bounds per layer, 1 global.
+    ``fresh``: ``state``'s values are not read (taken as zero); its buffers only receive the step's.
     """
+    if fresh:
+        state = jax.tree.map(jnp.zeros_like, state)
     per_layer, mode = config.per_layer, config.non_finite
     groups = len(layers) if per_layer else 1
     dtype = jnp.dtype(jnp.float32) if config.fixed_point_step else state.sum_chunks[0].dtype
@@ -263,7 +266,7 @@ def _exceedances(rows, norms, row_edges):
     return jnp.moveaxis(counts, 1, 2).reshape(-1, rows.shape[1])
 
 
-_accumulate_jit = jax.jit(_accumulate, static_argnames=("config",), donate_argnums=(0,))
+_accumulate_jit = jax.jit(_accumulate, static_argnames=("config", "fresh"), donate_argnums=(0,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -469,22 +472,25 @@ class ClipAccumulator:
         return _zeroed(state)
 
     def update(
-        self, state: AccumulatorState, batch: Sequence[jax.Array], valid: jax.Array
+        self, state: AccumulatorState, batch: Sequence[jax.Array], valid: jax.Array, fresh: bool = False
     ) -> AccumulatorState:
         """Adds one batch: ``batch[k]`` has shape ``(B, *layers[k].shape)``, ``valid`` shape ``(B,)``.
 
         ``state`` is donated: do not use it afterwards. Rows where ``valid`` is
         False contribute exactly zero and are not counted, whatever they hold.
+        ``fresh``: the result is ``update(init(), batch, valid)``, written into
+        ``state``'s buffers without reading them (a delta just flushed needs no
+        zeroing pass first: for a large model that pass is as long as the step).
         """
-        return _accumulate_jit(state, tuple(batch), valid, self._limits, self._config)
+        return _accumulate_jit(state, tuple(batch), valid, self._limits, self._config, fresh)
 
     merge = staticmethod(merge)
 
-    def program_key(self, rows: int) -> tuple:
+    def program_key(self, rows: int, fresh: bool = False) -> tuple:
         """What the compiled step for batches of ``rows`` rows depends on (not the layer names, not
         the bounds' values): two accumulators with equal keys run the same program."""
         shapes = tuple((layer.shape, layer.dtype) for layer in self.layers)
-        return (self._config, shapes, self._limits.shape, str(self.compute_dtype), rows)
+        return (self._config, shapes, self._limits.shape, str(self.compute_dtype), rows, fresh)
 
     @staticmethod
     def compiled_programs() -> int:

@@ -123,6 +123,7 @@ class ClipdServer:
         """Once a second, if 64 MiB+ of batch buffers were released since the last time, trims the heap."""
         trimmed = 0
         while not self.stopped.wait(period):
+            self.servicer.budget.drop_idle_buffers()
             released = self.servicer.budget.released
             if released - trimmed >= threshold:
                 gc.collect(0)

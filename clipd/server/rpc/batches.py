@@ -11,20 +11,7 @@ from clipd import wire
 from clipd.engine import LayerSpec
 from clipd.server.errors import InvalidArgument, ResourceExhausted
 from clipd.server.rpc.codec import dtype_of
-from clipd.server.rpc.limits import ByteBudget, Reservation
-
-
-ALIGNMENT = 64  # bytes: JAX on the CPU reads host buffers aligned to this in place (others it copies)
-
-
-def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
-    """An uninitialised array whose data starts on an ``alignment``-byte boundary."""
-    dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+from clipd.server.rpc.limits import ALIGNMENT, ByteBudget, Reservation, aligned_empty
 
 
 class Batch(NamedTuple):
@@ -91,9 +78,9 @@ class BatchAssembler:
         """Drops the incomplete batch, if any, and its reservation."""
         p, self._partial = self._partial, None
         if p is not None:
+            p.buffers = []
             if p.reservation is not None:
                 p.reservation.release()
-            p.buffers = []
 
     @property
     def incomplete_sequence(self) -> int | None:
@@ -144,6 +131,13 @@ class BatchAssembler:
                                     f" aggregations' sums){advice}")
         p.reservation = self.budget.reserve(nbytes, self.wait)
 
+    @staticmethod
+    def _buffer(p: _Partial, k: int) -> np.ndarray:
+        """Layer ``k``'s receive buffer: from the budget's pool (given back with the batch), else a new one."""
+        if p.reservation is not None:
+            return p.reservation.buffer(p.expected[k])
+        return aligned_empty(p.expected[k])
+
     def _add_chunk(self, p: _Partial, chunk) -> None:
         if chunk.layer >= len(self.layers):
             raise InvalidArgument(f"batch {p.sequence}: layer index {chunk.layer}, there are {len(self.layers)} layers")
@@ -179,14 +173,14 @@ class BatchAssembler:
                 raise InvalidArgument(f"{where}: a {name} chunk covers whole 2-byte values (offset {chunk.offset},"
                                       f" {len(chunk.data)} bytes)")
             if p.buffers[k] is None:
-                p.buffers[k] = aligned_empty(p.expected[k], np.uint8)
+                p.buffers[k] = self._buffer(p, k)
             out = p.buffers[k].view(np.float32)[chunk.offset // 2 : end // 2]
             wire.widen_into(chunk.data, name, out)
         elif p.buffers[k] is None and end == total:
             p.buffers[k] = chunk.data  # the whole tensor in one chunk: no copy
         else:
             if p.buffers[k] is None:  # the one copy of a large update: where the device step reads it from
-                p.buffers[k] = aligned_empty(p.expected[k], np.uint8)
+                p.buffers[k] = self._buffer(p, k)
             p.buffers[k][chunk.offset : end] = np.frombuffer(chunk.data, np.uint8)
         p.received[k] = end
 

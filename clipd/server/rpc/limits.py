@@ -8,26 +8,56 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from clipd.server.errors import ResourceExhausted
 
 
-class Reservation:
-    """Bytes held in a :class:`ByteBudget`; :meth:`release` gives them back (once, however often called)."""
+ALIGNMENT = 64  # bytes: JAX on the CPU reads host buffers aligned to this in place (others it copies)
 
-    __slots__ = ("_budget", "nbytes")
+
+def aligned_empty(shape, dtype=np.uint8, alignment: int = ALIGNMENT) -> np.ndarray:
+    """An uninitialised array whose data starts on an ``alignment``-byte boundary."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class Reservation:
+    """Bytes held in a :class:`ByteBudget`; :meth:`release` gives them back (once, however often called),
+    with the buffers taken for them (:meth:`buffer`), which go back to the budget's pool."""
+
+    __slots__ = ("_budget", "buffers", "nbytes")
 
     def __init__(self, budget: ByteBudget, nbytes: int) -> None:
         self._budget = budget
         self.nbytes = nbytes
+        self.buffers: list[np.ndarray] = []
+
+    def buffer(self, nbytes: int) -> np.ndarray:
+        """A 64-byte-aligned uint8 buffer of ``nbytes`` for this reservation's batch: a pooled one of that size
+        if there is one (no page faults), else a new one. It goes back to the pool with :meth:`release`:
+        nothing may use it after that."""
+        budget = self._budget
+        if budget is None:
+            raise RuntimeError("a released reservation takes no buffer")
+        array = budget._pooled(nbytes)
+        self.buffers.append(array)
+        return array
 
     def release(self) -> None:
         budget, self._budget = self._budget, None
         if budget is not None:
-            budget._give_back(self.nbytes)
+            buffers, self.buffers = self.buffers, []
+            budget._give_back(self.nbytes, buffers)
 
 
 class ByteBudget:
@@ -48,12 +78,19 @@ class ByteBudget:
     0
     """
 
-    def __init__(self, limit: int | Callable[[], int]) -> None:
+    def __init__(self, limit: int | Callable[[], int], pool_idle: float = 30.0) -> None:
         self._limit = limit  # bytes, or a function giving them now (what the memory budget leaves)
         self.used = 0
         self.refused = 0
         self.released = 0  # bytes given back in all (the server trims the heap after large releases)
         self._cond = threading.Condition()
+        # Receive buffers of released batches, by size, for the next batch of that size: a large update's
+        # buffer is gigabytes, and faulting in fresh pages ran at about 1 GB/s here (the wire runs at 1-2).
+        # Pooled bytes count against the limit with the reserved ones; the pool gives way to reservations
+        # and drops what was not reused for ``pool_idle`` seconds.
+        self.pool_idle = pool_idle
+        self.pooled = 0
+        self._pool: dict[int, list[tuple[float, np.ndarray]]] = {}
 
     @property
     def limit(self) -> int:
@@ -66,6 +103,7 @@ class ByteBudget:
                                     " send smaller batches")
         deadline = time.monotonic() + wait
         with self._cond:
+            self._shrink_pool_locked(self.limit - self.used - nbytes, keep=nbytes)
             while self.used + nbytes > self.limit:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -77,11 +115,41 @@ class ByteBudget:
             self.used += nbytes
         return Reservation(self, nbytes)
 
-    def _give_back(self, nbytes: int) -> None:
+    def _give_back(self, nbytes: int, buffers=()) -> None:
         with self._cond:
             self.used -= nbytes
             self.released += nbytes
+            now = time.monotonic()
+            for array in buffers:
+                self._pool.setdefault(array.nbytes, []).append((now, array))
+                self.pooled += array.nbytes
+            self._shrink_pool_locked(self.limit - self.used)
             self._cond.notify_all()
+
+    def _pooled(self, nbytes: int) -> np.ndarray:
+        with self._cond:
+            free = self._pool.get(nbytes)
+            if free:
+                _, array = free.pop()
+                self.pooled -= nbytes
+                return array
+        return aligned_empty(nbytes)
+
+    def _shrink_pool_locked(self, room: int, keep: int = -1) -> None:
+        """Drops pooled buffers idle for ``pool_idle``, then (buffers of size ``keep`` last) until they fit ``room``."""
+        now = time.monotonic()
+        for size in sorted(self._pool, key=lambda size: size == keep):
+            entries = self._pool[size]
+            while entries and (self.pooled > max(0, room) or now - entries[0][0] > self.pool_idle):
+                entries.pop(0)
+                self.pooled -= size
+            if not entries:
+                del self._pool[size]
+
+    def drop_idle_buffers(self) -> None:
+        """Frees pooled buffers not reused for ``pool_idle`` seconds (the server calls it once a second)."""
+        with self._cond:
+            self._shrink_pool_locked(self.limit - self.used)
 
 
 class StreamSlots:

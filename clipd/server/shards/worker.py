@@ -22,9 +22,17 @@ returns, the batches it covers are acknowledged. One checkpoint covers every
 batch summed since the previous one. Checkpoints of an aggregation start at
 most every ``checkpoint_interval`` seconds, and further apart when writing
 takes long (large models): writing takes at most ``checkpoint_max_duty`` of
-the time. A delta is also flushed every ``FLUSH_STEPS`` steps, which bounds
-the float32 rounding error of the sums and keeps the int32 counters far from
-overflow.
+the time, unless the batches waiting hold half the bytes a checkpoint writes
+(whole updates of a large model). A delta is also flushed every ``FLUSH_STEPS``
+steps, which bounds the float32 rounding error of the sums and keeps the int32
+counters far from overflow.
+
+Large updates (one example a step): a batch whose own rows fill a step in
+64-byte-aligned buffers goes to the step as it is (no staging copy); the
+flush adds into the totals in place, never while the committer writes them;
+and the step after a flush writes over the delta (``fresh``) instead of the
+delta being zeroed first. So a shard holds its totals, its delta and the
+updates in flight, each once.
 
 Warm-up (compiling an aggregation's programs) runs on a thread of its own, so
 compiling one aggregation never stalls the others' steps; batches that arrive
@@ -62,6 +70,7 @@ STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batch
 FILL_WAIT = 0.002  # how long a step less than half full waits for more batches (seconds)
 FILL_POLL = 0.0002  # how often that wait looks whether the aggregation's streams have all ended
 FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
+LARGE_PARAMETERS = 1 << 22  # an aggregation this large warms up on a thread even when compiled (its totals)
 CHECKPOINT_FAILED = object()  # a slot's ``queued`` once the committer could not write them
 
 
@@ -80,9 +89,24 @@ _warm_programs: set[tuple] = set()
 _warm_lock = threading.Lock()
 
 
+def _programs(aggregation: Aggregation) -> list[tuple[int, bool]]:
+    """The ``(rows, fresh)`` steps an aggregation runs: every bucket size; with one example a step (a large
+    model) the delta is not zeroed after a flush: the step after it writes over it (``fresh``)."""
+    buckets = bucket_sizes(aggregation.device_rows)
+    return [(b, False) for b in buckets] + ([(1, True)] if aggregation.device_rows == 1 else [])
+
+
 def _program_keys(aggregation: Aggregation, device) -> list[tuple]:
-    return [(device.platform, device.id, aggregation.accumulator.program_key(bucket))
-            for bucket in bucket_sizes(aggregation.device_rows)]
+    return [(device.platform, device.id, aggregation.accumulator.program_key(rows, fresh))
+            for rows, fresh in _programs(aggregation)]
+
+
+def _prefault(totals: PartialState) -> None:
+    """Writes the zeros of new (lazily mapped) totals, so the first flush does not page-fault them in
+    (for a large model: seconds, at about 1 GB/s here, on the device worker)."""
+    if not (totals.examples or totals.batches or totals.clients):
+        for total in totals.sums:
+            total.fill(0.0)
 
 
 def _aligned_rows(batch: Batch, start: int, rows: int) -> list[np.ndarray] | None:
@@ -147,6 +171,7 @@ class _Slot:
     next_staging: int = 0
     stats_read: float = 0.0
     dirty: bool = False  # batches summed since the last checkpoint started
+    unsaved_bytes: int = 0  # bytes of those batches
     checkpoint_due: float = 0.0  # time.monotonic() when the next checkpoint may start
     committing: bool = False
     queued: Any = None  # the totals last handed to the committer (a final commit of the same ones writes nothing);
@@ -228,7 +253,7 @@ class DeviceWorker:
             self._shards[aggregation] = tuple(shards)
         with _warm_lock:
             compiled = _warm_programs.issuperset(_program_keys(aggregation, self.device))
-        if compiled:  # an earlier aggregation of the same shapes and policy compiled every step
+        if compiled and aggregation.parameters < LARGE_PARAMETERS:  # an earlier aggregation compiled every step
             self.call_soon(lambda: self._open(aggregation))
             return
         threading.Thread(target=self._compile, args=(aggregation,), name=f"clipd-warmup-{aggregation.id}",
@@ -343,7 +368,8 @@ class DeviceWorker:
         if self._inflight is not None:
             return 0.0
         with self._cond:
-            due = [s.checkpoint_due for s in self._slots.values() if s.dirty and not s.committing]
+            due = [0.0 if 2 * s.unsaved_bytes >= a.parameters * 8 else s.checkpoint_due
+                   for (a, _), s in self._slots.items() if s.dirty and not s.committing]
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _run(self) -> None:
@@ -474,7 +500,8 @@ class DeviceWorker:
         layers = [buf[:bucket] for buf in buffers]
         valid = np.arange(bucket) < rows
         self._finish_inflight()
-        slot.delta = aggregation.accumulator.update(slot.delta, layers, valid)
+        fresh = aggregation.device_rows == 1 and slot.steps == 0  # the delta was flushed: not read, written over
+        slot.delta = aggregation.accumulator.update(slot.delta, layers, valid, fresh)
         slot.steps += 1
         self.steps += 1
         self._inflight = _InFlight(aggregation, shard, done, self.steps)
@@ -503,6 +530,7 @@ class DeviceWorker:
             slot.marks[client] = (sequence, writer)
             slot.batches += 1
             slot.nbytes += nbytes
+            slot.unsaved_bytes += nbytes
         slot.dirty = slot.dirty or bool(inflight.done)
         aggregation.record(inflight.done, stats, shard)
         fixed_point_full = (aggregation.accumulator.fixed_point_step
@@ -522,7 +550,8 @@ class DeviceWorker:
         delta = jax.device_get(slot.delta)  # on the CPU, views of the device buffers
         totals = aggregation.shard_totals[shard].absorb(delta, slot.marks, slot.batches, slot.nbytes, in_place=True)
         del delta
-        slot.delta = aggregation.accumulator.reset(slot.delta)  # zeroed in its own buffers
+        if aggregation.device_rows > 1:  # (with one example a step, the next step writes over it: fresh)
+            slot.delta = aggregation.accumulator.reset(slot.delta)  # zeroed in its own buffers
         slot.marks, slot.batches, slot.nbytes, slot.steps = {}, 0, 0, 0
         aggregation.flushed(totals, shard)
         return totals
@@ -534,13 +563,20 @@ class DeviceWorker:
         if slot is None or (aggregation, shard) not in self._slots:
             return  # the aggregation failed (or was dropped) meanwhile: nothing to commit
         with self._cond:
-            slot.committing, slot.dirty, slot.queued = True, False, totals
+            slot.committing, slot.dirty, slot.queued, slot.unsaved_bytes = True, False, totals, 0
         self._commits.put((aggregation, shard, totals, None, slot))
 
     def _checkpoint_due(self) -> None:
+        """Starts the checkpoints that are due: every ``checkpoint_interval``, spaced so that writing takes at
+        most ``checkpoint_max_duty`` of the time; and at once when the batches waiting for one hold at least
+        half the bytes it writes (whole updates of a large model: spacing them would only delay their
+        acknowledgements, and their clients wait for those to send more)."""
         now = time.monotonic()
         with self._cond:
-            due = [key for key, s in self._slots.items() if s.dirty and not s.committing and now >= s.checkpoint_due]
+            queued = {(w.aggregation, w.shard) for w in self._queue if isinstance(w, _Work)}
+            due = [key for key, s in self._slots.items() if s.dirty and not s.committing
+                   and (now >= s.checkpoint_due or 2 * s.unsaved_bytes >= key[0].parameters * 8)
+                   and key not in queued]  # (a batch of the shard is queued: summed first, then one checkpoint)
         for aggregation, shard in due:
             self._checkpoint(aggregation, shard)
 
@@ -586,17 +622,22 @@ class DeviceWorker:
         self._enqueue_call(fn)
 
     def _compile(self, aggregation: Aggregation) -> None:
-        """The warm-up thread: compiles (and runs once, on zeros) every bucket size's step."""
+        """The warm-up thread: compiles (and runs once, on zeros) every step program not compiled yet, and
+        writes the zeros of new totals (see :func:`_prefault`); then the aggregation opens."""
         acc = aggregation.accumulator
         try:
+            with _warm_lock:
+                compiled = _warm_programs.issuperset(_program_keys(aggregation, self.device))
             with jax.default_device(self.device):
-                for bucket in bucket_sizes(aggregation.device_rows):
+                for rows, fresh in [] if compiled else _programs(aggregation):
                     if aggregation not in self._warming:
                         return
-                    layers = [np.zeros((bucket, *l.shape), l.dtype) for l in aggregation.layers]
-                    jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(bucket, bool)))
+                    layers = [np.zeros((rows, *l.shape), l.dtype) for l in aggregation.layers]
+                    jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(rows, bool), fresh))
             with _warm_lock:
                 _warm_programs.update(_program_keys(aggregation, self.device))
+            for shard in self._shards.get(aggregation, ()):
+                _prefault(aggregation.shard_totals[shard])
         except Exception as e:
             reason = f"warm-up failed: {type(e).__name__}: {e}"
             self.call_soon(lambda: self._fail(aggregation, reason))
