@@ -171,6 +171,7 @@ _LAYER, _DTYPE, _SHAPE, _OFFSET, _DATA = (
     pb.TensorChunk.LAYER_FIELD_NUMBER, pb.TensorChunk.DTYPE_FIELD_NUMBER, pb.TensorChunk.SHAPE_FIELD_NUMBER,
     pb.TensorChunk.OFFSET_FIELD_NUMBER, pb.TensorChunk.DATA_FIELD_NUMBER)
 _SUBMIT_FIELDS = {f.number for f in pb.SubmitRequest.DESCRIPTOR.fields}
+_RESUME = pb.SubmitRequest.DESCRIPTOR.fields_by_name["resume"].number
 _CHUNK_FIELDS = {f.number for f in pb.TensorChunk.DESCRIPTOR.fields}
 
 
@@ -213,13 +214,15 @@ def tensor_chunk(layer: int, dtype: int, shape: Sequence[int], offset: int, data
 
 
 def submit_request(aggregation_id: str, client_id: str, sequence: int, chunks: Sequence[list],
-                   writer_id: str = "") -> bytes:
+                   writer_id: str = "", resume: bool = False) -> bytes:
     """One serialized SubmitRequest; ``chunks`` are ``tensor_chunk`` results. The data is copied once, here."""
     parts: list = [*_len_field(_AGGREGATION_ID, aggregation_id.encode()),
                    *_len_field(_CLIENT_ID, client_id.encode()), _uint_field(_SEQUENCE, sequence)]
     for chunk in chunks:
         parts += [varint(_CHUNKS << 3 | _LEN), varint(sum(_size(p) for p in chunk)), *chunk]
     parts += _len_field(_WRITER_ID, writer_id.encode())
+    if resume:
+        parts.append(_uint_field(_RESUME, 1))
     return b"".join(parts)
 
 
@@ -240,7 +243,8 @@ def iter_submit_batch(aggregation_id: str, client_id: str, sequence: int, batch:
 
 
 def encode_batch(aggregation_id: str, client_id: str, sequence: int, batch: Sequence[np.ndarray],
-                 max_bytes: int, writer_id: str = "", wire_dtype: str | None = None) -> Iterator[tuple[bytes, int]]:
+                 max_bytes: int, writer_id: str = "", wire_dtype: str | None = None,
+                 start: Sequence[int] | None = None) -> Iterator[tuple[bytes, int]]:
     """Yields each serialized SubmitRequest of one batch with its bytes of tensor data, made when asked for.
 
     The batch's arrays are read, not copied whole: each message copies its own part of them (once, when it
@@ -252,20 +256,27 @@ def encode_batch(aggregation_id: str, client_id: str, sequence: int, batch: Sequ
     time; other dtypes as they are): the chunks' dtype says so, their shape is still the whole tensor's,
     offsets and data are bytes of the 16-bit encoding and always hold whole elements (a chunk holds one at
     least, 2 bytes, whatever ``max_bytes``).
+
+    ``start``: per layer, the wire bytes the server already holds (a resumed batch, see SubmitRequest.resume):
+    each layer is sent from there on, a layer held whole not at all.
     """
     check_wire_dtype(wire_dtype)
     chunks: list = []
     size = 0
     for k, array in enumerate(batch):
         code, nbytes, step, piece = _tensor_source(array, wire_name(array.dtype, wire_dtype), max_bytes)
-        for offset in range(0, max(nbytes, 1), step):
+        first = 0 if start is None else int(start[k])
+        if first and first >= nbytes:
+            continue  # the server has all of it
+        for offset in range(first, max(nbytes, 1), step):
             n = min(step, nbytes - offset)
             if chunks and size + n > max_bytes:
                 yield submit_request(aggregation_id, client_id, sequence, chunks, writer_id), size
                 chunks, size = [], 0
             chunks.append(tensor_chunk(k, code, array.shape, offset, piece(offset, n)))
             size += n
-    yield submit_request(aggregation_id, client_id, sequence, chunks, writer_id), size
+    if chunks or start is None:
+        yield submit_request(aggregation_id, client_id, sequence, chunks, writer_id), size
 
 
 def _tensor_source(array: np.ndarray, name: str, max_bytes: int):
@@ -400,6 +411,7 @@ class SubmitMessage(NamedTuple):
     sequence: int
     chunks: list[Chunk]
     writer_id: str = ""
+    resume: bool = False
 
 
 def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
@@ -472,15 +484,17 @@ def parse_submit_request(message: bytes) -> SubmitMessage:
     """
     buf = memoryview(message)
     texts = {_AGGREGATION_ID: "", _CLIENT_ID: "", _WRITER_ID: ""}
-    sequence = 0
+    sequence, resume = 0, False
     chunks = []
     for field, wire_type, value in _fields(buf, 0, len(buf)):
         if field in texts and wire_type == _LEN:
             texts[field] = str(buf[value[0] : value[1]], "utf-8")
         elif field == _SEQUENCE and wire_type == _VARINT:
             sequence = value
+        elif field == _RESUME and wire_type == _VARINT:
+            resume = bool(value)
         elif field == _CHUNKS and wire_type == _LEN:
             chunks.append(_chunk(buf, *value))
         elif field in _SUBMIT_FIELDS:
             raise ValueError(f"SubmitRequest field {field} has wire type {wire_type}")
-    return SubmitMessage(texts[_AGGREGATION_ID], texts[_CLIENT_ID], sequence, chunks, texts[_WRITER_ID])
+    return SubmitMessage(texts[_AGGREGATION_ID], texts[_CLIENT_ID], sequence, chunks, texts[_WRITER_ID], resume)

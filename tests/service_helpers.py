@@ -71,6 +71,7 @@ class FaultyProxy:
         self.upstream_port = upstream_port
         self.faults_left = faults
         self.cuts = 0
+        self.forwarded = 0  # bytes from clients to the server, over every connection
         self._rng = random.Random(seed)
         self.min_bytes, self.max_bytes = min_bytes, max_bytes
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -93,10 +94,10 @@ class FaultyProxy:
                 if self.faults_left > 0:
                     self.faults_left -= 1
                     cut_after = self._rng.randint(self.min_bytes, self.max_bytes)
-            threading.Thread(target=self._pump, args=(downstream, upstream, cut_after), daemon=True).start()
+            threading.Thread(target=self._pump, args=(downstream, upstream, cut_after, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, downstream, None), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, cut_after: int | None) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, cut_after: int | None, upstream: bool = False) -> None:
         sent = 0
         try:
             while not self._closed.is_set():
@@ -107,9 +108,13 @@ class FaultyProxy:
                     dst.sendall(data[: cut_after - sent])
                     with self._lock:
                         self.cuts += 1
+                        self.forwarded += cut_after - sent
                     break
                 dst.sendall(data)
                 sent += len(data)
+                if upstream:
+                    with self._lock:
+                        self.forwarded += len(data)
         except OSError:
             pass
         for s in (src, dst):

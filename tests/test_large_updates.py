@@ -13,7 +13,10 @@ vector ``v``, so the clipped sum is ``(sum_i min(1, C / ||c_i v||) c_i) v``.
 
 from __future__ import annotations
 
+import os
+import pathlib
 import queue
+import signal
 import threading
 import time
 
@@ -29,13 +32,30 @@ from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from conftest import TEST_SETTINGS
-from service_helpers import ServerProcess, free_port, reference
+from service_helpers import FaultyProxy, ServerProcess, free_port, reference
 
 KiB, MiB = 1 << 10, 1 << 20
 LAYERS = {"a": (180_000,), "b": (30, 2_000)}  # 240,000 float32 parameters: 960 KB an update
 PARAMETERS = 240_000
 UPDATE_BYTES = PARAMETERS * 4
 LARGE = dict(max_message_bytes=256 * KiB, staging_bytes=64 * KiB)  # an update spans messages and staging
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from /proc: each one's parent)."""
+    parents = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def direction(seed: int = 0) -> dict[str, np.ndarray]:
@@ -209,6 +229,43 @@ def test_a_checkpoint_slower_than_the_idle_timeout_never_closes_the_stream_and_p
     assert_exact(result, clipped_sum(v, [0.5, 0.25], 1.0))
 
 
+def test_a_connection_cut_inside_an_update_resumes_from_what_the_server_holds(durable_server):
+    server, target = durable_server()
+    port = int(target.rsplit(":", 1)[1])
+    v, cs = direction(7), [0.5, 0.002]
+    proxy = FaultyProxy(port, faults=1, min_bytes=UPDATE_BYTES // 2, max_bytes=UPDATE_BYTES * 3 // 4, seed=3)
+    try:
+        with Client(f"127.0.0.1:{proxy.port}", message_bytes=64 * KiB) as client:
+            agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+            report = client.submit(agg, scaled(v, cs[0]), client_id="silo")  # cut after 50-75% of it
+            client.submit(agg, scaled(v, cs[1]), client_id="other")
+            result = client.finalize(agg)
+    finally:
+        proxy.close()
+    assert proxy.cuts == 1 and report.reconnects == 1
+    assert report.resumed_bytes >= UPDATE_BYTES // 3  # the server kept what it had received of the update...
+    assert proxy.forwarded < 2 * UPDATE_BYTES + UPDATE_BYTES // 2  # ...and it was not sent again (2 updates)
+    assert_exact(result, clipped_sum(v, cs, 1.0))
+    assert server.servicer.budget.used == 0
+
+
+def test_a_broken_update_not_resumed_holds_its_memory_until_the_idle_timeout(durable_server):
+    server, target = durable_server(stream_idle_timeout=1.0, buffer_wait=0.5)
+    budget = server.servicer.budget
+    with Client(target) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+    messages = wire.submit_batch(agg, "gone", 1, list(scaled(direction(), 1.0).values()), 128 * KiB, "w")
+    requests = [pb.SubmitRequest.FromString(m) for m in [wire.submit_request(agg, "gone", 0, [], "w"), *messages[:3]]]
+    call = pb_grpc.ClipdStub(grpc.insecure_channel(target)).Submit(iter(requests))
+    with pytest.raises(grpc.RpcError):  # the stream ends inside its batch: INVALID_ARGUMENT
+        list(call)
+    assert budget.used == UPDATE_BYTES  # kept for a resuming stream of the same writer...
+    deadline = time.monotonic() + 5
+    while budget.used and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert budget.used == 0 and budget.pooled == 0  # ...for the idle timeout; then freed, not pooled
+
+
 @pytest.mark.parametrize("wire_dtype", ["bfloat16", "float16"])
 def test_sixteen_bit_values_on_the_wire_are_clipped_and_summed_in_float32(durable_server, wire_dtype):
     _, target = durable_server()
@@ -252,12 +309,13 @@ def test_sigkill_of_shard_processes_mid_update_loses_nothing_acknowledged(tmp_pa
         "--staging-bytes", str(64 * KiB), "--checkpoint-interval", "0.2"))
     server.start()
     v, cs = direction(6), [0.001 * (k + 1) * (-1) ** k for k in range(8)] + [1.0, -2.0]
-    pulled = threading.Event()
+    pulled, killed = threading.Event(), threading.Event()
 
     def updates():
         for k, c in enumerate(cs):
             if k == 4:
-                pulled.set()  # with two updates in the window, at least two are acknowledged by now
+                pulled.set()  # with two updates in the window, at least two are acknowledged by now...
+                killed.wait(60)  # ...and the others wait for the crash
             yield scaled(v, c)
 
     try:
@@ -275,7 +333,12 @@ def test_sigkill_of_shard_processes_mid_update_loses_nothing_acknowledged(tmp_pa
             sender = threading.Thread(target=send)
             sender.start()
             assert pulled.wait(60)
-            server.kill()  # mid-submission: some updates summed and acknowledged, others in flight
+            shard_processes = descendants(server.proc.pid)
+            assert len(shard_processes) >= 2
+            for pid in shard_processes:  # the machine "crashes": every process of the server at once
+                os.kill(pid, signal.SIGKILL)
+            server.kill()
+            killed.set()
             server.start()
             sender.join(120)
             assert not sender.is_alive() and errors == []

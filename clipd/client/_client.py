@@ -48,6 +48,7 @@ class SubmitReport:
     bytes: int
     reconnects: int
     seconds: float
+    resumed_bytes: int = 0  # bytes not sent again after a reconnect: the server had kept them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,7 +372,8 @@ class Client:
         if errors:
             raise _with_progress(errors[0], spread)
         return SubmitReport(spread.client_id, spread.batches_acked, spread.examples_acked, spread.bytes_acked,
-                            sum(r.reconnects for r in reports), time.perf_counter() - started)
+                            sum(r.reconnects for r in reports), time.perf_counter() - started,
+                            sum(r.resumed_bytes for r in reports))
 
     def resume(self, error: ClipdError, *, progress: bool = False) -> SubmitReport:
         """Continues the submission that raised ``error``: resends its unacknowledged batches with
@@ -426,7 +428,8 @@ class Client:
                     if stream.source_error is not None:
                         raise _with_progress(stream.source_error, stream)
                     return SubmitReport(stream.client_id, stream.batches_acked, stream.examples_acked,
-                                        stream.bytes_acked, reconnects, time.perf_counter() - started)
+                                        stream.bytes_acked, reconnects, time.perf_counter() - started,
+                                        stream.resumed_bytes)
                 error: ClipdError = UnavailableError("the stream ended before every batch was acknowledged")
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
@@ -701,6 +704,8 @@ class _BatchStream:
         self._unacked_bytes = 0
         self._next_sequence: int | None = None  # known once the server has answered the first hello
         self._greetings = 0
+        self._held: tuple[int, list[int]] | None = None  # (sequence, bytes per layer) the server kept of a batch
+        self.resumed_bytes = 0  # bytes not sent again: the server kept them from a broken stream
         self._generation = 0
         self._exhausted = False
         self.source_error: Exception | None = None  # a bad update: nothing after it is sent
@@ -772,6 +777,11 @@ class _BatchStream:
                 )
             self._greetings += 1
             self._acknowledge_locked(response.acknowledged_sequence)
+            # A resumed hello's answer: the server holds part of this batch (bytes per layer on the wire).
+            partial = getattr(response, "partial_sequence", 0)
+            self._held = (partial, list(response.partial_bytes)) if partial else None
+            if partial:
+                self.resumed_bytes += sum(response.partial_bytes)
 
     def acknowledge(self, sequence: int) -> None:
         with self._cond:
@@ -800,7 +810,9 @@ class _BatchStream:
             generation = self._generation
             greetings = self._greetings
             self._cond.notify_all()
-        yield wire.submit_request(self.aggregation_id, self.client_id, 0, [], self.writer_id)
+        with self._cond:  # a reconnect with batches unacknowledged: the server may hold part of one
+            resuming = bool(self._window)
+        yield wire.submit_request(self.aggregation_id, self.client_id, 0, [], self.writer_id, resume=resuming)
         with self._cond:
             self._cond.wait_for(lambda: generation != self._generation or self._greetings > greetings)
             if generation != self._generation:
@@ -824,8 +836,11 @@ class _BatchStream:
                 if entry is None:
                     return
             sent = entry.sequence
-            entry.sent_bytes = 0
-            for message, data_bytes in self._encode_lazily(entry):
+            with self._cond:  # what the server kept of this batch from the broken stream: not sent again
+                held, self._held = (self._held[1], None) if self._held and self._held[0] == entry.sequence else (
+                    None, self._held)
+            entry.sent_bytes = sum(held) if held else 0
+            for message, data_bytes in self._encode_lazily(entry, held):
                 if generation != self._generation:  # a newer attempt resends it: stop encoding for this one
                     return
                 entry.sent_bytes += data_bytes  # counted as it is handed to gRPC
@@ -862,10 +877,11 @@ class _BatchStream:
                 self._unacked_bytes += entry.nbytes
                 return entry
 
-    def _encode_lazily(self, entry: _Sent) -> Iterator[tuple[bytes, int]]:
-        """A batch's messages with their bytes of tensor data, each made when gRPC asks for the next."""
+    def _encode_lazily(self, entry: _Sent, held: list[int] | None = None) -> Iterator[tuple[bytes, int]]:
+        """A batch's messages with their bytes of tensor data, each made when gRPC asks for the next;
+        ``held``: per layer, the bytes the server kept of it from a broken stream (sent from there on)."""
         return wire.encode_batch(self.aggregation_id, self.client_id, entry.sequence, entry.batch,
-                                 self.message_bytes, self.writer_id, self.wire_dtype)
+                                 self.message_bytes, self.writer_id, self.wire_dtype, start=held)
 
     def _encode(self, sequence: int, batch: list[np.ndarray]) -> list[bytes]:
         """All of a batch's messages at once (the benchmarks' encoder; a stream encodes lazily)."""

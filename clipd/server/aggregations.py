@@ -255,6 +255,12 @@ class Aggregation:
             return (self._durable.get(client_id, 0), self._accepted.get(client_id, 0),
                     self._last_writer.get(client_id, ""))
 
+    def streams_of(self, client_id: str, writer: str) -> int:
+        """How many streams of ``writer`` are open for ``client_id``."""
+        with self.cond:
+            writers = self._open_writers.get(client_id)
+            return writers[writer] if writers else 0
+
     @property
     def receiving(self) -> bool:
         """Whether a Submit stream is open on the aggregation (more batches may come)."""

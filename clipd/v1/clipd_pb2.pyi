@@ -228,34 +228,40 @@ class TensorChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("aggregation_id", "client_id", "sequence", "chunks", "writer_id")
+    __slots__ = ("aggregation_id", "client_id", "sequence", "chunks", "writer_id", "resume")
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     client_id: str
     sequence: int
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
     writer_id: str
-    def __init__(self, aggregation_id: _Optional[str] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., writer_id: _Optional[str] = ...) -> None: ...
+    resume: bool
+    def __init__(self, aggregation_id: _Optional[str] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., writer_id: _Optional[str] = ..., resume: bool = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("acknowledged_sequence", "aggregation_examples", "accepted_sequence", "writer_id", "received_bytes", "summed_sequence")
+    __slots__ = ("acknowledged_sequence", "aggregation_examples", "accepted_sequence", "writer_id", "received_bytes", "summed_sequence", "partial_sequence", "partial_bytes")
     ACKNOWLEDGED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     WRITER_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SUMMED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     acknowledged_sequence: int
     aggregation_examples: int
     accepted_sequence: int
     writer_id: str
     received_bytes: int
     summed_sequence: int
-    def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ..., accepted_sequence: _Optional[int] = ..., writer_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., summed_sequence: _Optional[int] = ...) -> None: ...
+    partial_sequence: int
+    partial_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ..., accepted_sequence: _Optional[int] = ..., writer_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., summed_sequence: _Optional[int] = ..., partial_sequence: _Optional[int] = ..., partial_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
     __slots__ = ("aggregation_id",)

@@ -80,7 +80,17 @@ class BatchAssembler:
         if p is not None:
             p.buffers = []
             if p.reservation is not None:
-                p.reservation.release()
+                p.reservation.release(reuse=False)
+
+    def take_partial(self) -> _Partial | None:
+        """Detaches the incomplete batch (its buffers and reservation with it), for a resuming stream."""
+        p, self._partial = self._partial, None
+        return p
+
+    def adopt(self, partial: _Partial) -> None:
+        """Goes on with a batch another stream of the same writer received in part (:meth:`take_partial`)."""
+        self.discard()
+        self._partial = partial
 
     @property
     def incomplete_sequence(self) -> int | None:

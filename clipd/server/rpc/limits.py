@@ -53,11 +53,13 @@ class Reservation:
         self.buffers.append(array)
         return array
 
-    def release(self) -> None:
+    def release(self, reuse: bool = True) -> None:
+        """Gives the bytes back; the buffers go to the pool (``reuse``: a batch that was summed or dropped
+        whole) or are freed (a batch abandoned half received: a flood of those leaves nothing pooled)."""
         budget, self._budget = self._budget, None
         if budget is not None:
             buffers, self.buffers = self.buffers, []
-            budget._give_back(self.nbytes, buffers)
+            budget._give_back(self.nbytes, buffers if reuse else ())
 
 
 class ByteBudget:

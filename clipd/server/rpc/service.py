@@ -48,7 +48,8 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CHUNK_OVERHEAD = 1024  # bytes of a FinalizeResponse besides the tensor data
-PROGRESS_PERIOD = 1.0  # seconds between progress messages of a stream whose batches the server is working on
+RESUME_WAIT = 5.0  # seconds a resuming stream waits for the server to see its writer's old stream end
+PROGRESS_PERIOD = 0.5  # seconds between progress messages of a stream whose batches the server is working on
 
 
 class Malformed:
@@ -118,6 +119,10 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.rejections: dict[str, int] = {}  # gRPC status name -> count
         self.payload_bytes = 0  # tensor bytes of the batches that Submit streams delivered to this process
         self._lock = threading.Lock()
+        # Batches broken streams left partly received, by (aggregation, client): (writer, partial), each
+        # kept by its stream's reader thread for stream_idle_timeout, for a resuming stream of that writer.
+        self._parked: dict[tuple[str, str], list] = {}
+        self._parked_cond = threading.Condition()
 
     def _memory_left(self) -> int:
         """The buffer for updates in flight in this process: its share of the memory budget, less the sums of
@@ -242,6 +247,57 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         finally:
             self.stream_slots.release(owner, session)
 
+    # Resuming a broken stream's batch ---------------------------------------------------------
+    def park(self, key: tuple[str, str], writer: str, partial) -> list:
+        """Keeps a broken stream's partly received batch for a resuming stream of ``writer`` (see
+        SubmitRequest.resume); :meth:`keep_parked` then holds it for ``stream_idle_timeout`` seconds."""
+        entry = [writer, partial]
+        with self._parked_cond:
+            self._drop_parked_locked(key)
+            self._parked[key] = entry
+            self._parked_cond.notify_all()
+        return entry
+
+    def keep_parked(self, key: tuple[str, str], entry: list) -> None:
+        """Waits until a resuming stream takes the parked batch, or ``stream_idle_timeout``; then its buffers
+        and bytes go. Run by the broken stream's reader thread (the stream itself has ended)."""
+        with self._parked_cond:
+            self._parked_cond.wait_for(lambda: entry[1] is None, self.settings.stream_idle_timeout)
+            if self._parked.get(key) is entry:
+                del self._parked[key]
+            left, entry[1] = entry[1], None
+        if left is not None and left.reservation is not None:
+            left.reservation.release(reuse=False)
+
+    def unpark(self, key: tuple[str, str], writer: str, resume: bool, still_open=lambda: False):
+        """The batch a broken stream of ``writer`` left for this client, if ``resume``; any other is dropped.
+
+        A resuming stream may come before the server has seen its old stream break: while ``still_open()``
+        (another stream of the writer is attached) it waits for that one to end, a few seconds at most."""
+        deadline = time.monotonic() + min(RESUME_WAIT, self.settings.stream_idle_timeout)
+        with self._parked_cond:
+            while (resume and writer and key not in self._parked and still_open()
+                   and (left := deadline - time.monotonic()) > 0):
+                self._parked_cond.wait(min(left, 0.05))
+            entry = self._parked.get(key)
+            if entry is None:
+                return None
+            if resume and entry[0] == writer and writer:
+                del self._parked[key]
+                partial, entry[1] = entry[1], None
+                self._parked_cond.notify_all()
+                return partial
+            self._drop_parked_locked(key)
+            return None
+
+    def _drop_parked_locked(self, key) -> None:
+        entry = self._parked.pop(key, None)
+        if entry is not None:
+            partial, entry[1] = entry[1], None
+            self._parked_cond.notify_all()
+            if partial is not None and partial.reservation is not None:
+                partial.reservation.release(reuse=False)
+
     def is_admin(self, token: str | None) -> bool:
         """Auth off, or the admin token."""
         return not self.settings.admin_token or same(token, self.settings.admin_token)
@@ -312,6 +368,7 @@ class _SubmitSession:
         # while the server waits for the client (not while it sums or checkpoints what the client sent).
         self.last_heard = time.monotonic()
         self.finished = False
+        self.broken = False  # the stream ended inside a batch (its received part may be resumed)
         self.evicted = False  # the slot went to a client of another owner (StreamSlots)
         self.error: Exception | None = None
 
@@ -333,9 +390,9 @@ class _SubmitSession:
                 if isinstance(message, Malformed):
                     raise InvalidArgument(f"malformed SubmitRequest: {message.reason}")
                 if self.aggregation is None:
-                    self._bind(message)
-                    assembler = BatchAssembler(self.aggregation.layers, settings.max_batch_bytes,
+                    assembler = BatchAssembler(self.aggregation_layers(message), settings.max_batch_bytes,
                                                self.servicer.budget, settings.buffer_wait)
+                    self._bind(message, assembler)
                     if message.sequence == 0 and not message.chunks:
                         continue  # a hello: answered by the response side
                 elif (message.aggregation_id, message.client_id) != (self.aggregation.id, self.client):
@@ -353,29 +410,51 @@ class _SubmitSession:
                 self.last_sequence = batch.sequence
                 del batch
             if assembler is not None and assembler.incomplete_sequence is not None:
+                self.broken = True
                 raise InvalidArgument(f"the stream ended inside batch {assembler.incomplete_sequence}")
         except Exception as e:  # ClipdError, or the stream broke (client gone)
             self.error = e.with_traceback(None)  # the traceback would hold this frame's buffers
         finally:
+            partial = None
             if assembler is not None:
+                if self.writer and (self.broken or not isinstance(self.error, ClipdError)):
+                    partial = assembler.take_partial()  # the connection broke inside a batch: kept a while
                 assembler.discard()
+            parked = None
+            if partial is not None:  # (before the detach: a resuming stream that came first waits for it)
+                key = (self.aggregation.id, self.client)
+                parked = self.servicer.park(key, self.writer, partial)
             self.finished = True
             self.bound.set()
             if self.aggregation is not None:
                 self.aggregation.detach(self.client, self.writer)  # wakes the response side too
+            if parked is not None:
+                self.servicer.keep_parked(key, parked)
 
     def _take(self, batch) -> None:
         """Hands a whole batch on to the aggregation's lifecycle (which may let go of it: a duplicate)."""
         self.servicer.payload_bytes += batch.nbytes  # one reader thread per stream: a rare lost += is harmless
         self.servicer.lifecycle.submit(self.aggregation, self.client, self.writer, batch)
 
-    def _bind(self, message) -> None:
+    def aggregation_layers(self, message):
+        """The layers of the aggregation the stream's first message names (checking who may submit)."""
+        return self.servicer.check_submitter(self.token, message.aggregation_id, "submit to").layers
+
+    def _bind(self, message, assembler: BatchAssembler) -> None:
         aggregation = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
         self.client = check_client_id(message.client_id)
         self.writer = message.writer_id
         durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
         self.greeting = pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=accepted,
                                           aggregation_examples=aggregation.examples, writer_id=last_writer)
+        hello = message.sequence == 0 and not message.chunks
+        partial = self.servicer.unpark((aggregation.id, self.client), self.writer, hello and message.resume,
+                                       lambda: aggregation.streams_of(self.client, self.writer) > 1)
+        if partial is not None:  # the rest of that batch comes on this stream
+            assembler.adopt(partial)
+            self.greeting.partial_sequence = partial.sequence
+            self.greeting.partial_bytes.extend(partial.received)
+            self.receiving = True
         self.aggregation = aggregation
         self.bound.set()
 
