@@ -126,8 +126,10 @@ def _settle(serve: Serve, seconds: float = 1.5) -> int:
 
 
 def test_memory_of_abandoned_half_batches_is_released(serve):
-    """100 streams each leave 8 MiB (half of a 16 MiB batch) and are cut: RSS comes back to the baseline."""
-    server = serve(max_buffered_bytes=str(2048 * MiB), max_message_bytes=str(32 * MiB))
+    """100 streams each leave 8 MiB (half of a 16 MiB batch) and are cut: RSS comes back to the baseline once
+    the time a resuming stream may take them up (stream_idle_timeout, 2 s here) has passed."""
+    server = serve(max_buffered_bytes=str(2048 * MiB), max_message_bytes=str(32 * MiB), stream_idle_timeout="2",
+                   buffer_wait="1")
     with Client(server.target) as client:
         aggregation = client.create_aggregation({"w": (4 * MiB,)})  # 16 MiB per example
         rounds = []
@@ -144,7 +146,7 @@ def test_memory_of_abandoned_half_batches_is_released(serve):
             for call in calls:
                 call.cancel()  # the clients vanish mid-batch
             release.set()
-            after = _settle(server, 3.0)
+            after = _settle(server, 5.0)  # the idle timeout (kept for a resume), then freed
             rounds.append((before, peak, after))
         print("\nRSS MiB (before, holding 100 x 8 MiB, after):", [tuple(x // MiB for x in r) for r in rounds])
         before, peak, after = rounds[-1]

@@ -48,6 +48,7 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CHUNK_OVERHEAD = 1024  # bytes of a FinalizeResponse besides the tensor data
+RESUME_MIN_BYTES = 256 << 10  # a broken stream's batch is kept for a resuming stream from this much received on
 RESUME_WAIT = 5.0  # seconds a resuming stream waits for the server to see its writer's old stream end
 PROGRESS_PERIOD = 0.5  # seconds between progress messages of a stream whose batches the server is working on
 
@@ -417,8 +418,9 @@ class _SubmitSession:
         finally:
             partial = None
             if assembler is not None:
-                if self.writer and (self.broken or not isinstance(self.error, ClipdError)):
-                    partial = assembler.take_partial()  # the connection broke inside a batch: kept a while
+                if (self.writer and (self.broken or not isinstance(self.error, ClipdError))
+                        and assembler.incomplete_bytes >= RESUME_MIN_BYTES):
+                    partial = assembler.take_partial()  # the connection broke inside a large batch: kept a while
                 assembler.discard()
             parked = None
             if partial is not None:  # (before the detach: a resuming stream that came first waits for it)
