@@ -164,6 +164,7 @@ class Aggregation:
         if len(recovered) != shards:
             raise ValueError(f"aggregation {aggregation_id}: {len(recovered)} recovered shards, not {shards}")
         self.shards = shards
+        self.arriving = [0] * shards  # per shard: batches partly received by a stream
         # Each shard's epoch (Store.claim_shard) when the store is shared: checkpoints of an owner that was
         # replaced (another server took over) are refused. None: no claim (one server owns the store).
         self.epochs: list[int | None] = [None] * shards
@@ -254,6 +255,11 @@ class Aggregation:
             self._open_writers[client_id][writer] += 1
             return (self._durable.get(client_id, 0), self._accepted.get(client_id, 0),
                     self._last_writer.get(client_id, ""))
+
+    def batch_arriving(self, client_id: str, change: int) -> None:
+        """A stream of ``client_id`` started (+1) or stopped (-1) receiving a batch."""
+        with self.cond:
+            self.arriving[self.shard_of(client_id)] += change
 
     def streams_of(self, client_id: str, writer: str) -> int:
         """How many streams of ``writer`` are open for ``client_id``."""

@@ -400,13 +400,13 @@ class _SubmitSession:
                     raise InvalidArgument("a stream carries one aggregation and one client_id")
                 if message.sequence < 1:
                     raise InvalidArgument(f"sequence must be >= 1, got {message.sequence}")
-                self.receiving = True
+                self._set_receiving(True)
                 self.received_bytes += sum(len(chunk.data) for chunk in message.chunks)
                 batch = assembler.add(message.sequence, message.chunks)
                 del message  # a zero-copy batch keeps its message alive: nothing else may
                 if batch is None:
                     continue
-                self.receiving = False
+                self._set_receiving(False)
                 self._take(batch)
                 self.last_sequence = batch.sequence
                 del batch
@@ -423,6 +423,7 @@ class _SubmitSession:
                     partial = assembler.take_partial()  # the connection broke inside a large batch: kept a while
                 assembler.discard()
             parked = None
+            self._set_receiving(False)
             if partial is not None:  # (before the detach: a resuming stream that came first waits for it)
                 key = (self.aggregation.id, self.client)
                 parked = self.servicer.park(key, self.writer, partial)
@@ -456,9 +457,17 @@ class _SubmitSession:
             assembler.adopt(partial)
             self.greeting.partial_sequence = partial.sequence
             self.greeting.partial_bytes.extend(partial.received)
-            self.receiving = True
         self.aggregation = aggregation
+        if partial is not None:
+            self._set_receiving(True)
         self.bound.set()
+
+    def _set_receiving(self, receiving: bool) -> None:
+        """A batch of this stream starts or stops arriving (the aggregation counts them per shard: a large
+        checkpoint waits a little for one about to complete, to cover both)."""
+        if receiving != self.receiving and self.aggregation is not None:
+            self.aggregation.batch_arriving(self.client, 1 if receiving else -1)
+        self.receiving = receiving
 
     def _idle(self) -> bool:
         """True (and the error set) if the client has sent nothing for the idle timeout, or was evicted."""

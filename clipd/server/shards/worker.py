@@ -172,6 +172,8 @@ class _Slot:
     stats_read: float = 0.0
     dirty: bool = False  # batches summed since the last checkpoint started
     unsaved_bytes: int = 0  # bytes of those batches
+    last_commit_seconds: float = 0.5  # how long the last checkpoint took to write (a guess before the first)
+    full_since: float | None = None  # when unsaved_bytes reached half a checkpoint's (time.monotonic())
     checkpoint_due: float = 0.0  # time.monotonic() when the next checkpoint may start
     committing: bool = False
     queued: Any = None  # the totals last handed to the committer (a final commit of the same ones writes nothing);
@@ -367,10 +369,11 @@ class DeviceWorker:
         """How long the worker may wait for new work: 0 with a step in flight, else until a checkpoint is due."""
         if self._inflight is not None:
             return 0.0
+        now = time.monotonic()
         with self._cond:
-            due = [0.0 if 2 * s.unsaved_bytes >= a.parameters * 8 else s.checkpoint_due
-                   for (a, _), s in self._slots.items() if s.dirty and not s.committing]
-        return max(0.0, min(due) - time.monotonic()) if due else None
+            queued = {(w.aggregation, w.shard) for w in self._queue if isinstance(w, _Work)}
+            due = [at for key, s in self._slots.items() if (at := self._due_at(key, s, now, queued)) is not None]
+        return max(0.0, min(due) - now) if due else None
 
     def _run(self) -> None:
         with jax.default_device(self.device):  # thread-local: this thread's steps run on its device
@@ -564,19 +567,37 @@ class DeviceWorker:
             return  # the aggregation failed (or was dropped) meanwhile: nothing to commit
         with self._cond:
             slot.committing, slot.dirty, slot.queued, slot.unsaved_bytes = True, False, totals, 0
+            slot.full_since = None
         self._commits.put((aggregation, shard, totals, None, slot))
 
+    def _due_at(self, key: tuple[Aggregation, int], slot: _Slot, now: float, queued) -> float | None:
+        """When the shard's next checkpoint may start (None: nothing to write, or it is being written).
+
+        Every ``checkpoint_interval``, spaced so that writing takes at most ``checkpoint_max_duty`` of the
+        time; at once when the batches waiting for it hold at least half the bytes it writes (whole updates
+        of a large model: spacing those would only delay their acknowledgements, which their clients wait
+        for) and no batch of the shard is queued (summed first: one checkpoint for both), or, while a stream
+        is receiving a batch of the shard, once that had as long as the last checkpoint took to write
+        (waiting less than a checkpoint takes costs this one less than a second checkpoint costs that one).
+        """
+        if not slot.dirty or slot.committing or key in queued:
+            return None
+        aggregation, shard = key
+        if 2 * slot.unsaved_bytes < aggregation.parameters * 8:
+            return slot.checkpoint_due
+        if slot.full_since is None:
+            slot.full_since = now
+        if aggregation.arriving[shard] > 0:
+            return min(slot.checkpoint_due, slot.full_since + slot.last_commit_seconds)
+        return now
+
     def _checkpoint_due(self) -> None:
-        """Starts the checkpoints that are due: every ``checkpoint_interval``, spaced so that writing takes at
-        most ``checkpoint_max_duty`` of the time; and at once when the batches waiting for one hold at least
-        half the bytes it writes (whole updates of a large model: spacing them would only delay their
-        acknowledgements, and their clients wait for those to send more)."""
+        """Starts the checkpoints that are due (:meth:`_due_at`)."""
         now = time.monotonic()
         with self._cond:
             queued = {(w.aggregation, w.shard) for w in self._queue if isinstance(w, _Work)}
-            due = [key for key, s in self._slots.items() if s.dirty and not s.committing
-                   and (now >= s.checkpoint_due or 2 * s.unsaved_bytes >= key[0].parameters * 8)
-                   and key not in queued]  # (a batch of the shard is queued: summed first, then one checkpoint)
+            due = [key for key, s in self._slots.items() if (at := self._due_at(key, s, now, queued)) is not None
+                   and now >= at]
         for aggregation, shard in due:
             self._checkpoint(aggregation, shard)
 
@@ -609,11 +630,14 @@ class DeviceWorker:
                 if final is not None:
                     final.set_result(totals)
             took = time.monotonic() - started
+            log.debug("checkpoint of aggregation %s shard %d: %d batches in %.3f s", aggregation.id, shard,
+                      totals.batches, took)
             with self._cond:
                 slot = self._slots.get((aggregation, shard))
                 if slot is not None and final is None:
                     slot.committing = False
                     slot.checkpoint_due = started + max(self.checkpoint_interval, took / self.checkpoint_max_duty)
+                    slot.last_commit_seconds = took
                 self._recheck = True
                 self._cond.notify_all()
 
