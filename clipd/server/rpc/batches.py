@@ -67,11 +67,14 @@ class BatchAssembler:
     """
 
     def __init__(self, layers: tuple[LayerSpec, ...], max_batch_bytes: int,
-                 budget: ByteBudget | None = None, wait: float = 0.0) -> None:
+                 budget: ByteBudget | None = None, wait: float = 0.0, large_bytes: int = 1 << 62,
+                 large_wait: float = 0.0) -> None:
         self.layers = layers
         self.max_batch_bytes = max_batch_bytes  # 0: no limit of its own (the budget's)
         self.budget = budget
-        self.wait = wait
+        self.wait = wait  # seconds a batch waits for room in the budget...
+        self.large_bytes, self.large_wait = large_bytes, large_wait  # ...and one larger than large_bytes
+        self.waiting_for_room = False  # a batch is waiting for room now
         self._partial: _Partial | None = None
 
     def discard(self) -> None:
@@ -139,7 +142,14 @@ class BatchAssembler:
             raise ResourceExhausted(f"{what}, more than the {limit} bytes this server can buffer for updates in"
                                     f" flight (max_buffered_bytes, or what memory_budget leaves beside the open"
                                     f" aggregations' sums){advice}")
-        p.reservation = self.budget.reserve(nbytes, self.wait)
+        # A batch that spans messages (a large update) waits for room as long as a stream may be silent: it
+        # can't be sent smaller, and the stream is not idle meanwhile (the server is the one that waits).
+        wait = self.wait if nbytes <= self.large_bytes else max(self.wait, self.large_wait)
+        self.waiting_for_room = True
+        try:
+            p.reservation = self.budget.reserve(nbytes, wait)
+        finally:
+            self.waiting_for_room = False
 
     @staticmethod
     def _buffer(p: _Partial, k: int) -> np.ndarray:

@@ -370,6 +370,7 @@ class _SubmitSession:
         self.last_heard = time.monotonic()
         self.finished = False
         self.broken = False  # the stream ended inside a batch (its received part may be resumed)
+        self.assembler: BatchAssembler | None = None
         self.evicted = False  # the slot went to a client of another owner (StreamSlots)
         self.error: Exception | None = None
 
@@ -391,8 +392,10 @@ class _SubmitSession:
                 if isinstance(message, Malformed):
                     raise InvalidArgument(f"malformed SubmitRequest: {message.reason}")
                 if self.aggregation is None:
-                    assembler = BatchAssembler(self.aggregation_layers(message), settings.max_batch_bytes,
-                                               self.servicer.budget, settings.buffer_wait)
+                    assembler = self.assembler = BatchAssembler(
+                        self.aggregation_layers(message), settings.max_batch_bytes, self.servicer.budget,
+                        settings.buffer_wait, large_bytes=settings.max_message_bytes,
+                        large_wait=settings.stream_idle_timeout * 0.9)
                     self._bind(message, assembler)
                     if message.sequence == 0 and not message.chunks:
                         continue  # a hello: answered by the response side
@@ -403,6 +406,7 @@ class _SubmitSession:
                 self._set_receiving(True)
                 self.received_bytes += sum(len(chunk.data) for chunk in message.chunks)
                 batch = assembler.add(message.sequence, message.chunks)
+                self.last_heard = time.monotonic()  # (add may have waited for memory: not the client's silence)
                 del message  # a zero-copy batch keeps its message alive: nothing else may
                 if batch is None:
                     continue
@@ -481,6 +485,8 @@ class _SubmitSession:
             return False
         if self.last_sequence > self.acknowledged and not self.receiving:
             return False  # the client waits for the server (its batches are being summed or checkpointed)
+        if self.assembler is not None and self.assembler.waiting_for_room:
+            return False  # the server waits for memory to take the client's update in
         self.error = Unavailable(f"nothing received for {timeout:g} s: the stream is closed;"
                                  " reconnect to go on (unacknowledged batches must be sent again)")
         return True
