@@ -65,8 +65,9 @@ Run::
     python benchmarks/large.py --server-arg=--max-batch-bytes=2147483648 --server-arg=--max-buffered-bytes=4294967296
 
 The benchmark process holds v, one buffer per thread and the finalized sums (about 4 x P x 4
-bytes, plus the float64 checks done in chunks); the server what it needs. Mind the memory of
-the machine for P = 2^29 and 2^30.
+bytes, plus the float64 checks done in chunks); the server what it needs. From P = 2^30 (or with
+``--disk-backed``) v and the buffers are files mapped into memory (the kernel writes their pages
+out and drops them as it needs), so that client and server fit a 24 GB machine side by side.
 """
 
 from __future__ import annotations
@@ -216,10 +217,20 @@ class Server:
 
 
 # Updates and references -----------------------------------------------------------------------------
-def base_vector(params: int, seed: int) -> np.ndarray:
+def float32_array(params: int, disk: str | None) -> np.ndarray:
+    """P uninitialised float32: in memory, or (``disk``: a folder) a file mapped into memory, whose pages the
+    kernel may write out and drop (so a 2^30 model's updates leave the memory to the server)."""
+    if disk is None:
+        return np.empty(params, np.float32)
+    fd, path = tempfile.mkstemp(prefix="update-", dir=disk)
+    os.close(fd)
+    return np.memmap(path, np.float32, "w+", shape=(params,))
+
+
+def base_vector(params: int, seed: int, disk: str | None = None) -> np.ndarray:
     """v: P float32 values, standard normal / sqrt(P) (so ||v|| is about 1), made in chunks."""
     rng = np.random.default_rng(seed)
-    v = np.empty(params, np.float32)
+    v = float32_array(params, disk)
     scale = np.float32(1 / math.sqrt(params))
     for start in range(0, params, CHECK_CHUNK):
         part = v[start : start + CHECK_CHUNK]
@@ -309,7 +320,7 @@ def _error(e: BaseException) -> str:
 
 
 def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, extra: list[str],
-            timeout: float) -> Row:
+            timeout: float, disk: str | None = None) -> Row:
     """One row: a fresh server, one aggregation, 4 clients (2 at once), Finalize, the check."""
     from clipd.client import Client
 
@@ -334,7 +345,7 @@ def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, ext
         reports = []
 
         def worker(turns: list[int]) -> None:
-            buffer = np.empty(params, np.float32) if large else None
+            buffer = float32_array(params, disk) if large else None
 
             def updates(i: int):
                 if large:
@@ -464,6 +475,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds a row may take, server start to the check (default 1800, quick 30)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disk-backed", action="store_true",
+                        help="v and the clients' update buffers in files mapped into memory (on by itself from"
+                             " P = 2^30: client and server then fit a 24 GB machine side by side)")
     args = parser.parse_args()
     sizes = [1 << 22] if args.quick else (args.params or [1 << 28, 1 << 29])
     if args.huge:
@@ -488,11 +502,12 @@ def main() -> None:
     all_errors: list[str] = []
     try:
         for params in sizes:
-            v = base_vector(params, args.seed)
+            disk = workdir if args.disk_backed or params >= 1 << 30 else None
+            v = base_vector(params, args.seed, disk)
             runs: dict[tuple[str, str], list[Row]] = {case: [] for case in cases}
             for repeat in range(args.repeats):
                 for case, store in (cases if repeat % 2 == 0 else cases[::-1]):
-                    row = measure(case, store, params, v, workdir, args.server_arg, timeout)
+                    row = measure(case, store, params, v, workdir, args.server_arg, timeout, disk)
                     runs[(case, store)].append(row)
                     all_errors += [f"P={params} {case}/{store} repeat {repeat + 1}: {e}" for e in row.errors]
                     print(f"  P={params} repeat {repeat + 1}: {case:>5}/{store:<7} {row.gbps:.3f} GB/s,"
