@@ -25,12 +25,13 @@ server is started with ``--max-parameters P`` (room for the model) and otherwise
 environment already sets them.
 
 The clock runs from the first submit (the threads are released at once) to the last
-acknowledgement (the last ``submit`` returning), plus the Finalize (called right after, its
-wall time added). Computing the update buffers of the second clients (and the 1 MiB examples)
+acknowledgement (the last ``submit`` returning); the Finalize (called right after) is timed on its
+own. Computing the update buffers of the second clients (and the 1 MiB examples)
 is inside the clock, the same bytes multiplied in both kinds of rows. The server's memory is its
 process tree's (``clipd serve`` and all its descendants) VmRSS summed, sampled every 25 ms by a
-thread from ``/proc/<pid>/status``; the idle RSS is measured just before the clients start (the
-aggregation created and compiled, the clients connected).
+thread from ``/proc/<pid>/status``; the idle RSS is measured once the server has started, before
+the aggregation is created (so the peak counts its sums: 12 bytes a parameter, 3 updates' worth),
+and the peak is sampled until the Finalize has returned.
 
 Columns: case, store, params (P), examples (all clients', as the finalized aggregation counts
 them), clipped (as it counts them: 2 of the 4 large examples, half of the 1 MiB ones), submit s
@@ -336,6 +337,7 @@ def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, ext
     start, abort = threading.Event(), threading.Event()
     try:
         server = Server(data_dir, params, workdir, extra, start_timeout=min(120.0, timeout))
+        idle = tree_rss(server.proc.pid)  # before the aggregation: its sums count in the peak
         clients = [Client(server.target, timeout=timeout, retry_timeout=min(60.0, timeout)) for _ in range(CLIENTS)]
         aggregation = clients[0].create_aggregation(layers, policy="global", l2_norm_clip=CLIP)
         _wait_open(clients[0], aggregation, deadline)
@@ -382,9 +384,8 @@ def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, ext
         for thread in threads:
             thread.start()
         ready.wait(max(1.0, deadline - time.monotonic()))  # every thread has its first update
-        idle = tree_rss(server.proc.pid)
         sampler = RssSampler(server.proc.pid)
-        sampler.peak = idle
+        sampler.peak = tree_rss(server.proc.pid)
         with sampler:
             t0 = time.perf_counter()
             start.set()

@@ -72,6 +72,7 @@ class FaultyProxy:
         self.faults_left = faults
         self.cuts = 0
         self.forwarded = 0  # bytes from clients to the server, over every connection
+        self.connection_bytes: list[int] = []  # the same, per connection, in the order they were accepted
         self._rng = random.Random(seed)
         self.min_bytes, self.max_bytes = min_bytes, max_bytes
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -94,10 +95,14 @@ class FaultyProxy:
                 if self.faults_left > 0:
                     self.faults_left -= 1
                     cut_after = self._rng.randint(self.min_bytes, self.max_bytes)
-            threading.Thread(target=self._pump, args=(downstream, upstream, cut_after, True), daemon=True).start()
+            with self._lock:
+                index = len(self.connection_bytes)
+                self.connection_bytes.append(0)
+            threading.Thread(target=self._pump, args=(downstream, upstream, cut_after, index), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, downstream, None), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, cut_after: int | None, upstream: bool = False) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, cut_after: int | None, upstream: int | None = None) -> None:
+        """Copies ``src`` to ``dst``; ``upstream``: the index of a client-to-server direction (bytes counted)."""
         sent = 0
         try:
             while not self._closed.is_set():
@@ -109,12 +114,14 @@ class FaultyProxy:
                     with self._lock:
                         self.cuts += 1
                         self.forwarded += cut_after - sent
+                        self.connection_bytes[upstream] += cut_after - sent
                     break
                 dst.sendall(data)
                 sent += len(data)
-                if upstream:
+                if upstream is not None:
                     with self._lock:
                         self.forwarded += len(data)
+                        self.connection_bytes[upstream] += len(data)
         except OSError:
             pass
         for s in (src, dst):

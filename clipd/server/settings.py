@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import os
 import pathlib
@@ -38,7 +39,8 @@ class Settings:
     admin_port: int = 8080  # 0 picks a free port; -1 disables the admin API
     max_message_bytes: int = 16 * MiB  # largest gRPC message either way
     # What the server may hold for the sums of open aggregations and the updates in flight; 0: 3/4 of the
-    # machine's memory (or of its cgroup's limit). The next four limits follow from it unless set.
+    # machine's memory (or of its cgroup's limit). max_batch_bytes, max_buffered_bytes, max_parameters and
+    # max_total_parameters follow from it unless set.
     memory_budget: int = 0
     max_batch_bytes: int = 0  # largest batch (all its chunks); 0: whatever the buffer has room for
     # Partly received and queued batches of all streams together; 0: what memory_budget leaves once the open
@@ -217,6 +219,7 @@ STATE_BYTES_PER_PARAMETER = 12  # an open shard's float64 totals and float32 dev
 BYTES_PER_PARAMETER_IN_FLIGHT = STATE_BYTES_PER_PARAMETER + 4  # ... and one float32 update being received
 
 
+@functools.cache
 def machine_memory() -> int:
     """Bytes of memory this process may use: the machine's, or its cgroup's limit when lower."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

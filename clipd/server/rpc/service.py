@@ -392,11 +392,13 @@ class _SubmitSession:
                 if isinstance(message, Malformed):
                     raise InvalidArgument(f"malformed SubmitRequest: {message.reason}")
                 if self.aggregation is None:
+                    aggregation = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
                     assembler = self.assembler = BatchAssembler(
-                        self.aggregation_layers(message), settings.max_batch_bytes, self.servicer.budget,
+                        aggregation.layers, settings.max_batch_bytes, self.servicer.budget,
                         settings.buffer_wait, large_bytes=settings.max_message_bytes,
                         large_wait=settings.stream_idle_timeout * 0.9)
-                    self._bind(message, assembler)
+                    self._bind(message, aggregation, assembler)
+                    del aggregation
                     if message.sequence == 0 and not message.chunks:
                         continue  # a hello: answered by the response side
                 elif (message.aggregation_id, message.client_id) != (self.aggregation.id, self.client):
@@ -443,12 +445,8 @@ class _SubmitSession:
         self.servicer.payload_bytes += batch.nbytes  # one reader thread per stream: a rare lost += is harmless
         self.servicer.lifecycle.submit(self.aggregation, self.client, self.writer, batch)
 
-    def aggregation_layers(self, message):
-        """The layers of the aggregation the stream's first message names (checking who may submit)."""
-        return self.servicer.check_submitter(self.token, message.aggregation_id, "submit to").layers
-
-    def _bind(self, message, assembler: BatchAssembler) -> None:
-        aggregation = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
+    def _bind(self, message, aggregation: Aggregation, assembler: BatchAssembler) -> None:
+        """The stream's first message names its aggregation (checked: who may submit) and client: attach."""
         self.client = check_client_id(message.client_id)
         self.writer = message.writer_id
         durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
