@@ -179,6 +179,11 @@ class PartialState:
             bytes=self.bytes + int(nbytes),
         )
 
+    def without_sums(self) -> PartialState:
+        """The same counts, statistics and client marks with no sums (what a finished aggregation keeps once its
+        result is made: a large model's float64 sums are twice the result)."""
+        return dataclasses.replace(self, sums=tuple(np.zeros((0,)) for _ in self.sums))
+
     def merge(self, other: PartialState, with_sums: bool = True) -> PartialState:
         """The totals of two partial states of one aggregation that cover different clients.
 

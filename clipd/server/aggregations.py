@@ -477,6 +477,7 @@ class Aggregation:
                 self.mark_durable(totals.clients)
                 self._wake_locked()
                 self.result = self._result_locked()
+                self._keep_result_only_locked()
                 return self.result
 
     def restore_result(self, finished: float | None, release=None) -> None:
@@ -487,6 +488,11 @@ class Aggregation:
             if release is not None:
                 self.release, self.released_sums = release.fields, release.sums
             self.result = self._result_locked()
+            self._keep_result_only_locked()
+
+    def _keep_result_only_locked(self) -> None:
+        """Drops the float64 sums once the result holds the sums in their dtypes (the store keeps them)."""
+        self.shard_totals = [totals.without_sums() for totals in self.shard_totals]
 
     def _result_locked(self) -> Result:
         if self.privacy is not None:

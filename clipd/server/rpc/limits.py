@@ -148,6 +148,12 @@ class ByteBudget:
             if not entries:
                 del self._pool[size]
 
+    def drop_pool(self) -> None:
+        """Frees every pooled buffer (an aggregation finished: the next may have other sizes, or none come)."""
+        with self._cond:
+            self._pool.clear()
+            self.pooled = 0
+
     def drop_idle_buffers(self) -> None:
         """Frees pooled buffers not reused for ``pool_idle`` seconds (the server calls it once a second)."""
         with self._cond:

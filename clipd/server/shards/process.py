@@ -392,6 +392,7 @@ class ShardProcess:
             self.registry.remove(aggregation.id)
             aggregation.cancel()
             self.devices.forget(aggregation)
+        self.servicer.budget.drop_pool()
         return {}
 
     def _serve(self, request: dict) -> dict:
