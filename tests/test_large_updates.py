@@ -311,6 +311,23 @@ def test_a_private_release_of_large_updates_is_noised_with_its_stated_stddev(dur
     assert abs(noise.mean()) < 0.05 and noise.std() == pytest.approx(z, rel=0.02)  # 240,000 draws
 
 
+def test_a_secure_release_of_large_updates_sums_them_on_its_grid(durable_server):
+    _, target = durable_server()
+    v, cs, z = direction(8), [0.5, 3.0], 1.0
+    with Client(target, message_bytes=128 * KiB) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=Privacy(
+            "silos-secure", 1e-5, noise="secure", accountant="zcdp", noise_multiplier=z))
+        for i, c in enumerate(cs):
+            client.submit(agg, scaled(v, c), client_id=f"silo-{i}")
+        result = client.finalize(agg)
+    step, scale = result.release.grid_step, result.release.grid_noise_scale
+    released = np.concatenate([result.sums[n].ravel() for n in LAYERS]).astype(np.float64)
+    np.testing.assert_array_equal(released / step, np.rint(released / step))  # whole grid steps, noise included
+    exact = np.concatenate([s.ravel() for s in clipped_sum(v, cs, 1.0).values()])
+    noise = (released - exact) / step  # in grid steps: the discrete Gaussian, plus each example's rounding
+    assert noise.std() == pytest.approx(scale, rel=0.02) and abs(noise.mean()) < 0.05 * scale
+
+
 def test_sigkill_of_shard_processes_mid_update_loses_nothing_acknowledged(tmp_path):
     port = free_port()
     server = ServerProcess(tmp_path / "data", tmp_path / "cache", port, args=(
