@@ -524,11 +524,13 @@ class DeviceWorker:
             else:
                 stats = None
                 jax.block_until_ready(slot.delta.stats)
+            if inflight.holds:  # the whole step, not only its statistics: it read these batches' own buffers
+                jax.block_until_ready(slot.delta)
         except Exception as e:
             inflight.release()
             self._fail(aggregation, f"device step failed: {type(e).__name__}: {e}")
             return
-        inflight.release()  # the step has read them
+        inflight.release()  # the step has read them: their buffers may be reused
         for client, writer, sequence, _, nbytes in inflight.done:
             slot.marks[client] = (sequence, writer)
             slot.batches += 1
