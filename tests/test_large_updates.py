@@ -174,11 +174,17 @@ def test_admission_waits_for_memory_and_refuses_what_could_never_fit(durable_ser
         # A model whose sums and one update do not fit the budget beside the open aggregation's: refused at
         # creation, with the numbers.
         with pytest.raises(ResourceExhaustedError, match=r"memory budget is \d+ bytes \(memory_budget\), of"
-                                                         rf" which open aggregations hold {state}"):
+                                                         rf" which aggregations hold {state} "):
             client.create_aggregation({"w": (PARAMETERS,)}, l2_norm_clip=1.0)
         result = client.finalize(agg)
         assert_exact(result, clipped_sum(v, cs, 1.0))
         assert 0 < peak[0] <= UPDATE_BYTES * 3 // 2  # never two updates buffered at once
+
+        # A finished aggregation's kept result counts too (float32 sums: 4 bytes a parameter), until cancelled.
+        with pytest.raises(ResourceExhaustedError, match=rf"aggregations hold {UPDATE_BYTES} .* cancel finished"):
+            client.create_aggregation({"w": (PARAMETERS,)}, l2_norm_clip=1.0)
+        client.cancel(agg)
+        client.create_aggregation({"w": (PARAMETERS,)}, l2_norm_clip=1.0)
 
 
 def test_an_example_larger_than_any_buffer_is_refused_at_once_with_its_size(durable_server):

@@ -204,8 +204,16 @@ class Aggregation:
 
     @property
     def state_bytes(self) -> int:
-        """What its sums take in memory: each shard's float64 totals and float32 device delta."""
+        """What its sums take in memory while open: each shard's float64 totals and float32 device delta."""
         return self.parameters * STATE_BYTES_PER_PARAMETER * self.shards
+
+    @property
+    def memory_bytes(self) -> int:
+        """What it holds in memory now: its sums while open, its kept result once finished."""
+        if self.state in (*TAKES_BATCHES, State.FINALIZING):
+            return self.state_bytes
+        result = self.result
+        return 0 if result is None else sum(np.asarray(s).nbytes for s in result.sums)
 
     @property
     def withheld(self) -> bool:
@@ -630,7 +638,7 @@ class Registry:
                     f" limit of {self.max_total_parameters} (max_total_parameters); finalize or cancel some"
                 )
             if self.memory is not None:
-                self._check_memory(aggregation, sum(a.state_bytes for a in open_now))
+                self._check_memory(aggregation, sum(a.memory_bytes for a in self._by_id.values()))
             publish(aggregation)
             self._by_id[aggregation_id] = aggregation
             return aggregation, True
@@ -643,13 +651,15 @@ class Registry:
                 f"aggregation of {aggregation.parameters} parameters: its sums take {aggregation.state_bytes} bytes"
                 f" ({aggregation.shards} shard(s) x {STATE_BYTES_PER_PARAMETER} bytes a parameter) and an update"
                 f" {aggregation.example_bytes} more; the memory budget is {self.memory} bytes (memory_budget), of"
-                f" which open aggregations hold {held}" + ("; finalize or cancel some" if held else ""))
+                f" which aggregations hold {held} (open ones their sums, finished ones their results)"
+                + ("; cancel finished aggregations whose results were fetched, or finalize open ones" if held
+                   else ""))
 
     def state_bytes(self) -> int:
-        """Bytes the sums of the open aggregations take (their totals and device deltas, every shard)."""
+        """Bytes the aggregations hold: the open ones' sums (totals and device deltas, every shard), the finished
+        ones' kept results."""
         with self._lock:
-            return sum(a.state_bytes for a in self._by_id.values()
-                       if a.state in (*TAKES_BATCHES, State.FINALIZING))
+            return sum(a.memory_bytes for a in self._by_id.values())
 
     def add(self, aggregation: Aggregation) -> None:
         """Adds a recovered aggregation."""
