@@ -609,7 +609,7 @@ class Registry:
                  memory: int | None = None) -> None:
         self.max_aggregations = max_aggregations
         self.max_total_parameters = max_total_parameters
-        self.memory = memory  # bytes for the sums of open aggregations and the updates in flight (None: no check)
+        self.memory = memory  # bytes for what aggregations hold and the updates in flight (None: no check)
         self._lock = threading.Lock()
         self._by_id: dict[str, Aggregation] = {}
 

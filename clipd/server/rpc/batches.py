@@ -11,7 +11,7 @@ from clipd import wire
 from clipd.engine import LayerSpec
 from clipd.server.errors import InvalidArgument, ResourceExhausted
 from clipd.server.rpc.codec import dtype_of
-from clipd.server.rpc.limits import ALIGNMENT, ByteBudget, Reservation, aligned_empty
+from clipd.server.rpc.limits import ByteBudget, Reservation, aligned_empty
 
 
 class Batch(NamedTuple):
@@ -48,9 +48,6 @@ class _Partial:
         if self.wire[k] is None or self.wire[k] == spec.dtype:
             return self.expected[k]
         return self.expected[k] // np.dtype(spec.dtype).itemsize * 2
-
-
-NARROW_WIRE_DTYPES = ("bfloat16", "float16")  # what a float32 layer may travel as (widened on arrival)
 
 
 class BatchAssembler:
@@ -165,7 +162,7 @@ class BatchAssembler:
         where = f"batch {p.sequence}, layer {spec.name!r}"
         dtype = dtype_of(chunk.dtype, where)
         name = wire.DTYPE_NAMES[chunk.dtype]
-        if name != spec.dtype and not (spec.dtype == "float32" and name in NARROW_WIRE_DTYPES):
+        if not wire.accepts_wire_dtype(spec.dtype, name):
             raise InvalidArgument(f"{where}: dtype {dtype}, expected {spec.dtype}"
                                   + (" (or bfloat16, float16 on the wire)" if spec.dtype == "float32" else ""))
         if p.wire[k] is not None and p.wire[k] != name:

@@ -62,7 +62,8 @@ from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState
 from clipd.server.aggregations import Aggregation, State
 from clipd.server.errors import Unavailable
 from clipd.server.lifecycle import fail
-from clipd.server.rpc.batches import ALIGNMENT, Batch, aligned_empty
+from clipd.server.rpc.batches import Batch
+from clipd.server.rpc.limits import ALIGNMENT, aligned_empty
 from clipd.server.stores.base import Store
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,8 @@ def _program_keys(aggregation: Aggregation, device) -> list[tuple]:
 
 
 def _prefault(totals: PartialState) -> None:
-    """Writes the zeros of new (lazily mapped) totals, so the first flush does not page-fault them in
-    (for a large model: seconds, at about 1 GB/s here, on the device worker)."""
+    """Writes the zeros of new (lazily mapped) totals during warm-up, so the first flush does not page-fault
+    them in on the device worker (for a large model, gigabytes of fresh pages)."""
     if not (totals.examples or totals.batches or totals.clients):
         for total in totals.sums:
             total.fill(0.0)
