@@ -19,9 +19,11 @@ from clipd.engine import (
     BoundKind,
     ClipAccumulator,
     ClipPolicy,
+    ExampleScales,
     LayerSpec,
     NonFinite,
     Tricks,
+    add_example,
     merge,
     sum_buffer_runs,
 )
@@ -422,3 +424,112 @@ def test_padding_rows_never_change_the_result(flat, policy, garbage):
     unpadded = to_np(stream(acc, batch, chunk=8, bucket=8, garbage=0.0))
     padded = to_np(stream(acc, batch, chunk=3, bucket=8, garbage=garbage))
     assert_same_state(padded, unpadded, rtol=1e-5, atol=1e-4)
+
+
+# One example a step, summed on the host (a large model's path on the CPU) ----------------------------------
+def measure_and_add(acc, batch, valid=None):
+    """Each example of ``batch`` measured alone, then added into float64 totals on the host."""
+    totals = [np.zeros(x.shape[1:], np.float64) for x in batch]
+    state = acc.init(sums=False)
+    for i in range(batch[0].shape[0]):
+        example = [x[i : i + 1] for x in batch]
+        ok = np.array([True if valid is None else valid[i]])
+        state, scales = acc.measure(state, example, ok)
+        add_example(totals, example, jax.device_get(scales))
+    return to_np(state), totals
+
+
+def fresh_then_flush(acc, batch, valid=None):
+    """The device path it replaces: each example into a fresh delta, the delta added into float64 totals."""
+    totals = [np.zeros(x.shape[1:], np.float64) for x in batch]
+    state, stats = acc.init(), acc.init()
+    for i in range(batch[0].shape[0]):
+        ok = np.array([True if valid is None else valid[i]])
+        state = acc.update(state, [x[i : i + 1] for x in batch], ok, fresh=True)
+        for total, s in zip(totals, jax.device_get(state).sums):
+            np.add(total, s, out=total)
+        stats = acc.merge(stats, state)
+    return to_np(stats), totals
+
+
+POLICIES = [
+    ClipPolicy(l2_norm_clip=2.0),
+    ClipPolicy(BoundKind.PER_LAYER_UNIFORM, l2_norm_clip=1.0),
+    ClipPolicy(BoundKind.PER_LAYER_PROPORTIONAL, l2_norm_clip=1.5),
+    ClipPolicy(l2_norm_clip=1.5, rescale_to_unit_norm=True),
+    ClipPolicy(l2_norm_clip=0.0),
+    ClipPolicy(l2_norm_clip=2.0, non_finite=NonFinite.ZERO_ENTRIES),
+    ClipPolicy(BoundKind.PER_LAYER_UNIFORM, l2_norm_clip=1.0, non_finite=NonFinite.ZERO_ENTRIES),
+    ClipPolicy(l2_norm_clip=2.0, non_finite=NonFinite.PROPAGATE),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.kind.value}-{p.non_finite.value}-{p.l2_norm_clip}"
+                         + ("-unit" if p.rescale_to_unit_norm else ""))
+def test_examples_measured_then_added_on_the_host_are_bit_identical_to_the_device_delta(policy):
+    batch, _ = _batch_with_bad_rows(np.random.default_rng(21))
+    batch[1][5] *= 1e20  # finite entries whose squared norm overflows float32
+    acc = make_acc(batch, policy)
+    valid = np.ones(16, bool)
+    valid[9] = False  # a padding row
+    measured, totals = measure_and_add(acc, batch, valid)
+    flushed, reference = fresh_then_flush(acc, batch, valid)
+    for ours, ref in zip(totals, reference, strict=True):
+        assert ours.dtype == np.float64
+        assert ours.tobytes() == ref.tobytes()  # NaN where the device path has NaN, every other bit equal
+    for name in COUNT_FIELDS + FLOAT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(measured, name)), np.asarray(getattr(flushed, name)), name)
+    assert measured.sum_chunks is None  # the measuring state holds no buffer the size of the model
+
+
+@pytest.mark.parametrize("kind", [BoundKind.GLOBAL, BoundKind.PER_LAYER_UNIFORM])
+def test_examples_added_on_the_host_match_optax(kind):
+    rng = np.random.default_rng(22)
+    batch = random_batch(rng, 9, [(300,), (7, 5)])
+    c = typical_bound(batch)
+    state, totals = measure_and_add(make_acc(batch, ClipPolicy(kind, l2_norm_clip=c)), batch)
+    fn = optax.per_example_global_norm_clip if kind is BoundKind.GLOBAL else optax.per_example_layer_norm_clip
+    ref_sums, ref_counts = fn([jnp.asarray(x) for x in batch], c)
+    for ours, ref in zip(totals, ref_sums):
+        assert_close(ours.astype(np.float32), ref)
+    ref_counts = [ref_counts] * 2 if kind is BoundKind.GLOBAL else ref_counts
+    assert state.clip_counts.tolist() == [int(r) for r in ref_counts]
+    assert int(state.example_count) == 9
+
+
+def test_examples_added_on_the_host_match_nan_safe_clip_pytree_and_skip_dropped_examples():
+    batch, bad = _batch_with_bad_rows(np.random.default_rng(23))
+    c = 2.0
+    _, totals = measure_and_add(make_acc(batch, ClipPolicy(l2_norm_clip=c, non_finite=NonFinite.ZERO_ENTRIES)), batch)
+    clipped, _ = jax.vmap(lambda ex: jp.clip_pytree(ex, c, nan_safe=True))([jnp.asarray(x) for x in batch])
+    for ours, ref in zip(totals, clipped):
+        assert_close(ours.astype(np.float32), ref.sum(0))
+    state, totals = measure_and_add(make_acc(batch, ClipPolicy(l2_norm_clip=c)), batch)  # ZERO_EXAMPLE
+    ref_sums, _ = optax.per_example_global_norm_clip([jnp.asarray(np.delete(x, bad, 0)) for x in batch], c)
+    for ours, ref in zip(totals, ref_sums):
+        assert_close(ours.astype(np.float32), ref)
+    assert int(state.non_finite_count) == 3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_examples_added_on_the_host_are_products_rounded_to_float32(dtype):
+    rng = np.random.default_rng(24)
+    batch = random_batch(rng, 5, [(1000,)], dtype=dtype, spread=1.0)
+    c = typical_bound(batch)
+    _, totals = measure_and_add(make_acc(batch, ClipPolicy(l2_norm_clip=c)), batch)
+    x = np.asarray(batch[0]).astype(np.float64)
+    m = np.minimum(1.0, c / global_norms(batch)).astype(np.float32)
+    # By hand: each product m_i * x_i in float32, the five summed in float64 (m from float64 norms here).
+    expected = np.zeros(1000)
+    for i in range(5):
+        expected += (m[i] * x[i].astype(np.float32)).astype(np.float32)
+    assert totals[0].dtype == np.float64
+    np.testing.assert_allclose(totals[0], expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
+def test_add_example_refuses_a_layer_of_another_size_and_measure_refuses_fixed_point():
+    with pytest.raises(ValueError, match="3 elements into totals of 4"):
+        add_example([np.zeros(4)], [np.ones(3, np.float32)], ExampleScales(np.ones(1, np.float32), np.zeros(1)))
+    acc = ClipAccumulator([LayerSpec("w", (4,))], ClipPolicy(l2_norm_clip=1.0), fixed_point_step=2.0 ** -10)
+    with pytest.raises(ValueError, match="fixed-point"):
+        acc.measure(acc.init(sums=False), [np.ones((1, 4), np.float32)], np.ones(1, bool))

@@ -134,8 +134,9 @@ def test_per_layer_bounds_on_large_updates_match_the_reference_api(durable_serve
 
 
 def test_admission_waits_for_memory_and_refuses_what_could_never_fit(durable_server):
-    # Room for one update in flight beside the sums (12 bytes a parameter), not two: the second waits.
-    state = PARAMETERS * 12
+    # Room for one update in flight beside the sums, not two: the second waits. The sums of a model with one
+    # example a step are its float64 totals (8 bytes a parameter): there is no float32 delta.
+    state = PARAMETERS * 8
     # buffer_wait is for batches that fit a message; an update that spans messages waits as long as a stream
     # may be silent (and the stream is not idle meanwhile: the server is the one waiting).
     server, target = durable_server(memory_budget=state + UPDATE_BYTES * 3 // 2, buffer_wait=0.01,

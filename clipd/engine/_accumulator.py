@@ -181,19 +181,101 @@ def _one_example_sums(rows, squared, valid, finite, limits, config, dtype):
     straight into the sum buffers: a dot and a cond would each output a buffer the size of the model
     (measured on a 2^26-parameter layer: the batch path's step peaked 1x the update above its state, this
     one 0)."""
+    scales, masks, squared = _one_example_scales(rows, squared, valid, finite, limits, config, dtype)
+    zero = jnp.zeros((), rows[0].dtype)
+    kept = tuple(jnp.where((masks[k] == KEEP) | ((masks[k] == FINITE_ENTRIES) & jnp.isfinite(x[0])), x[0], zero)
+                 for k, x in enumerate(rows))
+    return tuple(scales[k] * x.astype(dtype) for k, x in enumerate(kept)), squared
+
+
+KEEP, FINITE_ENTRIES, DROP = 0, 1, 2
+"""How a layer of one example enters the sum before its scale: as it is, with its NaN and inf entries as 0,
+or not at all (see :class:`ExampleScales`)."""
+
+
+class ExampleScales(NamedTuple):
+    """One example's clipped contribution, layer by layer: layer k adds ``scales[k] * x_k`` in the compute
+    dtype, after ``masks[k]`` (``KEEP``, ``FINITE_ENTRIES``: its NaN and inf entries count as 0, or ``DROP``:
+    nothing). What :meth:`ClipAccumulator.measure` returns and :func:`add_example` applies."""
+
+    scales: jax.Array | np.ndarray  # (K,) compute dtype
+    masks: jax.Array | np.ndarray  # (K,) int32
+
+
+def _one_example_scales(rows, squared, valid, finite, limits, config, dtype):
+    """``(scales (K,), masks (K,), squared (K, 1))`` of a batch of one example: see :class:`ExampleScales`.
+
+    The squared norms are those the statistics use: with ``ZERO_ENTRIES``, those of the layers with their
+    non-finite entries as 0.
+    """
     per_layer, mode = config.per_layer, config.non_finite
-    groups = len(rows) if per_layer else 1
+    k = len(rows)
+    groups = k if per_layer else 1
     zero = jnp.zeros((), rows[0].dtype)
     if mode is NonFinite.ZERO_ENTRIES:  # NaN and inf entries count as 0, norms included
-        kept = tuple(jnp.where(valid[:, None] & jnp.isfinite(x), x, zero) for x in rows)
         squared = jax.lax.cond(jnp.all(finite), lambda: squared, lambda: _squared_norms(
             tuple(jnp.where(jnp.isfinite(x), x, zero) for x in rows), dtype))
+        # A layer whose squared norm is not finite may hold a non-finite entry (masking a finite one is a no-op).
+        masks = jnp.where(valid[0], jnp.where(jnp.isfinite(_squared_norms(rows, dtype)[:, 0]), KEEP, FINITE_ENTRIES),
+                          DROP)
     else:  # a non-finite example is dropped whole (ZERO_EXAMPLE) or let through (PROPAGATE, as optax)
         keep = valid & finite if mode is NonFinite.ZERO_EXAMPLE else valid
-        kept = tuple(jnp.where(keep[:, None], x, zero) for x in rows)
+        masks = jnp.broadcast_to(jnp.where(keep[0], KEEP, DROP), (k,))
     multipliers = multiplier(_clip_norms(squared, per_layer), limits[:groups, None], config.rescale_to_unit_norm)
     multipliers = jnp.where(valid, multipliers, 0.0).astype(dtype)  # (G, 1)
-    return tuple(multipliers[i if per_layer else 0, 0] * x[0].astype(dtype) for i, x in enumerate(kept)), squared
+    scales = multipliers[:, 0] if per_layer else jnp.broadcast_to(multipliers[0, 0], (k,))
+    return scales, masks.astype(jnp.int32), squared
+
+
+def _measure(state, layers, valid, limits, config):
+    """One example's statistics added into ``state`` (its sums, if any, untouched), and its scales."""
+    dtype = limits.dtype  # the compute dtype (the state may have no sums to tell it)
+    rows = tuple(x.reshape(x.shape[0], -1) for x in layers)
+    squared = _squared_norms(rows, dtype)
+    finite = jnp.all(jnp.isfinite(squared), axis=0)
+    scales, masks, squared = _one_example_scales(rows, squared, valid, finite, limits, config, dtype)
+    counted = valid & finite if config.non_finite is NonFinite.ZERO_EXAMPLE else valid
+    stats = _xla_cpu.add_stats(state.stats, *_statistics(squared, valid, finite, counted, limits, config.per_layer))
+    return dataclasses.replace(state, stats=stats), ExampleScales(scales, masks)
+
+
+def add_example(totals: Sequence[np.ndarray], example: Sequence[np.ndarray], scales: ExampleScales,
+                piece: int = 1 << 16) -> None:
+    """Adds one example's clipped contribution into host totals, in place, a ``piece`` of elements at a time:
+    ``totals[k] += fl(scales[k] * x_k)`` after the mask, the product rounded to the compute dtype of
+    ``scales`` as the device step rounds it, then added in the totals' dtype (float64). The same values a
+    step of that one example adds into a zero delta, which a flush then adds into the totals, without the
+    delta: for a large model, one buffer and one pass over it less.
+
+    ``example[k]``: layer k of the example, any shape of ``totals[k].size`` elements (a row ``(1, ...)``
+    included).
+
+    >>> totals = [np.zeros(3), np.zeros(2)]
+    >>> x = [np.array([3.0, 0.0, 4.0], np.float32), np.array([np.inf, 1.0], np.float32)]
+    >>> add_example(totals, x, ExampleScales(np.array([0.5, 2.0], np.float32), np.array([KEEP, FINITE_ENTRIES])))
+    >>> totals
+    [array([1.5, 0. , 2. ]), array([0., 2.])]
+    """
+    dtype = np.asarray(scales.scales).dtype
+    with np.errstate(invalid="ignore", over="ignore"):  # 0 * inf is NaN and a product may overflow, as on the device
+        _add_example(totals, example, scales, dtype, piece)
+
+
+def _add_example(totals, example, scales, dtype, piece):
+    for total, x, scale, mask in zip(totals, example, np.asarray(scales.scales), np.asarray(scales.masks)):
+        if mask == DROP:
+            continue  # adds zeros (+0.0): the totals, never -0.0, stay as they are
+        flat_total, flat_x = total.reshape(-1), np.asarray(x).reshape(-1)
+        if flat_x.size != flat_total.size:
+            raise ValueError(f"add_example: a layer of {flat_x.size} elements into totals of {flat_total.size}")
+        scratch = np.empty(min(piece, flat_x.size), dtype)
+        for start in range(0, flat_x.size, piece):
+            stop = min(start + piece, flat_x.size)
+            product, values = scratch[: stop - start], flat_x[start:stop]
+            np.multiply(values, scale, out=product, dtype=dtype)
+            if mask == FINITE_ENTRIES:
+                np.copyto(product, 0, where=~np.isfinite(values))
+            np.add(flat_total[start:stop], product, out=flat_total[start:stop])
 
 
 def _fixed_point_sums(rows, keep, bound, step: float):
@@ -268,6 +350,7 @@ def _exceedances(rows, norms, row_edges):
 
 
 _accumulate_jit = jax.jit(_accumulate, static_argnames=("config", "fresh"), donate_argnums=(0,))
+_measure_jit = jax.jit(_measure, static_argnames=("config",), donate_argnums=(0,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -447,11 +530,13 @@ class ClipAccumulator:
         self._config = _StepConfig(policy.is_per_layer, policy.rescale_to_unit_norm, policy.non_finite, tricks,
                                    self.fixed_point_step)
 
-    def init(self) -> AccumulatorState:
-        """An empty state: zero sums and counts."""
+    def init(self, sums: bool = True) -> AccumulatorState:
+        """An empty state: zero sums and counts (``sums=False``: counts only, for :meth:`measure`)."""
         k, tricks = len(self.layers), self._config.tricks
         sizes = [layer.size for layer in self.layers]
-        if self.fixed_point_step:
+        if not sums:
+            chunks = None
+        elif self.fixed_point_step:
             chunks = tuple(jnp.zeros((2 * size,), jnp.int32) for size in sizes)
         else:
             chunks = tuple(jnp.zeros((sum(sizes[i:j]),), self.compute_dtype)
@@ -485,13 +570,33 @@ class ClipAccumulator:
         """
         return _accumulate_jit(state, tuple(batch), valid, self._limits, self._config, fresh)
 
+    def measure(self, state: AccumulatorState, example: Sequence[jax.Array],
+                valid: jax.Array) -> tuple[AccumulatorState, ExampleScales]:
+        """One example (``example[k]`` of shape ``(1, *layers[k].shape)``) measured but not summed: its
+        statistics go into ``state`` (donated; its sums, if it has any, are left as they are) and its
+        per-layer scales come back, for :func:`add_example` to add its clipped contribution into host totals.
+
+        ``update(init(), example, valid)``'s sums, then added into float64 totals, are what
+        ``add_example(totals, example, scales)`` adds; the step reads the example once (its norms) and writes
+        nothing the size of the model. Not for fixed-point accumulators (their sums are integers on a grid).
+
+        >>> acc = ClipAccumulator([LayerSpec("w", (2,))], ClipPolicy(l2_norm_clip=1.0))
+        >>> state, scales = acc.measure(acc.init(sums=False), [np.array([[3.0, 4.0]], np.float32)], np.ones(1, bool))
+        >>> scales.scales, int(state.clip_counts[0]), int(state.example_count)
+        (Array([0.2], dtype=float32), 1, 1)
+        """
+        if self.fixed_point_step:
+            raise ValueError("measure: a fixed-point accumulator sums on its grid (use update)")
+        return _measure_jit(state, tuple(example), valid, self._limits, self._config)
+
     merge = staticmethod(merge)
 
-    def program_key(self, rows: int, fresh: bool = False) -> tuple:
+    def program_key(self, rows: int, kind: str = "sum") -> tuple:
         """What the compiled step for batches of ``rows`` rows depends on (not the layer names, not
-        the bounds' values): two accumulators with equal keys run the same program."""
+        the bounds' values): two accumulators with equal keys run the same program. ``kind``: ``"sum"``
+        (:meth:`update`), ``"fresh"`` (``update(..., fresh=True)``) or ``"measure"`` (:meth:`measure`)."""
         shapes = tuple((layer.shape, layer.dtype) for layer in self.layers)
-        return (self._config, shapes, self._limits.shape, str(self.compute_dtype), rows, fresh)
+        return (self._config, shapes, self._limits.shape, str(self.compute_dtype), rows, kind)
 
     @staticmethod
     def compiled_programs() -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine import _privacy as dp
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
-from clipd.server.settings import STATE_BYTES_PER_PARAMETER
+from clipd.server.settings import DELTA_BYTES_PER_PARAMETER, TOTALS_BYTES_PER_PARAMETER
 from clipd.wire import SPREAD_MARK, shard_of
 
 
@@ -204,8 +204,14 @@ class Aggregation:
 
     @property
     def state_bytes(self) -> int:
-        """What its sums take in memory while open: each shard's float64 totals and float32 device delta."""
-        return self.parameters * STATE_BYTES_PER_PARAMETER * self.shards
+        """What its sums take in memory while open: each shard's float64 totals and, unless a step holds one
+        example (a large model: the worker adds it into the totals itself, or the delta is on a GPU), its
+        float32 delta."""
+        return self.parameters * self.state_bytes_per_parameter * self.shards
+
+    @property
+    def state_bytes_per_parameter(self) -> int:
+        return TOTALS_BYTES_PER_PARAMETER + (DELTA_BYTES_PER_PARAMETER if self.device_rows > 1 else 0)
 
     @property
     def memory_bytes(self) -> int:
@@ -649,7 +655,7 @@ class Registry:
         if held + needed > self.memory:
             raise ResourceExhausted(
                 f"aggregation of {aggregation.parameters} parameters: its sums take {aggregation.state_bytes} bytes"
-                f" ({aggregation.shards} shard(s) x {STATE_BYTES_PER_PARAMETER} bytes a parameter) and an update"
+                f" ({aggregation.shards} shard(s) x {aggregation.state_bytes_per_parameter} bytes a parameter) and an update"
                 f" {aggregation.example_bytes} more; the memory budget is {self.memory} bytes (memory_budget), of"
                 f" which aggregations hold {held} (open ones their sums, finished ones their results)"
                 + ("; cancel finished aggregations whose results were fetched, or finalize open ones" if held

@@ -44,12 +44,13 @@ class Settings:
     memory_budget: int = 0
     max_batch_bytes: int = 0  # largest batch (all its chunks); 0: whatever the buffer has room for
     # Partly received and queued batches of all streams together; 0: what memory_budget leaves once the open
-    # aggregations' sums are counted (12 bytes a parameter and shard), recomputed at each batch.
+    # aggregations' sums are counted (8 or 12 bytes a parameter and shard: Aggregation.state_bytes), recomputed at
+    # each batch.
     max_buffered_bytes: int = 0
     buffer_wait: float = 5.0  # seconds a new batch waits for room in max_buffered_bytes before RESOURCE_EXHAUSTED
     max_aggregations: int = 64  # open at once (finalized ones are kept until cancelled)
-    # Elements of one aggregation (all layers); 0: what memory_budget holds for one (16 bytes a parameter: its
-    # float64 sums, its float32 delta and one float32 update in flight).
+    # Elements of one aggregation (all layers); 0: what memory_budget holds for one (12 bytes a parameter: its
+    # float64 sums and one float32 update in flight; a model that large has one example a step, so no delta).
     max_parameters: int = 0
     max_total_parameters: int = 0  # elements of all open aggregations together; 0: memory_budget decides
     max_layers: int = 4096  # layers of one aggregation
@@ -215,8 +216,9 @@ class Settings:
         return _build(cls, values)
 
 
-STATE_BYTES_PER_PARAMETER = 12  # an open shard's float64 totals and float32 device delta
-BYTES_PER_PARAMETER_IN_FLIGHT = STATE_BYTES_PER_PARAMETER + 4  # ... and one float32 update being received
+TOTALS_BYTES_PER_PARAMETER = 8  # an open shard's float64 totals
+DELTA_BYTES_PER_PARAMETER = 4  # its float32 delta, unless its steps have one example (the worker adds those itself)
+BYTES_PER_PARAMETER_IN_FLIGHT = TOTALS_BYTES_PER_PARAMETER + 4  # a large model's totals and one float32 update
 
 
 @functools.cache

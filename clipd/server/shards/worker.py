@@ -58,7 +58,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState
+from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState, add_example
 from clipd.server.aggregations import Aggregation, State
 from clipd.server.errors import Unavailable
 from clipd.server.lifecycle import fail
@@ -90,16 +90,27 @@ _warm_programs: set[tuple] = set()
 _warm_lock = threading.Lock()
 
 
-def _programs(aggregation: Aggregation) -> list[tuple[int, bool]]:
-    """The ``(rows, fresh)`` steps an aggregation runs: every bucket size; with one example a step (a large
-    model) the delta is not zeroed after a flush: the step after it writes over it (``fresh``)."""
+def sums_on_host(aggregation: Aggregation, device) -> bool:
+    """Whether the shard's steps measure examples and the worker adds them into the host totals itself (one
+    example a step on the CPU: a large model's update is read in place, and no float32 delta the size of
+    the model is kept), rather than summing them into a device delta (see :meth:`ClipAccumulator.measure`)."""
+    return aggregation.device_rows == 1 and not aggregation.accumulator.fixed_point_step and device.platform == "cpu"
+
+
+def _programs(aggregation: Aggregation, device) -> list[tuple[int, str]]:
+    """The ``(rows, kind)`` steps an aggregation runs (``kind`` as in ``ClipAccumulator.program_key``): every
+    bucket size; with one example a step (a large model), on the CPU a step that measures it
+    (:func:`sums_on_host`), elsewhere a step whose delta was flushed is not zeroed first: it writes over it
+    (``fresh``)."""
+    if sums_on_host(aggregation, device):
+        return [(1, "measure")]
     buckets = bucket_sizes(aggregation.device_rows)
-    return [(b, False) for b in buckets] + ([(1, True)] if aggregation.device_rows == 1 else [])
+    return [(b, "sum") for b in buckets] + ([(1, "fresh")] if aggregation.device_rows == 1 else [])
 
 
 def _program_keys(aggregation: Aggregation, device) -> list[tuple]:
-    return [(device.platform, device.id, aggregation.accumulator.program_key(rows, fresh))
-            for rows, fresh in _programs(aggregation)]
+    return [(device.platform, device.id, aggregation.accumulator.program_key(rows, kind))
+            for rows, kind in _programs(aggregation, device)]
 
 
 def _prefault(totals: PartialState) -> None:
@@ -152,6 +163,10 @@ class _InFlight:
     done: list[tuple[str, str, int, int, int]]  # (client, writer, sequence, rows, nbytes)
     step: int = 0  # the worker's step count when it was dispatched
     holds: list[Batch] = dataclasses.field(default_factory=list)  # batches whose own buffers it reads
+    example: list[np.ndarray] | None = None  # a measured example (sums on the host): its layers, to add
+    scales: Any = None  # ... and its ExampleScales (on the device until read)
+    staged: bool = False  # its layers are a staging buffer (the next fill writes over them)
+    stats: Any = None  # the device statistics read when it finished (None: not read this time)
 
     def release(self) -> None:
         for batch in self.holds:
@@ -179,6 +194,13 @@ class _Slot:
     committing: bool = False
     queued: Any = None  # the totals last handed to the committer (a final commit of the same ones writes nothing);
     # CHECKPOINT_FAILED once the committer could not write them
+    unadded: list[_InFlight] = dataclasses.field(default_factory=list)  # measured examples waiting to be added
+    # into the totals (sums on the host) while the committer writes them; they hold their batches
+
+    def release(self) -> None:
+        for inflight in self.unadded:
+            inflight.release()
+        self.unadded = []
 
 
 class DeviceWorker:
@@ -309,7 +331,9 @@ class DeviceWorker:
 
     def _drop_slots(self, aggregation: Aggregation) -> None:
         for shard in self._shards.get(aggregation, ()):
-            self._slots.pop((aggregation, shard), None)
+            slot = self._slots.pop((aggregation, shard), None)
+            if slot is not None:
+                slot.release()
 
     def _drop_parked(self, aggregation: Aggregation) -> None:
         with self._cond:
@@ -397,7 +421,7 @@ class DeviceWorker:
                 else:
                     self._finish_inflight()
                     for (aggregation, shard), slot in list(self._slots.items()):  # stopping: a last checkpoint
-                        if (slot.dirty or slot.steps) and (aggregation, shard) in self._slots:
+                        if (slot.dirty or slot.steps or slot.unadded) and (aggregation, shard) in self._slots:
                             self._checkpoint(aggregation, shard)
                     return
                 self._checkpoint_due()
@@ -461,7 +485,7 @@ class DeviceWorker:
                 if whole is not None:  # a whole step of this batch's own aligned rows: no copy
                     if start + capacity == batch.rows:
                         done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
-                    self._dispatch(aggregation, shard, slot, whole, capacity, done)
+                    self._dispatch(aggregation, shard, slot, whole, capacity, done, staged=False)
                     start, done, direct_step = start + capacity, [], self.steps
                     continue
                 if buffers is None:
@@ -497,18 +521,24 @@ class DeviceWorker:
         slot.next_staging = 1 - slot.next_staging
         return buffers
 
-    def _dispatch(self, aggregation: Aggregation, shard: int, slot: _Slot, buffers, rows: int, done) -> None:
+    def _dispatch(self, aggregation: Aggregation, shard: int, slot: _Slot, buffers, rows: int, done,
+                  staged: bool = True) -> None:
         bucket = bucket_for(rows, bucket_sizes(aggregation.device_rows))
         # Aligned numpy views go to the jitted step as they are: on the CPU JAX reads them in
         # place (one jax.device_put per array costs more than the step for small batches).
         layers = [buf[:bucket] for buf in buffers]
         valid = np.arange(bucket) < rows
         self._finish_inflight()
-        fresh = aggregation.device_rows == 1 and slot.steps == 0  # the delta was flushed: not read, written over
-        slot.delta = aggregation.accumulator.update(slot.delta, layers, valid, fresh)
+        inflight = _InFlight(aggregation, shard, done, self.steps + 1, staged=staged)
+        if slot.delta.sum_chunks is None:  # sums on the host: the step measures, the worker adds (_add_measured)
+            slot.delta, inflight.scales = aggregation.accumulator.measure(slot.delta, layers, valid)
+            inflight.example = layers
+        else:
+            fresh = aggregation.device_rows == 1 and slot.steps == 0  # the delta was flushed: written over
+            slot.delta = aggregation.accumulator.update(slot.delta, layers, valid, fresh)
         slot.steps += 1
         self.steps += 1
-        self._inflight = _InFlight(aggregation, shard, done, self.steps)
+        self._inflight = inflight
 
     def _finish_inflight(self) -> None:
         """Waits for the step in flight and publishes its batches and statistics."""
@@ -520,25 +550,53 @@ class DeviceWorker:
         try:
             now = time.monotonic()
             if now - slot.stats_read >= STATS_PERIOD or not self._queue:
-                stats = jax.device_get(slot.delta.statistics_only())  # waits for the step
+                inflight.stats = jax.device_get(slot.delta.statistics_only())  # waits for the step
                 slot.stats_read = now
             else:
-                stats = None
                 jax.block_until_ready(slot.delta.stats)
             if inflight.holds:  # the whole step, not only its statistics: it read these batches' own buffers
                 jax.block_until_ready(slot.delta)
+            if inflight.example is not None:
+                inflight.scales = jax.device_get(inflight.scales)
         except Exception as e:
             inflight.release()
             self._fail(aggregation, f"device step failed: {type(e).__name__}: {e}")
             return
+        if inflight.example is not None:  # sums on the host: added now, or once the committer is done
+            slot.unadded.append(inflight)
+            self._add_measured(aggregation, shard, slot, wait=inflight.staged)
+            return
         inflight.release()  # the step has read them: their buffers may be reused
+        self._summed(aggregation, shard, slot, inflight)
+
+    def _add_measured(self, aggregation: Aggregation, shard: int, slot: _Slot, wait: bool = False) -> None:
+        """Adds the shard's measured examples into its host totals (in place, in order), then marks them summed
+        and frees their buffers. Never while the committer writes those totals: then, unless ``wait``, they
+        stay for later (:meth:`_checkpoint_due`, after the commit; their batches' memory stays held)."""
+        with self._cond:
+            if slot.committing and not wait:
+                return
+            self._cond.wait_for(lambda: not slot.committing)
+        while slot.unadded and self._slots.get((aggregation, shard)) is slot:
+            inflight = slot.unadded.pop(0)
+            try:
+                add_example(aggregation.shard_totals[shard].sums, inflight.example, inflight.scales)
+            except Exception as e:
+                inflight.release()
+                self._fail(aggregation, f"adding an example failed: {type(e).__name__}: {e}")
+                return
+            inflight.release()
+            self._summed(aggregation, shard, slot, inflight)
+
+    def _summed(self, aggregation: Aggregation, shard: int, slot: _Slot, inflight: _InFlight) -> None:
+        """A step's batches are in the shard's sums: their marks move up, the aggregation counts them."""
         for client, writer, sequence, _, nbytes in inflight.done:
             slot.marks[client] = (sequence, writer)
             slot.batches += 1
             slot.nbytes += nbytes
             slot.unsaved_bytes += nbytes
         slot.dirty = slot.dirty or bool(inflight.done)
-        aggregation.record(inflight.done, stats, shard)
+        aggregation.record(inflight.done, inflight.stats, shard)
         fixed_point_full = (aggregation.accumulator.fixed_point_step
                             and (slot.steps + 1) * aggregation.device_rows > FIXED_POINT_DELTA_ROWS)
         if slot.steps >= FLUSH_STEPS or fixed_point_full:  # (fixed point: before its int32 limbs could overflow)
@@ -553,10 +611,13 @@ class DeviceWorker:
             return aggregation.shard_totals[shard]
         with self._cond:  # the totals are added to in place: never while the committer writes them
             self._cond.wait_for(lambda: not slot.committing)
+        self._add_measured(aggregation, shard, slot)
+        if self._slots.get((aggregation, shard)) is not slot:
+            return aggregation.shard_totals[shard]  # it failed meanwhile
         delta = jax.device_get(slot.delta)  # on the CPU, views of the device buffers
         totals = aggregation.shard_totals[shard].absorb(delta, slot.marks, slot.batches, slot.nbytes, in_place=True)
         del delta
-        if aggregation.device_rows > 1:  # (with one example a step, the next step writes over it: fresh)
+        if aggregation.device_rows > 1 or slot.delta.sum_chunks is None:  # (one example a step: the next one is fresh)
             slot.delta = aggregation.accumulator.reset(slot.delta)  # zeroed in its own buffers
         slot.marks, slot.batches, slot.nbytes, slot.steps = {}, 0, 0, 0
         aggregation.flushed(totals, shard)
@@ -595,7 +656,11 @@ class DeviceWorker:
         return now
 
     def _checkpoint_due(self) -> None:
-        """Starts the checkpoints that are due (:meth:`_due_at`)."""
+        """Adds the measured examples the committer held back, then starts the checkpoints that are due
+        (:meth:`_due_at`)."""
+        for (aggregation, shard), slot in list(self._slots.items()):
+            if slot.unadded and not slot.committing:
+                self._add_measured(aggregation, shard, slot)
         now = time.monotonic()
         with self._cond:
             queued = {(w.aggregation, w.shard) for w in self._queue if isinstance(w, _Work)}
@@ -656,11 +721,14 @@ class DeviceWorker:
             with _warm_lock:
                 compiled = _warm_programs.issuperset(_program_keys(aggregation, self.device))
             with jax.default_device(self.device):
-                for rows, fresh in [] if compiled else _programs(aggregation):
+                for rows, kind in [] if compiled else _programs(aggregation, self.device):
                     if aggregation not in self._warming:
                         return
                     layers = [np.zeros((rows, *l.shape), l.dtype) for l in aggregation.layers]
-                    jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(rows, bool), fresh))
+                    if kind == "measure":
+                        jax.block_until_ready(acc.measure(acc.init(sums=False), layers, np.zeros(rows, bool)))
+                    else:
+                        jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(rows, bool), kind == "fresh"))
             with _warm_lock:
                 _warm_programs.update(_program_keys(aggregation, self.device))
             for shard in self._shards.get(aggregation, ()):
@@ -678,8 +746,9 @@ class DeviceWorker:
         if aggregation.state in (State.CANCELLED, State.FAILED, State.FINALIZED):
             self._drop_parked(aggregation)
             return
+        on_host = sums_on_host(aggregation, self.device)
         for shard in self._shards[aggregation]:
-            self._slots[(aggregation, shard)] = _Slot(aggregation.accumulator.init())
+            self._slots[(aggregation, shard)] = _Slot(aggregation.accumulator.init(sums=not on_host))
         parked = self._parked.pop(aggregation, [])
         with self._cond:
             self._warming.discard(aggregation)
