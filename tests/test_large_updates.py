@@ -88,6 +88,13 @@ def assert_exact(result, expected: dict[str, np.ndarray]) -> None:
         np.testing.assert_allclose(result.sums[name], x, rtol=0, atol=1e-6 * scale)
 
 
+def wait_open(server, aggregation_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while server.registry.get(aggregation_id).state.value != "open" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.registry.get(aggregation_id).state.value == "open"
+
+
 @pytest.fixture()
 def durable_server(tmp_path):
     servers = []
@@ -116,6 +123,28 @@ def test_updates_larger_than_a_message_and_the_staging_buffer_are_summed_exactly
     assert result.examples == 4 and result.clip_counts == {"a": 2, "b": 2}
     assert_exact(result, clipped_sum(v, cs, 1.0))
     assert server.servicer.budget.used == 0  # every reservation went back once its step had read the buffer
+
+
+def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reused(durable_server):
+    server, target = durable_server()
+    budget = server.servicer.budget
+    with Client(target, message_bytes=128 * KiB) as client:
+        agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+        wait_open(server, agg)
+        assert budget.pooled == 2 * UPDATE_BYTES  # two updates' buffers (service.RECEIVE_BUFFERS), before any came
+        prepared = {array.ctypes.data for entries in budget._pool.values() for _, array in entries}
+        v, cs = direction(3), [0.5, 2.0, -3.0]
+        for i, c in enumerate(cs):
+            client.submit(agg, scaled(v, c), client_id=f"silo-{i}")
+        reused = {array.ctypes.data for entries in budget._pool.values() for _, array in entries}
+        assert reused == prepared  # every update was received into a prepared buffer: no new one was made
+        result = client.finalize(agg)
+    assert_exact(result, clipped_sum(v, cs, 1.0))
+    assert budget.pooled == 0  # Finalize gives them back
+    # An aggregation whose updates fit a message prepares nothing.
+    with Client(target) as client:
+        wait_open(server, client.create_aggregation({"w": (1000,)}, l2_norm_clip=1.0))
+    assert budget.pooled == 0
 
 
 def test_per_layer_bounds_on_large_updates_match_the_reference_api(durable_server):
@@ -270,6 +299,8 @@ def test_a_broken_update_not_resumed_holds_its_memory_until_the_idle_timeout(dur
     budget = server.servicer.budget
     with Client(target) as client:
         agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+    wait_open(server, agg)
+    assert budget.pooled == 2 * UPDATE_BYTES  # two receive buffers prepared as it opened
     messages = wire.submit_batch(agg, "gone", 1, list(scaled(direction(), 1.0).values()), 128 * KiB, "w")
     requests = [pb.SubmitRequest.FromString(m) for m in [wire.submit_request(agg, "gone", 0, [], "w"), *messages[:3]]]
     call = pb_grpc.ClipdStub(grpc.insecure_channel(target)).Submit(iter(requests))
@@ -279,7 +310,9 @@ def test_a_broken_update_not_resumed_holds_its_memory_until_the_idle_timeout(dur
     deadline = time.monotonic() + 5
     while budget.used and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert budget.used == 0 and budget.pooled == 0  # ...for the idle timeout; then freed, not pooled
+    # ...for the idle timeout; then freed, not pooled: the prepared buffers it took (its first layer's: 3
+    # messages of 128 KiB) are not back.
+    assert budget.used == 0 and budget.pooled == 2 * UPDATE_BYTES - LAYERS["a"][0] * 4
 
 
 @pytest.mark.parametrize("wire_dtype", ["bfloat16", "float16"])

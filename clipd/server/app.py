@@ -77,6 +77,8 @@ class ClipdServer:
         tokens = SubmitTokens(self.store.submit_token_key())
         self.lifecycle = Lifecycle(settings, self.registry, self.devices, self.store, self.ledgers)
         self.servicer = ClipdServicer(settings, self.lifecycle, tokens)
+        if isinstance(self.devices, Devices):  # this process receives the updates its devices sum
+            self.servicer.prepare_receive_buffers(self.devices)
         self.health = health.HealthServicer()
         self.guard = Guard(settings.admin_token, self.servicer)
         # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more

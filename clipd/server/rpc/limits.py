@@ -9,9 +9,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -127,6 +128,38 @@ class ByteBudget:
                 self.pooled += array.nbytes
             self._shrink_pool_locked(self.limit - self.used)
             self._cond.notify_all()
+
+    def prepare(self, sizes: Sequence[int], count: int) -> int:
+        """Puts ``count`` sets of receive buffers of ``sizes`` bytes in the pool, their pages faulted in now, as
+        far as they fit beside what is reserved and pooled; returns how many sets. An aggregation of a large
+        model opens: its first updates then arrive as fast as the later ones, which reuse their buffers (a
+        fresh page costs the kernel a zeroing pass: here about as long as receiving it). They stay pooled
+        like any other (``pool_idle``, :meth:`drop_pool`).
+
+        >>> budget = ByteBudget(10_000)
+        >>> budget.prepare([4096, 1024], 3), budget.pooled, budget.used  # room for one set beside it
+        (1, 5120, 0)
+        >>> budget.reserve(5120, wait=0).buffer(4096).nbytes, budget.pooled  # taken from the pool
+        (4096, 1024)
+        """
+        made = 0
+        for _ in range(count):
+            with self._cond:
+                if self.used + self.pooled + sum(sizes) > self.limit:
+                    break
+                self.used += sum(sizes)  # held while being faulted in, then pooled
+            arrays = [aligned_empty(n) for n in sizes]
+            for array in arrays:
+                array[:: mmap.PAGESIZE] = 0  # one write a page faults it in
+            with self._cond:
+                self.used -= sum(sizes)
+                now = time.monotonic()
+                for array in arrays:
+                    self._pool.setdefault(array.nbytes, []).append((now, array))
+                    self.pooled += array.nbytes
+                self._cond.notify_all()
+            made += 1
+        return made
 
     def _pooled(self, nbytes: int) -> np.ndarray:
         with self._cond:

@@ -48,6 +48,7 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CHUNK_OVERHEAD = 1024  # bytes of a FinalizeResponse besides the tensor data
+RECEIVE_BUFFERS = 2  # updates of a large model whose receive buffers are prepared as its aggregation opens
 RESUME_MIN_BYTES = 256 << 10  # a broken stream's batch is kept for a resuming stream from this much received on
 RESUME_WAIT = 5.0  # seconds a resuming stream waits for the server to see its writer's old stream end
 PROGRESS_PERIOD = 0.5  # seconds between progress messages of a stream whose batches the server is working on
@@ -130,6 +131,16 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         the aggregations open here (a shard process holds about its share of each aggregation's shards)."""
         share = max(1, self.settings.processes)
         return max(0, self.settings.memory // share - self.registry.state_bytes() // share)
+
+    def prepare_receive_buffers(self, devices) -> None:
+        """``devices`` (``Devices``, in the process that receives what they sum) prepare, as an aggregation whose
+        updates span messages opens, the receive buffers of its first ``RECEIVE_BUFFERS`` updates: faulted in
+        before it opens (``ByteBudget.prepare``), as far as the buffer has room."""
+        def prepare(aggregation: Aggregation) -> None:
+            sizes = [layer.size * wire.numpy_dtype(layer.dtype).itemsize for layer in aggregation.layers]
+            self.budget.prepare(sizes, RECEIVE_BUFFERS)
+
+        devices.prepare_receive, devices.prepare_above = prepare, self.settings.max_message_bytes
 
     @property
     def active_streams(self) -> int:

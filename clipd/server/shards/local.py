@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from typing import Any, Callable
 
 import jax
 
@@ -51,6 +52,10 @@ class Devices:
         self.index, self.processes = process
         self.workers = [DeviceWorker(store, checkpoint_interval, checkpoint_max_duty, warmup_timeout, device=d)
                         for d in devices]
+        # Run while an aggregation with updates of more than prepare_above bytes warms up, once in this process
+        # (the servicer's: the receive buffers of its first updates faulted in).
+        self.prepare_receive: Callable[[Aggregation], Any] | None = None
+        self.prepare_above = 0
         for worker in self.workers:
             worker.on_failed = self._failed
             # A shard process leaves the aggregation's state in the store to the control process.
@@ -92,11 +97,14 @@ class Devices:
 
     # Per aggregation ------------------------------------------------------------------------
     def warm_up(self, aggregation: Aggregation) -> None:
-        """Every worker that sums a shard of the aggregation compiles its programs for its device."""
+        """Every worker that sums a shard of the aggregation compiles its programs for its device (the first
+        also runs ``prepare_receive``)."""
+        then = self.prepare_receive if aggregation.example_bytes > self.prepare_above else None
         for index, worker in enumerate(self.workers):
             shards = self.shards_on(index, aggregation.shards)
             if shards:
-                worker.warm_up(aggregation, shards)
+                worker.warm_up(aggregation, shards, then)
+                then = None
 
     def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
         """Every shard's final checkpoint, committed (in parallel over the workers); their totals, by shard.

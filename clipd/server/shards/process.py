@@ -203,6 +203,7 @@ class ShardProcess:
         self.servicer = ClipdServicer(settings, Lifecycle(settings, self.registry, self.devices, self.store,
                                                           Ledgers(self.store)),
                                       SubmitTokens(self.store.submit_token_key()))
+        self.servicer.prepare_receive_buffers(self.devices)
         limit = settings.max_message_bytes + (1 << 16)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         self._options = options

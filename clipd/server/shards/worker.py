@@ -264,10 +264,12 @@ class DeviceWorker:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    def warm_up(self, aggregation: Aggregation, shards: tuple[int, ...] = (0,)) -> None:
+    def warm_up(self, aggregation: Aggregation, shards: tuple[int, ...] = (0,),
+                then: Callable[[Aggregation], Any] | None = None) -> None:
         """Compiles every bucket size of ``aggregation`` for this device on a thread of its own, for ``shards``.
 
-        The shards get their device state, and the aggregation opens, when done.
+        The shards get their device state, and the aggregation opens, when done. ``then`` (a large model's:
+        its receive buffers prepared, ``ByteBudget.prepare``) runs on the warm-up thread before it opens.
 
         Batches that come before are parked by the worker and run after. If the
         compilation is not done within ``warmup_timeout`` the aggregation fails
@@ -278,10 +280,10 @@ class DeviceWorker:
             self._shards[aggregation] = tuple(shards)
         with _warm_lock:
             compiled = _warm_programs.issuperset(_program_keys(aggregation, self.device))
-        if compiled and aggregation.parameters < LARGE_PARAMETERS:  # an earlier aggregation compiled every step
+        if compiled and aggregation.parameters < LARGE_PARAMETERS and then is None:  # compiled by an earlier one
             self.call_soon(lambda: self._open(aggregation))
             return
-        threading.Thread(target=self._compile, args=(aggregation,), name=f"clipd-warmup-{aggregation.id}",
+        threading.Thread(target=self._compile, args=(aggregation, then), name=f"clipd-warmup-{aggregation.id}",
                          daemon=True).start()
         timer = threading.Timer(self.warmup_timeout, self._warm_up_overdue, args=(aggregation,))
         timer.name = f"clipd-warmup-timer-{aggregation.id}"
@@ -713,9 +715,9 @@ class DeviceWorker:
         """Runs ``fn`` on the worker thread later, without waiting for it."""
         self._enqueue_call(fn)
 
-    def _compile(self, aggregation: Aggregation) -> None:
-        """The warm-up thread: compiles (and runs once, on zeros) every step program not compiled yet, and
-        writes the zeros of new totals (see :func:`_prefault`); then the aggregation opens."""
+    def _compile(self, aggregation: Aggregation, then: Callable[[Aggregation], Any] | None = None) -> None:
+        """The warm-up thread: compiles (and runs once, on zeros) every step program not compiled yet, writes
+        the zeros of new totals (see :func:`_prefault`) and runs ``then``; then the aggregation opens."""
         acc = aggregation.accumulator
         try:
             with _warm_lock:
@@ -733,6 +735,8 @@ class DeviceWorker:
                 _warm_programs.update(_program_keys(aggregation, self.device))
             for shard in self._shards.get(aggregation, ()):
                 _prefault(aggregation.shard_totals[shard])
+            if then is not None and aggregation in self._warming:
+                then(aggregation)
         except Exception as e:
             reason = f"warm-up failed: {type(e).__name__}: {e}"
             self.call_soon(lambda: self._fail(aggregation, reason))
