@@ -704,3 +704,50 @@ class TestSQLiteStore(DurableStoreContract):
                 committed = loaded.examples
         assert committed > 0, f"seed {seed}: no save completed in 5 rounds"
         assert len(list(_only_dir(data).iterdir())) <= 2
+
+
+def large_state(parameters: int, seed: int) -> PartialState:
+    """Odd-sized layers (no multiple of a disk block), values no lossy round trip keeps."""
+    rng = np.random.default_rng(seed)
+    layers = (LayerSpec("w", (parameters - 1001,)), LayerSpec("b", (1001,)))
+    return PartialState.empty(layers).absorb_totals(
+        sums=[rng.normal(size=(parameters - 1001,)) / 3.0, rng.normal(size=(1001,))], examples=seed,
+        clients={"silo": (seed, "w")}, batches=seed, nbytes=4 * parameters)
+
+
+def test_a_large_checkpoint_goes_to_disk_with_o_direct_and_reads_back_bit_for_bit(tmp_path, monkeypatch):
+    from clipd.engine import _partial
+    from clipd.server.stores import sqlite
+
+    monkeypatch.setattr(sqlite, "DIRECT_MIN_BYTES", 1 << 20)  # 1 MiB: this state's 1.6 MB is "large"
+    monkeypatch.setattr(_partial, "_IO_PIECE", 64 << 10)  # and its CRC runs on a thread beside the writes
+    direct = []
+
+    class Seen(sqlite._DirectWriter):  # the real writer, counted
+        def close(self):
+            direct.append(self.size)
+            super().close()
+
+    monkeypatch.setattr(sqlite, "_DirectWriter", Seen)
+    store = SQLiteStore(str(tmp_path / "data"))
+    try:
+        assert sqlite._direct_io_works(str(tmp_path)), "this file system takes O_DIRECT (ext4, xfs, btrfs do)"
+        store.create(record("a"))
+        for seed in (1, 2, 3):
+            store.save_checkpoint("a", large_state(200_003, seed))
+        assert len(direct) == 3 and direct[0] % 4096  # the last block was padded, then cut off
+        assert store.load_checkpoint("a") == large_state(200_003, 3)
+        directory = tmp_path / "data" / "states" / _only_dir_name(store, "a")
+        deadline = time.monotonic() + 10
+        while len(list(directory.glob("*.state"))) > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the oldest is unlinked after the acknowledgement, on a thread
+        files = sorted(directory.glob("*.state"))
+        assert [f.name for f in files] == ["2.state", "3.state"] and files[-1].stat().st_size == direct[-1]
+    finally:
+        store.close()
+    reopened = SQLiteStore(str(tmp_path / "data"))
+    try:
+        assert reopened.load_checkpoint("a") == large_state(200_003, 3)
+    finally:
+        reopened.close()
+

@@ -272,9 +272,11 @@ class SQLiteStore(SQLStore):
             except FencedOut:
                 _remove_files(directory, [name])  # refused before the commit: no row points at it
                 raise
-            if pruned:  # after the acknowledgement: a large model's file takes a third of a second to unlink
-                threading.Thread(target=_remove_files, args=(directory, pruned, True), daemon=True,
-                                 name="clipd-prune").start()
+            if pruned and partial.array_bytes >= DIRECT_MIN_BYTES:  # after the acknowledgement: a large model's
+                threading.Thread(target=_remove_files, args=(directory, pruned, True), daemon=True,  # file takes
+                                 name="clipd-prune").start()  # a third of a second to unlink
+            elif pruned:
+                _remove_files(directory, pruned, sync=True)
 
     def _drop_checkpoints(self, tx: Tx, where: str, params: tuple) -> list[str]:
         """Deletes the rows; returns their files, to unlink once the commit is durable."""
