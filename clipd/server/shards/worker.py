@@ -28,10 +28,15 @@ steps, which bounds the float32 rounding error of the sums and keeps the int32
 counters far from overflow.
 
 Large updates (one example a step): a batch whose own rows fill a step in
-64-byte-aligned buffers goes to the step as it is (no staging copy); the
-flush adds into the totals in place, never while the committer writes them;
-and the step after a flush writes over the delta (``fresh``) instead of the
-delta being zeroed first. So a shard holds its totals, its delta and the
+64-byte-aligned buffers goes to the step as it is (no staging copy). On the
+CPU the step only measures the example (``ClipAccumulator.measure``: its
+norms, statistics and per-layer scales) and the worker adds ``m * x`` into
+the float64 totals itself (``engine.add_example``), in place, never while the
+committer writes them (the example then waits, its buffer held, until the
+commit is done): there is no float32 delta, and one pass over the update
+less. Elsewhere (a GPU) the step adds it into the device delta, and the step
+after a flush writes over the delta (``fresh``) instead of the delta being
+zeroed first. So a shard holds its totals (and on a GPU its delta) and the
 updates in flight, each once.
 
 Warm-up (compiling an aggregation's programs) runs on a thread of its own, so
