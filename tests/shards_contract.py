@@ -1,7 +1,7 @@
 """The contract every kind of shards keeps (:class:`clipd.server.lifecycle.Shards`), run through a real server.
 
 tests/test_shards_contract.py runs it against the local devices and shard processes, tests/test_ray.py
-against Ray shard actors (beside its Ray cluster). The reference is the float64 numpy clip of
+against Ray shard hosts (beside its Ray cluster). The reference is the float64 numpy clip of
 tests/service_helpers.py, not clipd's code.
 """
 

@@ -115,19 +115,6 @@ def test_scale_benchmark_quick_run():
     assert abs(float(two[5]) - float(two[1]) / float(rows["bare gRPC, 2 processes"][1])) <= 0.01 * float(two[5]) + 0.002
 
 
-def test_ray_shards_benchmark_quick_run():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ray_shards.py"), "--repeats", "1", "--batches",
-                          "8"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.strip().splitlines()
-    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and "server" not in line}
-    assert set(rows) == {"devices", "ray 1x1", "ray 4x64"}, out.stdout
-    rates = {mode: _positive(rate) for mode, (rate, _) in rows.items()}
-    assert float(rows["devices"][1]) == 1.0
-    match = re.fullmatch(r"ray_vs_devices_ratio=(\d+\.\d{3})", lines[-1])
-    assert match and abs(float(match[1]) - rates["ray 4x64"] / rates["devices"]) <= 0.01 * float(match[1]) + 0.002
-
-
 def test_round_benchmark_small_round_is_exact_without_errors():
     """The cross-device round in small: 100 clients, one update each, every one summed exactly, no error."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "round.py"), "--clients", "100",

@@ -287,19 +287,15 @@ def test_serve_has_one_flag_per_setting_with_the_old_spellings():
     assert parser.parse_args(["serve", "--admin-token", "u"]).admin_token == "u"
     scaled = parser.parse_args(["serve", "--ray", "head:6379", "--processes", "4", "--shards", "8"])
     assert (scaled.ray_address, scaled.processes, scaled.shards) == ("head:6379", 4, 8)
-    with pytest.raises(SettingsError, match="ray_address.*postgresql://"):  # actors elsewhere need the shared store
+    with pytest.raises(SettingsError, match="ray_address.*postgresql://"):  # hosts elsewhere need the shared store
         Settings.load({"ray_address": "head:6379", "data_dir": "/tmp/x"}, environ={})
-    with pytest.raises(SettingsError, match="ray_ingest_actors.*set ray_address"):
-        Settings.load({"ray_ingest_actors": 2}, environ={})
-    with pytest.raises(SettingsError, match="ray_ingest_actors or processes, not both"):
-        Settings.load({"ray_ingest_actors": 2, "processes": 2, "ray_address": "h:1", "data_dir": "postgresql://h/d"},
-                      environ={})
-    with pytest.raises(SettingsError, match="ray_ingest_actors: not with TLS yet"):
-        Settings.load({"ray_ingest_actors": 2, "ray_address": "h:1", "data_dir": "postgresql://h/db",
-                       "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}, environ={})
+    with pytest.raises(SettingsError, match="ray_shard_hosts.*set ray_address"):
+        Settings.load({"ray_shard_hosts": 2}, environ={})
+    with pytest.raises(SettingsError, match="processes or ray_address, not both"):
+        Settings.load({"processes": 2, "ray_address": "h:1", "data_dir": "postgresql://h/d"}, environ={})
     with pytest.raises(SettingsError, match="tls_peer_ca_file and tls_peer_name are for TLS"):
         Settings.load({"tls_peer_name": "clipd.internal"}, environ={})
-    for field in ("processes", "shards", "ray_gpus_per_shard", "ray_ingest_actors"):
+    for field in ("processes", "shards", "ray_gpus_per_host", "ray_shard_hosts"):
         with pytest.raises(SettingsError, match=f"{field} must be >= 0"):
             Settings.load({field: -1}, environ={})
     with pytest.raises(SystemExit):

@@ -1,19 +1,15 @@
-"""Shard actors on a local two-node Ray cluster, checkpointing to a throwaway PostgreSQL (clipd/server/shards/ray_actors.py).
+"""Shard hosts on a local two-node Ray cluster, checkpointing to a throwaway PostgreSQL (clipd/server/shards/ray_hosts.py).
 
-- ShardOwner alone (no Ray) on a PostgresStore: duplicates, gaps, restore, fencing.
-- A shard actor SIGKILLed mid-stream (after a commit, and with a call in flight) is restarted by
-  Ray, restores from the store, the driver resends, and every batch is counted once.
-- A stale owner (SIGSTOPped actor) is fenced out by its replacement: its commit is refused and
-  the replacement's checkpoint is the one in the store.
+- ``--ray`` alone: one shard host on each node, keeping the contract of every kind of shards.
+- ``--ray-shard-hosts 2`` under mutual TLS: clients stream straight to the hosts, one host is SIGKILLed
+  mid-stream and restarted by Ray, the result is exact and no payload byte reaches the server.
 
 The reference is a float64 numpy global-L2 clip written here (not clipd's code): the sums match
-it to float32 accuracy, the counts exactly; the interrupted runs match an uninterrupted run of
-ShardOwner in this process bit for bit (each batch is its own jitted step).
+it to float32 accuracy, the counts exactly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -24,20 +20,14 @@ import pytest
 import ray  # noqa: E402  (the [test] extra installs it: a missing Ray fails, it is not skipped)
 import ray.cluster_utils  # noqa: E402
 
-from clipd.engine import LayerSpec, PartialState  # noqa: E402
-from clipd.engine._policy import ClipPolicy  # noqa: E402
-from clipd.server.aggregations import spec_to_json  # noqa: E402
-from clipd.server.stores.postgres import PostgresStore  # noqa: E402
-from clipd.server.shards.ray_actors import FencedOut, ShardOwner, call_until_answered, shard_actor  # noqa: E402
-from clipd.server.stores.base import AggregationRecord, MemoryStore  # noqa: E402
+from clipd.engine import LayerSpec  # noqa: E402
+
 
 from test_postgres_store import pg_cluster  # noqa: E402,F401  (a fixture)
 
 CLIP = 1.0
 LAYERS = (LayerSpec("w", (4, 3), "float32"), LayerSpec("b", (5,), "float32"))
-SPEC = spec_to_json(LAYERS, ClipPolicy(l2_norm_clip=CLIP), False, shards=2)
 ROWS = 8
-GET_TIMEOUT = 60
 
 # Ray starts its node processes with subprocess (fork + exec) after JAX is imported here: harmless.
 pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
@@ -52,7 +42,7 @@ def pg(pg_cluster):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """Two Ray nodes with one CPU each (a shard actor asks for half a CPU)."""
+    """Two Ray nodes with one CPU each (a shard host asks for a quarter of a CPU)."""
     node_args = dict(num_cpus=1, object_store_memory=100 << 20)
     cluster = ray.cluster_utils.Cluster(
         initialize_head=True, head_node_args=dict(node_args, include_dashboard=False))
@@ -90,26 +80,6 @@ def reference(batches: list[list[np.ndarray]]) -> tuple[list[np.ndarray], int, i
     return sums, examples, clipped
 
 
-def assert_matches_reference(totals: PartialState, batches: list[list[np.ndarray]]) -> None:
-    sums, examples, clipped = reference(batches)
-    for got, want in zip(totals.sums, sums):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert totals.examples == examples
-    assert totals.batches == len(batches)
-    assert int(totals.clip_counts[0]) == clipped and 0 < clipped < examples
-
-
-def uninterrupted(aggregation_id: str, shard: int, sends: list[tuple[str, int, int]],
-                  writers: dict[str, str] | None = None) -> PartialState:
-    """The totals of the same batches sent once each to an in-process owner on a memory store."""
-    store = MemoryStore()
-    store.create(AggregationRecord(aggregation_id, SPEC))
-    owner = ShardOwner(store, aggregation_id, shard, SPEC)
-    for client, sequence, seed in sends:
-        owner.submit(client, (writers or {}).get(client, f"{client}-writer"), sequence, batch(seed))
-    return owner.totals
-
-
 def slow_updates(clients: dict, started):
     """``updates(name)`` for ``submitting``: a client's batches, 0.05 s apart; ``started`` released after the second."""
     def updates(name: str):
@@ -128,207 +98,6 @@ def assert_result_exact(result, clients: dict) -> None:
     assert result.clip_counts == {"w": clipped, "b": clipped}
     for layer, want in zip(LAYERS, sums):
         np.testing.assert_allclose(result.sums[layer.name], want, rtol=1e-5, atol=1e-5)
-
-
-def new_aggregation(dsn: str, aggregation_id: str) -> PostgresStore:
-    store = PostgresStore(dsn)
-    store.create(AggregationRecord(aggregation_id, SPEC, created=time.time()))
-    return store
-
-
-def get(ref):
-    return ray.get(ref, timeout=GET_TIMEOUT)
-
-
-# 1. ShardOwner without Ray --------------------------------------------------------------------
-def test_owner_exactly_once_restore_and_fencing_without_ray(pg):
-    dsn = pg.new_database()
-    store = new_aggregation(dsn, "agg")
-    with pytest.raises(ValueError, match="2 shard"):
-        ShardOwner(store, "agg", 2, SPEC)
-    owner = ShardOwner(store, "agg", 1, SPEC)
-    assert owner.epoch == 1 and owner.totals == PartialState.empty(LAYERS)
-
-    assert owner.submit("alice", "a1", 1, batch(1)) == 1
-    after_one = owner.totals
-    assert owner.submit("alice", "a1", 1, batch(99)) == 1  # a duplicate: nothing summed
-    assert owner.totals == after_one
-    with pytest.raises(ValueError, match="gap"):
-        owner.submit("alice", "a1", 3, batch(3))
-    with pytest.raises(ValueError, match="shape"):
-        owner.submit("alice", "a1", 2, [batch(2)[0][:, :2], batch(2)[1]])
-    assert owner.submit("alice", "a1", 2, batch(2)) == 2
-    assert owner.submit("bob", "b1", 1, batch(10)) == 1
-    assert owner.submit("bob", "b1", 2, batch(11)) == 2
-    assert owner.submit("bob", "b1", 1, batch(10)) == 2  # a duplicate returns the durable mark
-
-    assert_matches_reference(owner.totals, [batch(1), batch(2), batch(10), batch(11)])
-    assert dict(owner.totals.clients) == {"alice": (2, "a1"), "bob": (2, "b1")}
-    assert store.load_checkpoint("agg", shard=1) == owner.totals
-    assert store.load_checkpoint("agg", shard=0) is None
-    assert PartialState.from_bytes(owner.totals_bytes()) == owner.totals
-
-    # A new owner (another process, another connection) restores and goes on where the old one stopped.
-    restored = ShardOwner(PostgresStore(dsn), "agg", 1, SPEC)
-    assert restored.epoch == 2 and restored.totals == owner.totals
-    assert restored.mark("alice") == 2 and restored.mark("carol") == 0
-    assert restored.submit("alice", "a1", 2, batch(2)) == 2  # duplicate after restore
-    with pytest.raises(ValueError, match="gap"):
-        restored.submit("alice", "a1", 4, batch(4))
-    assert restored.submit("alice", "a1", 3, batch(3)) == 3
-
-    # The old owner is fenced out: its commit is refused, and so is every later call.
-    committed = owner.totals
-    with pytest.raises(FencedOut):
-        owner.submit("alice", "a1", 3, batch(33))
-    with pytest.raises(FencedOut):
-        owner.submit("bob", "b1", 1, batch(10))
-    assert owner.totals == committed
-    final = store.load_checkpoint("agg", shard=1)
-    assert final == restored.totals
-    assert_matches_reference(final, [batch(1), batch(2), batch(3), batch(10), batch(11)])
-    assert final == uninterrupted("agg", 1, [("alice", 1, 1), ("alice", 2, 2), ("bob", 1, 10), ("bob", 2, 11),
-                                             ("alice", 3, 3)], {"alice": "a1", "bob": "b1"})
-
-
-def test_submit_many_commits_a_group_at_once_and_a_gap_commits_nothing(pg):
-    store = new_aggregation(pg.new_database(), "grouped")
-    owner = ShardOwner(store, "grouped", 0, SPEC)
-    assert owner.submit_many([("alice", "w", 1, batch(1)), ("bob", "w", 1, batch(2)),
-                              ("alice", "w", 2, batch(3)), ("alice", "w", 1, batch(1))]) == [1, 1, 2, 2]
-    assert store.load_checkpoint("grouped", shard=0) == owner.totals  # one commit holds the group
-    before = owner.totals
-    with pytest.raises(ValueError, match="gap"):  # bob 2 is fine, bob 4 is not: neither is committed
-        owner.submit_many([("bob", "w", 2, batch(4)), ("bob", "w", 4, batch(5))])
-    assert owner.totals == before and store.load_checkpoint("grouped", shard=0) == before
-    assert_matches_reference(owner.totals, [batch(1), batch(2), batch(3)])
-
-
-# 2. A shard actor killed mid-stream -------------------------------------------------------------
-def test_killed_actor_is_restarted_restores_and_counts_every_batch_once(pg, ray_cluster):
-    dsn = pg.new_database()
-    store = new_aggregation(dsn, "agg")
-    actor = shard_actor(dsn, "agg", 1, SPEC)
-    sends = [("alice", s, s) for s in range(1, 9)] + [("bob", s, 100 + s) for s in range(1, 5)]
-    sends.sort(key=lambda send: (send[1], send[0]))  # interleaved: alice 1, bob 1, alice 2, ...
-    try:
-        pids = [get(actor.pid.remote())]
-        assert get(actor.get_epoch.remote()) == 1
-        for i, (client, sequence, seed) in enumerate(sends):
-            if i == 4:
-                # Committed and acknowledged, then the process dies: the resend is a duplicate.
-                assert get(actor.submit.remote(client, f"{client}-writer", sequence, batch(seed))) == sequence
-                os.kill(pids[-1], signal.SIGKILL)
-            elif i == 8:
-                # In flight when the process dies: committed or not, the resend makes it count once.
-                actor.submit.remote(client, f"{client}-writer", sequence, batch(seed))
-                os.kill(pids[-1], signal.SIGKILL)
-            acked = call_until_answered(lambda: actor.submit.remote(client, f"{client}-writer", sequence, batch(seed)),
-                                        timeout=90)
-            assert acked == sequence
-            if i in (4, 8):
-                pids.append(get(actor.pid.remote()))
-                assert pids[-1] != pids[-2]
-        assert get(actor.get_epoch.remote()) == 3  # two restarts, each claimed the shard anew
-
-        totals = PartialState.from_bytes(get(actor.totals_bytes.remote()))
-        assert totals == store.load_checkpoint("agg", shard=1)
-        assert dict(totals.clients) == {"alice": (8, "alice-writer"), "bob": (4, "bob-writer")}
-        assert_matches_reference(totals, [batch(seed) for _, _, seed in sends])
-        assert totals == uninterrupted("agg", 1, sends)
-    finally:
-        ray.kill(actor, no_restart=True)
-
-
-# 3. A stale owner is fenced out --------------------------------------------------------------------
-def test_stopped_owner_is_fenced_out_by_its_replacement(pg, ray_cluster):
-    dsn = pg.new_database()
-    store = new_aggregation(dsn, "agg")
-    a = shard_actor(dsn, "agg", 0, SPEC)
-    b = None
-    pid_a = get(a.pid.remote())
-    try:
-        assert get(a.submit.remote("alice", "w", 1, batch(1))) == 1
-        os.kill(pid_a, signal.SIGSTOP)  # A is believed dead, but its process lives on
-        stale = a.submit.remote("alice", "w", 2, batch(2))  # waits in A's queue while A is stopped
-
-        b = shard_actor(dsn, "agg", 0, SPEC)  # the replacement claims the shard: epoch 2
-        assert get(b.get_epoch.remote()) == 2
-        assert get(b.submit.remote("alice", "w", 1, batch(1))) == 1  # restored: a duplicate
-        assert get(b.submit.remote("alice", "w", 2, batch(20))) == 2
-        assert get(b.submit.remote("alice", "w", 3, batch(30))) == 3
-
-        os.kill(pid_a, signal.SIGCONT)  # A wakes up, sums its batch 2 and tries to commit it
-        with pytest.raises(FencedOut):
-            get(stale)
-        with pytest.raises(FencedOut):  # and refuses everything from then on, duplicates included
-            get(a.submit.remote("alice", "w", 1, batch(1)))
-        assert get(a.pid.remote()) == pid_a  # a fenced actor does not exit (a restart would claim back)
-
-        totals_b = PartialState.from_bytes(get(b.totals_bytes.remote()))
-        in_store = store.load_checkpoint("agg", shard=0, newest_only=True)
-        assert in_store == totals_b
-        assert dict(in_store.clients) == {"alice": (3, "w")}
-        assert_matches_reference(in_store, [batch(1), batch(20), batch(30)])
-        assert in_store == uninterrupted("agg", 0, [("alice", 1, 1), ("alice", 2, 20), ("alice", 3, 30)],
-                                         {"alice": "w"})
-    finally:
-        with contextlib.suppress(OSError):
-            os.kill(pid_a, signal.SIGCONT)
-        ray.kill(a, no_restart=True)
-        if b is not None:
-            ray.kill(b, no_restart=True)
-
-
-# 4. The whole server on the cluster: clipd serve --ray ------------------------------------------
-def test_a_server_on_ray_sums_through_ingest_and_shard_actors_while_actors_are_killed(pg, ray_cluster):
-    """``Settings(ray_address=...)``: 4 clients through 2 ingest actors (one port, any node) into 2 shard actors.
-
-    While the streams run, one ingest actor and one shard actor are SIGKILLed: Ray restarts both,
-    the clients reconnect (to either ingest actor) and resume, the shard restores from the store.
-    """
-    import threading
-
-    from clipd.client import Client
-    from clipd.server.app import create_server
-    from clipd.server.settings import Settings
-    from conftest import TEST_SETTINGS
-
-    from service_helpers import free_port, submitting
-
-    settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
-                           "shards": 2, "ray_ingest_actors": 2, "ray_ingest_port": free_port()})
-    server, _ = create_server(settings)
-    target = f"127.0.0.1:{settings.ray_ingest_port}"  # the ingest actors', not the server's port
-    clients = {f"client-{i}": [batch(1000 * i + j) for j in range(6)] for i in range(4)}
-    started = threading.Semaphore(0)
-    try:
-        with Client(target) as c:
-            aggregation = c.create_aggregation({layer.name: layer.shape for layer in LAYERS}, l2_norm_clip=CLIP,
-                                               aggregation_id="on-ray")
-
-        updates = slow_updates(clients, started)
-
-        with submitting(target, aggregation, clients, updates, 6 * ROWS, retry_delay=0.05, message_bytes=1 << 10):
-            for _ in clients:
-                assert started.acquire(timeout=60)
-            (actor_entry,) = [d for d in server.devices.describe() if d["id"] == "on-ray/0"]
-            assert actor_entry["kind"] == "ray-shard-actor"
-            ingest = server.ingest.describe()
-            assert [p["alive"] for p in ingest] == [True, True]
-            assert {p["address"].rsplit(":", 1)[1] for p in ingest} == {str(settings.ray_ingest_port)}
-            os.kill(ingest[0]["pid"], signal.SIGKILL)  # its streams break; Ray restarts it on the same port
-            link = server.devices._links[server.registry.get("on-ray")][0]
-            os.kill(get(link.actor.pid.remote()), signal.SIGKILL)  # Ray restarts it; it restores shard 0
-        assert get(link.actor.get_epoch.remote()) == 2
-        with Client(target) as c:
-            result = c.finalize(aggregation)
-        restarted = server.ingest.describe()[0]
-        assert restarted["alive"] and restarted["pid"] != ingest[0]["pid"]
-        assert sum(server.guard.forwarded.values()) > 0 and not server.guard.forwarded.keys() - {"0", "1"}
-    finally:
-        server.stop(1.0)
-    assert_result_exact(result, clients)
 
 
 def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server(pg, ray_cluster, tmp_path):
@@ -405,18 +174,23 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
     assert_result_exact(result, clients)
 
 
-def test_ray_shards_keep_the_shards_contract(pg, ray_cluster):
-    """Ray shard actors (``--ray``) keep the contract of every kind of shards (tests/shards_contract.py), as the
-    local devices and shard processes do. (Ray shard hosts are shard processes; the mutual-TLS test of this file runs them.)"""
+def test_ray_shard_hosts_one_on_each_node_keep_the_shards_contract(pg, ray_cluster):
+    """``--ray`` alone: a shard host on each of the cluster's two nodes, keeping the contract of every kind of
+    shards (tests/shards_contract.py), as the local devices and shard processes do."""
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
     from conftest import TEST_SETTINGS
     from shards_contract import check_shards_contract
 
+    from service_helpers import free_port
+
     settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
-                           "shards": 2})
-    server, port = create_server(settings)
+                           "ray_ingest_port": free_port()})
+    server, _ = create_server(settings)
     try:
-        check_shards_contract(server, f"127.0.0.1:{port}")
+        hosts = server.devices.describe_processes()
+        assert len(hosts) == 2 and len({h["endpoint"].rsplit(":", 1)[1] for h in hosts}) == 2  # one per node
+        check_shards_contract(server, f"127.0.0.1:{settings.ray_ingest_port}")
+        assert server.servicer.payload_bytes == 0  # the hosts received every payload byte
     finally:
         server.stop(1.0)

@@ -1,6 +1,6 @@
 """Every kind of shards keeps one contract (tests/shards_contract.py): this process's devices, shard processes.
 
-Ray shard actors run the same contract in tests/test_ray.py, beside its Ray cluster.
+Ray shard hosts run the same contract in tests/test_ray.py, beside its Ray cluster.
 """
 
 from __future__ import annotations

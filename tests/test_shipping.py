@@ -87,7 +87,7 @@ def test_kuberay_example_runs_the_server_beside_the_ray_head():
     env = {e["name"]: e.get("value", "${secret}") for e in clipd["env"]}
     env["CLIPD_DATA_DIR"] = "postgresql://clipd@db/clipd"  # from a Secret in the cluster
     settings = _settings_from(env)
-    assert settings.ray_address == "127.0.0.1:6379" and settings.ray_gpus_per_shard == 1
+    assert settings.ray_address == "127.0.0.1:6379" and settings.ray_gpus_per_host == 1
     workers = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert settings.ray_shard_hosts == 2

@@ -30,7 +30,7 @@ from clipd.server.rpc.server import (
 )
 from clipd.server.rpc.service import ClipdServicer
 from clipd.server.settings import Settings
-from clipd.server.shards.ingest import reserve_port
+from clipd.server.shards.forward import reserve_port
 from clipd.server.shards.local import Devices
 from clipd.server.stores import open_store
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
@@ -46,7 +46,6 @@ class ClipdServer:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.ingest = None  # Ray ingest actors
         if settings.compilation_cache_dir:
             import jax
 
@@ -60,15 +59,10 @@ class ClipdServer:
             self._port_holder = reserve_port(settings.host, settings.grpc_port)
             self.port = self._port_holder.getsockname()[1]
             self.devices = ShardProcesses(settings, self.store, self.port)
-        elif settings.ray_shard_hosts:  # shard hosts on the cluster's nodes receive and sum themselves
-            from clipd.server.shards.ray_actors import RayShardHosts
+        elif settings.ray_address:  # shard hosts on the cluster's nodes receive and sum themselves
+            from clipd.server.shards.ray_hosts import RayShardHosts
 
             self.devices = RayShardHosts(settings, self.store, settings.grpc_port)
-        elif settings.ray_address:  # every shard a Ray actor on the cluster, checkpointing to the shared store
-            from clipd.server.shards.ray_actors import RayShards
-
-            self.devices = RayShards(settings.ray_address, settings.data_dir, self.store, settings.shards,
-                                     settings.ray_gpus_per_shard)
         else:  # every shard on a local device
             self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
                                    settings.warmup_timeout)
@@ -134,19 +128,14 @@ class ClipdServer:
 
     def start(self) -> ClipdServer:
         self.grpc.start()
-        self.guard.ingest_indexes = frozenset(str(i) for i in range(
-            self.settings.processes or self.settings.ray_ingest_actors or self.settings.ray_shard_hosts))
-        if self.settings.processes:  # returns once every shard process is ready
-            self.devices.start(self.registry)
-        elif self.settings.ray_shard_hosts:  # they reach this server's port for everything but Submit
-            from clipd.server.shards.ray_actors import cluster_address
+        if self.data_plane_elsewhere:  # the processes that forward calls here: the only ones counted so
+            self.guard.ingest_indexes = frozenset(str(i) for i in range(self.devices.count))
+        if self.settings.ray_address:  # they reach this server's port for everything but Submit
+            from clipd.server.shards.ray_hosts import cluster_address
 
             self.devices.control = f"{cluster_address(self.settings.host)}:{self.port}"
+        if self.data_plane_elsewhere:  # returns once every shard process (or host) is ready
             self.devices.start(self.registry)
-        elif self.settings.ray_ingest_actors:  # endpoints on the cluster's nodes, forwarding to this port
-            from clipd.server.shards.ray_actors import RayIngest, cluster_address
-
-            self.ingest = RayIngest(self.settings, f"{cluster_address(self.settings.host)}:{self.port}")
         self._janitor.start()
         self._trimmer.start()
         for name in ("", SERVICE_NAME):
@@ -161,6 +150,12 @@ class ClipdServer:
         return self
 
     @property
+    def data_plane_elsewhere(self) -> bool:
+        """Shard processes (``--processes``) or Ray shard hosts (``--ray``) receive and sum; this process is the
+        control plane."""
+        return bool(self.settings.processes or self.settings.ray_address)
+
+    @property
     def serving(self) -> bool:
         """Ready for traffic: gRPC started, not stopping, and the device worker warmed up."""
         return not self.stopped.is_set() and self.devices.ready
@@ -171,13 +166,10 @@ class ClipdServer:
             return
         self.stopped.set()
         self.health.enter_graceful_shutdown()
-        if self.ingest is not None:
-            self.ingest.stop(grace)  # their streams drain into this process first
-        hosts = self.settings.processes or self.settings.ray_shard_hosts
-        if hosts:
+        if self.data_plane_elsewhere:
             self.devices.stop(timeout=grace)  # they finish their streams (and may still call this process)
         self.grpc.stop(grace).wait(grace + 1.0)
-        if not hosts:
+        if not self.data_plane_elsewhere:
             self.devices.stop(timeout=grace)
         self.store.close()
         if self.admin is not None:

@@ -42,12 +42,12 @@ log = logging.getLogger(__name__)
 
 @runtime_checkable
 class Shards(Protocol):
-    """Where an aggregation's accepted batches are clipped and summed: one seam, four kinds.
+    """Where an aggregation's accepted batches are clipped and summed: one seam, three kinds, one summing runtime.
 
-    :class:`~clipd.server.shards.local.Devices` (this process's JAX devices),
-    :class:`~clipd.server.shards.process.ShardProcesses` (``--processes N``) and
-    :class:`~clipd.server.shards.ray_actors.RayShards` (``--ray``; ``RayShardHosts`` are shard
-    processes on Ray). tests/shards_contract.py is the contract each of them is run against.
+    :class:`~clipd.server.shards.local.Devices` (this process's JAX devices, a device worker each),
+    :class:`~clipd.server.shards.process.ShardProcesses` (``--processes N``: each runs ``Devices``) and
+    :class:`~clipd.server.shards.ray_hosts.RayShardHosts` (``--ray``: the same shard processes as Ray actors).
+    tests/shards_contract.py is the contract each of them is run against.
     """
 
     def __len__(self) -> int:
@@ -92,7 +92,7 @@ class Shards(Protocol):
 
 def claims_shards(store: Store, settings: Settings) -> bool:
     """Whether this server claims its aggregations' shards itself: a shared store, and no shard processes or Ray
-    actors (they claim their own)."""
+    shard hosts (they claim their own)."""
     return store.shared and not (settings.ray_address or settings.processes)
 
 

@@ -79,11 +79,11 @@ class Settings:
     processes: int = 0  # shard processes on the gRPC port (receive, parse, clip, sum); 0 = this process does it all
     advertise_host: str = ""  # the host name clients reach the shard processes' own ports by ("": host)
     shard_ports: int = 0  # the first of `processes` consecutive ports of the shard processes (0: free ports)
-    ray_address: str = ""  # a Ray cluster (HOST:PORT): shards run as Ray actors there; needs a postgresql:// data_dir
-    ray_gpus_per_shard: float = 0.0  # with ray_address: GPUs each shard actor asks for (1 = a GPU per shard)
-    ray_ingest_actors: int = 0  # with ray_address: ingest endpoints spread over the cluster's nodes
-    ray_shard_hosts: int = 0  # with ray_address: shard hosts on the cluster's nodes that receive and sum themselves
-    ray_ingest_port: int = 50052  # the port of the ingest endpoints on their nodes (shared: SO_REUSEPORT)
+    # A Ray cluster (HOST:PORT): shard hosts on its nodes receive and sum; needs a postgresql:// data_dir.
+    ray_address: str = ""
+    ray_shard_hosts: int = 0  # with ray_address: how many shard hosts (0: one on each node of the cluster)
+    ray_gpus_per_host: float = 0.0  # with ray_address: GPUs each shard host asks Ray for (1: a GPU each)
+    ray_ingest_port: int = 50052  # the port clients reach the shard hosts on, on every node (shared: SO_REUSEPORT)
     # Durability: aggregations, checkpoints and results live here ("memory": nothing survives a restart).
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
     checkpoint_interval: float = 0.01  # seconds between checkpoint starts (the acknowledgement latency)
@@ -109,30 +109,19 @@ class Settings:
             if not getattr(self, field) > 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
         if self.ray_address and not self.data_dir.startswith(("postgresql://", "postgres://")):
-            raise ValueError("Settings.ray_address: shard actors on other machines need the shared store;"
+            raise ValueError("Settings.ray_address: shard hosts on other machines need the shared store;"
                              " set data_dir to a postgresql:// URL")
-        if self.ray_ingest_actors < 0:
-            raise ValueError(f"Settings.ray_ingest_actors must be >= 0, got {self.ray_ingest_actors}")
-        if self.ray_ingest_actors and not self.ray_address:
-            raise ValueError("Settings.ray_ingest_actors: ingest actors run on a Ray cluster; set ray_address")
-        if self.ray_ingest_actors and self.processes:
-            raise ValueError("Settings: ray_ingest_actors or processes, not both (ingest actors on the cluster's"
-                             " nodes, or shard processes on this host)")
         if self.ray_shard_hosts < 0:
-            raise ValueError(f"Settings.ray_shard_hosts must be >= 0, got {self.ray_shard_hosts}")
-        if self.ray_shard_hosts and (not self.ray_address or self.ray_ingest_actors):
-            raise ValueError("Settings.ray_shard_hosts: shard hosts run on a Ray cluster (set ray_address) and take"
-                             " the place of ingest actors (not both)")
-        if self.ray_ingest_actors and self.tls_cert_file:
-            raise ValueError("Settings.ray_ingest_actors: not with TLS yet (tested with shard hosts only); use"
-                             " ray_shard_hosts, whose hosts reach the server and each other over TLS")
-        if self.ray_gpus_per_shard < 0:
-            raise ValueError(f"Settings.ray_gpus_per_shard must be >= 0, got {self.ray_gpus_per_shard}")
+            raise ValueError(f"Settings.ray_shard_hosts must be >= 0 (0: one on each node), got {self.ray_shard_hosts}")
+        if self.ray_shard_hosts and not self.ray_address:
+            raise ValueError("Settings.ray_shard_hosts: shard hosts run on a Ray cluster; set ray_address")
+        if self.ray_gpus_per_host < 0:
+            raise ValueError(f"Settings.ray_gpus_per_host must be >= 0, got {self.ray_gpus_per_host}")
         if self.processes < 0:
             raise ValueError(f"Settings.processes must be >= 0 (0: one process), got {self.processes}")
         if self.processes and self.ray_address:
             raise ValueError("Settings: processes or ray_address, not both (shard processes on this host, or shard"
-                             " actors on a Ray cluster)")
+                             " hosts on a Ray cluster)")
         if self.processes and self.data_dir == "memory":
             raise ValueError("Settings.processes: shard processes commit their checkpoints to a store the control"
                              " process reads at finalize; set data_dir to a directory or a postgresql:// URL")

@@ -347,16 +347,16 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
     @app.get("/api/v1/server")
     def server_view(_: Reader) -> dict[str, Any]:
         """The devices in use (a device worker each) and the clip-and-sum steps each has run; the shard processes
-        (``--processes``) or Ray ingest actors, with the calls each forwarded to this process; the Submit payload
-        bytes this process received itself (0 under ``--processes``: the shard processes receive them)."""
-        ingest = server.ingest.describe() if server.ingest is not None else []
-        shard_processes = server.devices.describe_processes() \
-            if server.settings.processes or server.settings.ray_shard_hosts else []
-        for process in ingest + shard_processes:
+        (``--processes``) or Ray shard hosts (``--ray``), with the calls each forwarded to this process; the
+        Submit payload bytes this process received itself (0 with shard processes or hosts: they receive them)
+        and, with those, the payload bytes they received."""
+        elsewhere = server.data_plane_elsewhere
+        shard_processes = server.devices.describe_processes() if elsewhere else []
+        for process in shard_processes:
             process["calls"] = server.guard.forwarded.get(str(process["index"]), 0)
-        return {"devices": server.devices.describe(), "ingest_processes": ingest,
-                "shard_processes": shard_processes, "payload_bytes_received": server.servicer.payload_bytes,
-                "shard_payload_bytes": getattr(server.devices, "payload_bytes", None)}
+        return {"devices": server.devices.describe(), "shard_processes": shard_processes,
+                "payload_bytes_received": server.servicer.payload_bytes,
+                "shard_payload_bytes": server.devices.payload_bytes if elsewhere else None}
 
     @app.get("/api/v1/ledgers")
     def list_ledgers(_: Reader) -> dict[str, Any]:

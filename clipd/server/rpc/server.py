@@ -1,7 +1,7 @@
 """The gRPC server's own pieces: its options, the role guard in front of every call, Clipd's handlers.
 
-Used by every process that serves Clipd: ``clipd serve`` (:mod:`clipd.server.app`), its shard
-processes and the ingest endpoints (:mod:`clipd.server.shards`).
+Used by every process that serves Clipd: ``clipd serve`` (:mod:`clipd.server.app`) and its shard
+processes and Ray shard hosts (:mod:`clipd.server.shards`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from clipd.server.rpc.service import ClipdServicer, lenient
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2
 
-INGEST_METADATA = "x-clipd-ingest"  # which endpoint or shard process forwarded a call (counted by the server)
+INGEST_METADATA = "x-clipd-ingest"  # which shard process (or host) forwarded a call (counted by the server)
 SERVICE_NAME = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"].full_name
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -43,14 +43,14 @@ class Guard(grpc.ServerInterceptor):
     def __init__(self, admin_token: str, servicer: ClipdServicer) -> None:
         self._admin_token = admin_token
         self._servicer = servicer
-        self.forwarded: collections.Counter = collections.Counter()  # calls per shard process or ingest actor
+        self.forwarded: collections.Counter = collections.Counter()  # calls per shard process or Ray shard host
         self.ingest_indexes: frozenset[str] = frozenset()  # the values INGEST_METADATA may have
         self._other_streams = StreamSlots(OTHER_STREAMS, "health-watch and reflection stream")
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == INGEST_METADATA and value in self.ingest_indexes:  # set by our shard processes or ingest actors only
+            if key == INGEST_METADATA and value in self.ingest_indexes:  # set by our shard processes or hosts only
                 self.forwarded[value] += 1
         handler = continuation(handler_call_details)
         if handler is None:

@@ -79,7 +79,7 @@ from clipd.server.lifecycle import Lifecycle, fail
 from clipd.server.privacy import Ledgers
 from clipd.server.rpc.service import stream_owner
 from clipd.server.settings import Settings
-from clipd.server.shards.ingest import _pass, _pass_unary, passing_through
+from clipd.server.shards.forward import _pass, _pass_unary, passing_through
 from clipd.server.shards.local import owner_of
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
 from clipd.server.tls import peer_channel
@@ -175,7 +175,7 @@ class ShardProcess:
 
     def __init__(self, settings: Settings, index: int, public_port: int, data_port: int, private_dir: str | None,
                  control: str | None = None) -> None:
-        """``private_dir``: the unix sockets of ``--processes``; None on Ray (:class:`clipd.server.shards.ray_actors.ShardHost`):
+        """``private_dir``: the unix sockets of ``--processes``; None on Ray (:class:`clipd.server.shards.ray_hosts.ShardHost`):
         ``control`` is then the server's address, the siblings' are set by :meth:`set_siblings` and the
         control's calls are the actor's methods."""
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc

@@ -1,23 +1,19 @@
-"""Ingest endpoints: a gRPC server that passes every call through to the clipd server, byte for byte.
+"""Forwarding a call, byte for byte, from a shard process to the process that answers it.
 
-Ray's ingest actors (``clipd serve --ray ADDRESS --ray-ingest-actors N``, see
-:class:`clipd.server.shards.ray_actors.IngestActor`) run one on each node: clients
-connect to the node's port, and the endpoint forwards every RPC, metadata (the
-bearer token) included, to the clipd server. The helpers that forward a call
-and relay its status serve the shard processes of ``--processes`` too
-(:mod:`clipd.server.shards.process`).
+A shard process (:mod:`clipd.server.shards.process`, and the shard hosts of ``--ray``) passes every call but
+Submit to the control process, and a Submit for another process's shard to that process: the caller's
+metadata (its bearer token) goes along, with which process forwarded it, and the answer's status comes back
+as it was. Also the port the shard processes share (:func:`reserve_port`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import socket
 
 import grpc
 
 from clipd.server.rpc.server import INGEST_METADATA
 from clipd.server.rpc.service import PEER_METADATA
-from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2
 
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
@@ -93,53 +89,6 @@ def _pass(call, index: int, streaming_in: bool = False):
             _relay(context, e)
 
     return forward
-
-
-class IngestServer:
-    """An ingest endpoint's gRPC server: every RPC passed through to ``owner`` (the clipd server)."""
-
-    def __init__(self, settings: Settings, port: int, owner: str, index: int) -> None:
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-        from clipd.server.rpc.reflection import enable_reflection
-        from clipd.server.rpc.server import OTHER_STREAMS, server_options
-        from clipd.server.tls import peer_channel
-
-        self.settings, self.index = settings, index
-        limit = settings.max_message_bytes + (1 << 16)
-        self.channel = peer_channel(settings, owner, [("grpc.max_receive_message_length", limit),
-                                                      ("grpc.max_send_message_length", limit)])
-        options = [(k, v) for k, v in server_options(settings) if k != "grpc.so_reuseport"]
-        self.server = grpc.server(
-            concurrent.futures.ThreadPoolExecutor(settings.max_streams + OTHER_STREAMS + settings.unary_workers,
-                                                  thread_name_prefix="clipd-ingest"),
-            options=[*options, ("grpc.so_reuseport", 1)])
-        self.server.add_generic_rpc_handlers((passing_through(self.channel, index),))
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        enable_reflection((SERVICE.full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
-                          self.server)
-        from clipd.server.tls import grpc_server_credentials
-
-        address = f"{settings.host}:{port}"
-        credentials = grpc_server_credentials(settings)
-        bound = (self.server.add_secure_port(address, credentials) if credentials is not None
-                 else self.server.add_insecure_port(address))
-        if port and bound != port:
-            raise RuntimeError(f"ingest {index}: bound port {bound}, not {port}")
-        self.port = bound
-        self._serving = health_pb2.HealthCheckResponse.SERVING
-
-    def start(self) -> IngestServer:
-        self.server.start()
-        self.health.set("", self._serving)
-        self.health.set(SERVICE.full_name, self._serving)
-        return self
-
-    def stop(self, grace: float) -> None:
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait(grace + 1.0)
-        self.channel.close()
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
