@@ -196,7 +196,14 @@ or not at all (see :class:`ExampleScales`)."""
 class ExampleScales(NamedTuple):
     """One example's clipped contribution, layer by layer: layer k adds ``scales[k] * x_k`` in the compute
     dtype, after ``masks[k]`` (``KEEP``, ``FINITE_ENTRIES``: its NaN and inf entries count as 0, or ``DROP``:
-    nothing). What :meth:`ClipAccumulator.measure` returns and :func:`add_example` applies."""
+    nothing). What :meth:`ClipAccumulator.measure` returns and :func:`add_example` applies.
+
+    >>> totals = [np.zeros(2)]
+    >>> add_example(totals, [np.array([3.0, 4.0], np.float32)], ExampleScales(np.array([0.2], np.float32),
+    ...                                                                       np.array([KEEP])))
+    >>> totals[0].round(6).tolist()  # clipped to norm 1 (0.2 is 0.2 in float32, not in float64)
+    [0.6, 0.8]
+    """
 
     scales: jax.Array | np.ndarray  # (K,) compute dtype
     masks: jax.Array | np.ndarray  # (K,) int32
