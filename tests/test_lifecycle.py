@@ -215,7 +215,7 @@ def test_an_aggregation_like_a_compiled_one_opens_without_running_its_steps_agai
 
 def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is_open():
     """FILL_WAIT gathers small batches into one step; once every stream has ended nothing more can come (a
-    trainer's one batch per step), and the step must not wait."""
+    trainer's one batch per step), and the step must not wait: the last stream's end wakes the worker."""
     from clipd.engine import ClipPolicy, LayerSpec
     from clipd.server.aggregations import Aggregation
     from clipd.server.stores.base import MemoryStore
@@ -223,6 +223,7 @@ def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is
 
     worker = DeviceWorker(MemoryStore())
     aggregation = Aggregation("a", (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20)
+    aggregation.on_last_stream.append(worker._streams_ended)  # as the worker does when it opens an aggregation
     try:
         started = time.monotonic()
         assert worker._more_for(aggregation, 0, 8, deadline=started + 0.5) is None
@@ -234,7 +235,7 @@ def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is
         threading.Timer(0.05, aggregation.detach, args=("alice", "w1")).start()
         started = time.monotonic()
         assert worker._more_for(aggregation, 0, 8, deadline=started + 0.5) is None
-        assert time.monotonic() - started < 0.25  # alice's stream ended during the wait: it stopped waiting
+        assert time.monotonic() - started < 0.2  # alice's stream ended during the wait: it stopped waiting
     finally:
         worker.stop(timeout=5)
 
@@ -257,3 +258,42 @@ def test_fail_is_recorded_in_the_store_once_and_only_where_asked():
     assert not fail(a, store, "again") and store.get("a").reason == "disk full"
     assert fail(b, None, "elsewhere") and b.state is State.FAILED
     assert store.get("b").state == "open"
+
+
+def test_a_create_waiting_on_its_store_write_holds_up_no_other_call(tmp_path):
+    """The registry publishes (stores, admits, warms up) a new aggregation outside its lock: while one create
+    waits on a slow store write, reads and other creates go on; a create of the same id waits and gets it."""
+    server, client = _server(data_dir=str(tmp_path / "data"), max_aggregations=3)
+    store_create, entered, go_on = server.store.create, threading.Event(), threading.Event()
+
+    def slow_create(record, **kwargs):  # the real store write, after a wait the test controls
+        if record.aggregation_id == "slow":
+            entered.set()
+            assert go_on.wait(30)
+        return store_create(record, **kwargs)
+
+    server.store.create = slow_create
+    results: dict[str, object] = {}
+    try:
+        existing = client.create_aggregation(LAYERS, aggregation_id="existing")
+        threads = [threading.Thread(target=lambda key=key: results.__setitem__(
+            key, client.create_aggregation(LAYERS, aggregation_id="slow"))) for key in ("first", "same id")]
+        threads[0].start()
+        assert entered.wait(10)
+        threads[1].start()
+        started = time.monotonic()
+        assert client.get_aggregation(existing).aggregation_id == existing  # not held up by the store write
+        other = client.create_aggregation(LAYERS, aggregation_id="other")
+        assert time.monotonic() - started < 5 and other == "other"
+        with pytest.raises(ResourceExhaustedError, match="3 aggregations are open"):  # "slow" counts already
+            client.create_aggregation(LAYERS, aggregation_id="fourth")
+        assert "first" not in results and "same id" not in results  # both wait for the store write
+        go_on.set()
+        for thread in threads:
+            thread.join(30)
+        assert results == {"first": "slow", "same id": "slow"}
+        assert server.store.get("slow") is not None and server.store.get("fourth") is None
+    finally:
+        go_on.set()
+        client.close()
+        server.stop(grace=0.5)

@@ -14,6 +14,8 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -177,6 +179,7 @@ class Aggregation:
         self._durable = dict(marks)
         self._last_writer = {client: writer for client, (_, writer) in totals.clients.items()}
         self._open_writers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.on_last_stream: list[Callable[[], Any]] = []  # told when its last open stream ends (see detach)
         # Client ids (accepted, or with a stream open) per client: the streams of a spread submission are one
         # client for max_clients. Kept as it changes, so a new client costs O(1), not O(clients).
         self._ids_per_client = collections.Counter(_client_of(c) for c in self._accepted)
@@ -287,6 +290,8 @@ class Aggregation:
         return bool(self._open_writers)
 
     def detach(self, client_id: str, writer: str) -> None:
+        """A stream of ``writer`` for ``client_id`` ended; the last stream's end is told to ``on_last_stream``
+        (the device workers: a step waiting for more batches of this aggregation runs at once)."""
         with self.cond:
             writers = self._open_writers[client_id]
             writers[writer] -= 1
@@ -298,6 +303,10 @@ class Aggregation:
                     self._forget_id_locked(client_id)
             self._wake_locked((client_id,))
             self.cond.notify_all()
+            last = not self._open_writers
+            listeners = list(self.on_last_stream) if last else []
+        for notify in listeners:  # (outside the lock: a worker's lock is taken in there)
+            notify()
 
     def _forget_id_locked(self, client_id: str) -> None:
         client = _client_of(client_id)
@@ -618,36 +627,64 @@ class Registry:
         self.memory = memory  # bytes for what aggregations hold and the updates in flight (None: no check)
         self._lock = threading.Lock()
         self._by_id: dict[str, Aggregation] = {}
+        # Ids being published (stored, admitted, warmed up) by a create, outside the lock: they count toward
+        # the limits; a second create of the same id waits for the first's outcome.
+        self._publishing: dict[str, tuple[Aggregation, threading.Event]] = {}
 
     def create(self, aggregation_id: str, make, publish) -> tuple[Aggregation, bool]:
         """The aggregation with this id; True if it was created.
 
-        ``make(id)`` builds a new one and ``publish(aggregation)`` runs before any
-        other request can see it (the server stores it and queues its warm-up).
+        ``make(id)`` builds a new one (under the registry's lock, with the limits checked: it must be cheap)
+        and ``publish(aggregation)`` runs before any other request can see it (the server stores it, admits
+        it to its ledger and queues its warm-up): outside the lock, so that no ``get``, bind or other create
+        waits for a store's fsync or round trip. A create of the same id meanwhile waits, then gets the
+        published one (or, if publishing failed, tries again).
         """
-        with self._lock:
-            aggregation_id = aggregation_id or uuid.uuid4().hex
-            existing = self._by_id.get(aggregation_id)
-            if existing is not None:
-                return existing, False
-            open_now = [a for a in self._by_id.values() if a.state in (*TAKES_BATCHES, State.FINALIZING)]
-            if len(open_now) >= self.max_aggregations:
-                raise ResourceExhausted(
-                    f"{len(open_now)} aggregations are open, the limit is {self.max_aggregations};"
-                    " finalize or cancel some"
-                )
-            aggregation = make(aggregation_id)
-            held = sum(a.parameters for a in open_now)
-            if self.max_total_parameters is not None and held + aggregation.parameters > self.max_total_parameters:
-                raise ResourceExhausted(
-                    f"open aggregations hold {held} parameters; {aggregation.parameters} more would pass the"
-                    f" limit of {self.max_total_parameters} (max_total_parameters); finalize or cancel some"
-                )
-            if self.memory is not None:
-                self._check_memory(aggregation, sum(a.memory_bytes for a in self._by_id.values()))
+        aggregation_id = aggregation_id or uuid.uuid4().hex
+        while True:
+            with self._lock:
+                existing = self._by_id.get(aggregation_id)
+                if existing is not None:
+                    return existing, False
+                underway = self._publishing.get(aggregation_id)
+                if underway is None:
+                    aggregation = self._admit_locked(aggregation_id, make)
+                    published = threading.Event()
+                    self._publishing[aggregation_id] = (aggregation, published)
+                    break
+            underway[1].wait()
+        try:
             publish(aggregation)
+        except BaseException:
+            with self._lock:
+                del self._publishing[aggregation_id]
+            published.set()
+            raise
+        with self._lock:
+            del self._publishing[aggregation_id]
             self._by_id[aggregation_id] = aggregation
-            return aggregation, True
+        published.set()
+        return aggregation, True
+
+    def _admit_locked(self, aggregation_id: str, make) -> Aggregation:
+        """A new aggregation from ``make``, if the open ones and those being published leave room for it."""
+        pending = [a for a, _ in self._publishing.values()]
+        open_now = [a for a in self._by_id.values() if a.state in (*TAKES_BATCHES, State.FINALIZING)] + pending
+        if len(open_now) >= self.max_aggregations:
+            raise ResourceExhausted(
+                f"{len(open_now)} aggregations are open, the limit is {self.max_aggregations};"
+                " finalize or cancel some"
+            )
+        aggregation = make(aggregation_id)
+        held = sum(a.parameters for a in open_now)
+        if self.max_total_parameters is not None and held + aggregation.parameters > self.max_total_parameters:
+            raise ResourceExhausted(
+                f"open aggregations hold {held} parameters; {aggregation.parameters} more would pass the"
+                f" limit of {self.max_total_parameters} (max_total_parameters); finalize or cancel some"
+            )
+        if self.memory is not None:
+            self._check_memory(aggregation, sum(a.memory_bytes for a in [*self._by_id.values(), *pending]))
+        return aggregation
 
     def _check_memory(self, aggregation: Aggregation, held: int) -> None:
         """Refuses an aggregation whose sums and one update in flight do not fit the memory budget now."""
@@ -663,9 +700,9 @@ class Registry:
 
     def state_bytes(self) -> int:
         """Bytes the aggregations hold: the open ones' sums (totals and device deltas, every shard), the finished
-        ones' kept results."""
+        ones' kept results; those being created count already."""
         with self._lock:
-            return sum(a.memory_bytes for a in self._by_id.values())
+            return sum(a.memory_bytes for a in [*self._by_id.values(), *(a for a, _ in self._publishing.values())])
 
     def add(self, aggregation: Aggregation) -> None:
         """Adds a recovered aggregation."""

@@ -74,7 +74,6 @@ from clipd.server.stores.base import Store
 log = logging.getLogger(__name__)
 STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming
 FILL_WAIT = 0.002  # how long a step less than half full waits for more batches (seconds)
-FILL_POLL = 0.0002  # how often that wait looks whether the aggregation's streams have all ended
 FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
 LARGE_PARAMETERS = 1 << 22  # an aggregation this large warms up on a thread even when compiled (its totals)
 CHECKPOINT_FAILED = object()  # a slot's ``queued`` once the committer could not write them
@@ -336,6 +335,11 @@ class DeviceWorker:
 
         self.call(drop)
 
+    def _streams_ended(self) -> None:
+        """An aggregation's last open stream ended: a step waiting to be filled with its batches runs now."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _drop_slots(self, aggregation: Aggregation) -> None:
         for shard in self._shards.get(aggregation, ()):
             slot = self._slots.pop((aggregation, shard), None)
@@ -386,7 +390,7 @@ class DeviceWorker:
         """
         with self._cond:
             while not self._queue and aggregation.receiving and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(min(FILL_POLL, left))  # a stream's end does not notify this condition
+                self._cond.wait(left)  # a new batch, or the last stream's end (_streams_ended), notifies it
             if self._queue:
                 head = self._queue[0]
                 if (isinstance(head, _Work) and head.aggregation is aggregation and head.shard == shard
@@ -755,6 +759,7 @@ class DeviceWorker:
         if aggregation.state in (State.CANCELLED, State.FAILED, State.FINALIZED):
             self._drop_parked(aggregation)
             return
+        aggregation.on_last_stream.append(self._streams_ended)
         on_host = sums_on_host(aggregation, self.device)
         for shard in self._shards[aggregation]:
             self._slots[(aggregation, shard)] = _Slot(aggregation.accumulator.init(sums=not on_host))
