@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -36,6 +37,32 @@ from clipd.server.stores import open_store
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
 
 log = logging.getLogger(__name__)
+@dataclasses.dataclass(frozen=True)
+class ServerSnapshot:
+    """The server's own state as the admin API shows it, read at one moment (:meth:`ClipdServer.snapshot`):
+    the admin app reads this, its aggregations (``registry``), ledgers and lifecycle, nothing else of it."""
+
+    serving: bool
+    active_streams: int
+    stream_limit: int
+    refused_streams: int
+    buffered_bytes: int
+    buffer_limit: int
+    refused_batches: int
+    rejections: dict[str, int]  # gRPC status name -> requests refused with it
+    queue_depth: int
+    queued_bytes: int
+    device_kind: str  # what the devices are ("cpu", a GPU's name)
+    devices: list[dict]  # each device at work: id, kind, platform, steps, ...
+    shard_processes: list[dict]  # shard processes or Ray shard hosts, each with the calls it forwarded here
+    payload_bytes_received: int  # Submit payload this process received itself
+    shard_payload_bytes: int | None  # ... and, with shard processes or hosts, what they received
+
+    @property
+    def streams_saturated(self) -> bool:
+        return self.active_streams >= self.stream_limit
+
+
 class ClipdServer:
     """The running service: gRPC server, device workers, registry, and (optionally) the admin API.
 
@@ -148,6 +175,21 @@ class ClipdServer:
             self.admin = start_admin(self, self.settings)
             log.info("clipd admin API on %s://%s:%d", self.admin.scheme, self.settings.host, self.admin.port)
         return self
+
+    def snapshot(self) -> ServerSnapshot:
+        """What the admin API shows of this server now."""
+        slots, budget, servicer = self.servicer.stream_slots, self.servicer.budget, self.servicer
+        processes = self.devices.describe_processes() if self.data_plane_elsewhere else []
+        for process in processes:
+            process["calls"] = self.guard.forwarded.get(str(process["index"]), 0)
+        return ServerSnapshot(
+            serving=self.serving, active_streams=slots.active, stream_limit=slots.limit,
+            refused_streams=slots.refused, buffered_bytes=budget.used, buffer_limit=budget.limit,
+            refused_batches=budget.refused, rejections=dict(servicer.rejections),
+            queue_depth=self.devices.queue_depth, queued_bytes=self.devices.queued_bytes,
+            device_kind=self.devices.device_kind, devices=self.devices.describe(), shard_processes=processes,
+            payload_bytes_received=servicer.payload_bytes,
+            shard_payload_bytes=self.devices.payload_bytes if self.data_plane_elsewhere else None)
 
     @property
     def data_plane_elsewhere(self) -> bool:

@@ -176,29 +176,29 @@ class _SnapshotCollector:
         for state in sorted({s.state.value for _, s in views}):
             states.add_metric([state], sum(s.state.value == state for _, s in views))
         yield states
+        snapshot = server.snapshot()
         rejected = CounterMetricFamily("clipd_rejected_requests", "Requests refused, by gRPC status.",
                                        labels=["code"])
-        for code, count in sorted(server.servicer.rejections.items()):
+        for code, count in sorted(snapshot.rejections.items()):
             rejected.add_metric([code], count)
         yield rejected
-        slots, budget = server.servicer.stream_slots, server.servicer.budget
-        yield GaugeMetricFamily("clipd_active_streams", "Submit streams open.", value=slots.active)
-        yield GaugeMetricFamily("clipd_stream_limit", "Submit streams allowed at once.", value=slots.limit)
+        yield GaugeMetricFamily("clipd_active_streams", "Submit streams open.", value=snapshot.active_streams)
+        yield GaugeMetricFamily("clipd_stream_limit", "Submit streams allowed at once.", value=snapshot.stream_limit)
         yield CounterMetricFamily("clipd_refused_streams", "Submit streams refused: every slot taken.",
-                                  value=slots.refused)
+                                  value=snapshot.refused_streams)
         yield GaugeMetricFamily("clipd_buffered_bytes", "Bytes of partly received and queued batches.",
-                                value=budget.used)
+                                value=snapshot.buffered_bytes)
         yield GaugeMetricFamily("clipd_buffer_limit_bytes", "The limit of clipd_buffered_bytes.",
-                                value=budget.limit)
+                                value=snapshot.buffer_limit)
         yield CounterMetricFamily("clipd_refused_batches", "Batches refused: the buffer stayed full.",
-                                  value=budget.refused)
+                                  value=snapshot.refused_batches)
         yield GaugeMetricFamily("clipd_queue_depth", "Items waiting for the device worker.",
-                                value=server.devices.queue_depth)
+                                value=snapshot.queue_depth)
         yield GaugeMetricFamily("clipd_queued_bytes", "Batch bytes waiting for the device.",
-                                value=server.devices.queued_bytes)
+                                value=snapshot.queued_bytes)
         device = GaugeMetricFamily("clipd_device_info", "The devices the workers run on.", labels=["id", "kind"])
         steps = CounterMetricFamily("clipd_device_steps", "Clip-and-sum steps run, by device.", labels=["id"])
-        for d in server.devices.describe():
+        for d in snapshot.devices:
             device.add_metric([str(d["id"]), d["kind"]], 1)
             steps.add_metric([str(d["id"])], d["steps"])
         yield device
@@ -294,15 +294,15 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
     @app.get("/readyz")
     def readyz() -> JSONResponse:
         """Ready for new traffic: serving, and a Submit stream slot free (503 with the reason if not)."""
-        slots, budget = server.servicer.stream_slots, server.servicer.budget
+        snapshot = server.snapshot()
         reasons = []
-        if not server.serving:
+        if not snapshot.serving:
             reasons.append("not serving (starting or stopping)")
-        if slots.saturated:
-            reasons.append(f"all {slots.limit} Submit stream slots are taken")
+        if snapshot.streams_saturated:
+            reasons.append(f"all {snapshot.stream_limit} Submit stream slots are taken")
         body = {"ready": not reasons, "reasons": reasons,
-                "streams": {"active": slots.active, "limit": slots.limit},
-                "buffered_bytes": {"used": budget.used, "limit": budget.limit}}
+                "streams": {"active": snapshot.active_streams, "limit": snapshot.stream_limit},
+                "buffered_bytes": {"used": snapshot.buffered_bytes, "limit": snapshot.buffer_limit}}
         return JSONResponse(body, status_code=503 if reasons else 200)
 
     @app.get("/login", include_in_schema=False)
@@ -332,7 +332,7 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
         aggregations = server.registry.all()
         debug = sorted({a.privacy.ledger_id for a in aggregations if a.privacy and a.privacy.debug_raw_statistics})
         return {"aggregations": [aggregation_view(a) for a in aggregations],
-                "device_kind": server.devices.device_kind,
+                "device_kind": server.snapshot().device_kind,
                 "privacy_debug_notice": (f"DEBUG MODE: raw statistics of differentially private aggregations are shown;"
                                          f" the epsilon of ledger(s) {', '.join(debug)} is infinite") if debug else ""}
 
@@ -350,13 +350,10 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
         (``--processes``) or Ray shard hosts (``--ray``), with the calls each forwarded to this process; the
         Submit payload bytes this process received itself (0 with shard processes or hosts: they receive them)
         and, with those, the payload bytes they received."""
-        elsewhere = server.data_plane_elsewhere
-        shard_processes = server.devices.describe_processes() if elsewhere else []
-        for process in shard_processes:
-            process["calls"] = server.guard.forwarded.get(str(process["index"]), 0)
-        return {"devices": server.devices.describe(), "shard_processes": shard_processes,
-                "payload_bytes_received": server.servicer.payload_bytes,
-                "shard_payload_bytes": server.devices.payload_bytes if elsewhere else None}
+        snapshot = server.snapshot()
+        return {"devices": snapshot.devices, "shard_processes": snapshot.shard_processes,
+                "payload_bytes_received": snapshot.payload_bytes_received,
+                "shard_payload_bytes": snapshot.shard_payload_bytes}
 
     @app.get("/api/v1/ledgers")
     def list_ledgers(_: Reader) -> dict[str, Any]:
