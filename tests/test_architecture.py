@@ -1,4 +1,5 @@
-"""docs/ARCHITECTURE.md matches the code: every thread and lock it names exists, and it names every one there is.
+"""docs/ARCHITECTURE.md matches the code: every thread and lock it names exists, and it names every one there is;
+every `Class.member` it names exists (a class in clipd/, or a service of the .proto).
 
 The code's threads are the names given to ``threading.Thread`` and the ``thread_name_prefix`` of thread pools
 (an f-string's literal prefix: ``clipd-device-worker-{id}`` is ``clipd-device-worker-``); its locks are the
@@ -79,3 +80,49 @@ def test_every_lock_on_the_page_exists_and_every_lock_is_on_the_page():
     page = _in_page("Locks")
     assert page - locks == set(), "named in docs/ARCHITECTURE.md, not in the code"
     assert locks - page == set(), "in the code, not in docs/ARCHITECTURE.md"
+
+
+def _members_in_code() -> dict[str, set[str]]:
+    """Every class in clipd/ with the names it defines (methods, properties, fields, class and instance
+    attributes), its bases' included; and the gRPC services of the .proto with their RPCs."""
+    import ast
+
+    classes: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "clipd").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = classes.setdefault(node.name, set())
+                bases.setdefault(node.name, []).extend(b.id for b in node.bases if isinstance(b, ast.Name))
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(item.name)
+                        for sub in ast.walk(item):  # self.name = ... (instance attributes)
+                            targets = sub.targets if isinstance(sub, ast.Assign) else \
+                                [sub.target] if isinstance(sub, ast.AnnAssign) else []
+                            names |= {t.attr for t in targets if isinstance(t, ast.Attribute)
+                                      and isinstance(t.value, ast.Name) and t.value.id == "self"}
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        names.add(item.target.id)
+                    elif isinstance(item, ast.Assign):
+                        names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+    for path in sorted((ROOT / "proto").rglob("*.proto")):
+        for service, body in re.findall(r"^service (\w+) \{(.*?)^\}", path.read_text(), re.S | re.M):
+            classes.setdefault(service, set()).update(re.findall(r"^\s*rpc (\w+)\(", body, re.M))
+
+    def with_bases(name: str, seen=()) -> set[str]:
+        out = set(classes.get(name, ()))
+        for base in bases.get(name, ()):
+            if base not in seen:
+                out |= with_bases(base, (*seen, name))
+        return out
+
+    return {name: with_bases(name) for name in classes}
+
+
+def test_every_class_member_the_page_names_exists():
+    members = _members_in_code()
+    named = set(re.findall(r"`([A-Z]\w*)\.([a-z_]\w*)", PAGE.read_text()))
+    assert named, "the page names no Class.member in backticks"
+    missing = sorted(f"{cls}.{member}" for cls, member in named if member not in members.get(cls, ()))
+    assert missing == [], f"docs/ARCHITECTURE.md names what the code does not have: {missing}"

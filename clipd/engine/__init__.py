@@ -1,4 +1,9 @@
-"""clipd.engine: the clipping math, in pure JAX (no gRPC, no web, no I/O)."""
+"""clipd.engine: the clipping math, in JAX and numpy, with no gRPC and no web.
+
+Its I/O is its own state's: a partial state reads and writes its checkpoint format from a file the
+caller opened (``PartialState.write_to``, ``read_from``), and a secure release draws its discrete
+Gaussian noise in worker interpreters that write their share to a temporary file.
+"""
 
 from ._accumulator import (
     FIXED_POINT_DELTA_ROWS,

@@ -1,7 +1,7 @@
 """Differential privacy of a release: sensitivity, noise, adaptive clipping and accounting.
 
-The math of ``../shared/DP.md`` as small functions; the accounting itself is
-``dp_accounting``'s (RDP or PLD), never ours.
+The math of docs/privacy.md as small functions; the accounting itself is
+``dp_accounting``'s (RDP, PLD or zCDP), never ours.
 
 A release of an aggregation is the Gaussian mechanism on the clipped sum: each
 contribution is clipped to the example bound ``C`` (``sqrt(sum C_k^2)`` with
