@@ -151,7 +151,7 @@ def test_the_example_learns_digits_through_clipd_at_the_epsilon_dp_accounting_gi
     opacus = RDPAccountant()
     opacus.history = [(2.0, q, 18)]
     assert summary["opacus_rdp_epsilon"] == pytest.approx(opacus.get_epsilon(1e-5), rel=1e-12)
-    assert summary["opacus_rdp_epsilon"] == pytest.approx(summary["epsilon"], rel=1e-3)  # see the README
+    assert summary["opacus_rdp_epsilon"] == pytest.approx(summary["epsilon"], rel=1e-3)  # see docs/dp-sgd.md
     for record in summary["history"]:
         assert set(record["clip_fraction"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
         assert all(0.0 <= f <= 1.0 for f in record["clip_fraction"].values())

@@ -48,7 +48,7 @@ class Privacy:
     ``seed`` is for tests only: the noise is then reproducible and not private.
     ``noise="secure"`` (with ``accountant="zcdp"``): the sum on an integer grid plus a
     discrete Gaussian from a CSPRNG (OpenDP), every released value a whole number of
-    ``Release.grid_step``; see the README's "Secure noise".
+    ``Release.grid_step``; see docs/privacy.md, "Secure noise".
     """
 
     ledger_id: str

@@ -1,7 +1,7 @@
 """Secure noise: a release on an integer grid with discrete Gaussian noise, and its accounting.
 
 The default release adds JAX's float32 normal to a float sum. Floating point
-leaves two holes there (the README's "What it does not protect against"): the
+leaves two holes there (docs/privacy.md, "What it does not protect against"): the
 set of floats a continuous sampler can output reveals the value it was added
 to (Mironov 2012; Jin et al. 2021), and a float sum can move by more than its
 nominal sensitivity when one contribution changes, depending on the order of
