@@ -58,6 +58,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .._discrete_gaussian import draw, measurement
 from ._accumulator import FIXED_POINT_RANGE
 
 GRID_BITS = 10
@@ -157,41 +158,15 @@ def release(sums: Sequence[np.ndarray], step: float, scale: float, processes: in
 
 
 # The sampler -------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=64)
-def _measurement(scale: float):
-    """OpenDP's discrete Gaussian on int64 vectors under the L2 distance, of ``scale`` (its stddev parameter)."""
-    import opendp.prelude as dp
-
-    dp.enable_features("contrib")
-    return dp.m.make_gaussian(dp.vector_domain(dp.atom_domain(T="i64")), dp.l2_distance(T="i64"), scale=float(scale))
-
-
-def _draw(size: int, scale: float) -> np.ndarray:
-    """``size`` draws of ``N_Z(0, scale^2)`` in this process (OpenDP noises a zero vector)."""
-    return np.asarray(_measurement(scale)(np.zeros(size, np.int64)), np.int64)
-
-
-_WORKER = """
-import sys
-import numpy as np
-import opendp.prelude as dp
-dp.enable_features("contrib")
-size, scale, chunk = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-noise = dp.m.make_gaussian(dp.vector_domain(dp.atom_domain(T="i64")), dp.l2_distance(T="i64"), scale=scale)
-for start in range(0, size, chunk):
-    sys.stdout.buffer.write(np.asarray(noise(np.zeros(min(chunk, size - start), np.int64)), np.int64).tobytes())
-"""
-
-
 def discrete_gaussian(size: int, scale: float, processes: int | None = None) -> np.ndarray:
     """``size`` independent draws of the discrete Gaussian ``N_Z(0, scale^2)``, as int64.
 
     OpenDP draws about 10 us each on one core here (any scale); from
     ``PARALLEL_FROM`` draws on, the draws are split between ``processes``
-    worker processes (default: every core). A worker is a fresh interpreter
-    that imports numpy and OpenDP only and writes its int64 draws to a file:
-    not a fork of a server with threads, and not a ``multiprocessing`` child
-    that re-imports the caller's ``__main__``.
+    worker processes (default: every core). A worker is a fresh interpreter,
+    ``python -m clipd._discrete_gaussian``, that imports numpy and OpenDP only
+    and writes its int64 draws to a file: not a fork of a server with threads,
+    and not a ``multiprocessing`` child that re-imports the caller's ``__main__``.
 
     >>> draws = discrete_gaussian(1000, 3.0)
     >>> draws.dtype, draws.shape, bool(2.0 < draws.std() < 4.0)
@@ -203,11 +178,12 @@ def discrete_gaussian(size: int, scale: float, processes: int | None = None) -> 
         return np.zeros(size, np.int64)
     workers = min(processes or os.cpu_count() or 1, -(-size // CHUNK))
     if size < PARALLEL_FROM or workers < 2:
-        return np.concatenate([_draw(min(CHUNK, size - start), scale) for start in range(0, size, CHUNK)])
+        return np.concatenate([draw(min(CHUNK, size - start), scale) for start in range(0, size, CHUNK)])
     shares = [size // workers + (k < size % workers) for k in range(workers)]
     outputs = [tempfile.TemporaryFile() for _ in shares]  # files, not pipes: no worker waits for a reader
     try:
-        running = [subprocess.Popen([sys.executable, "-c", _WORKER, str(share), repr(float(scale)), str(CHUNK)],
+        running = [subprocess.Popen([sys.executable, "-m", "clipd._discrete_gaussian", str(share), repr(float(scale)),
+                                     str(CHUNK)],
                                     stdout=out, stderr=subprocess.PIPE) for share, out in zip(shares, outputs)]
         parts = []
         for share, worker, out in zip(shares, running, outputs):
@@ -250,7 +226,7 @@ def release_rho(event_json: str) -> float:
     0.125
     """
     event = json.loads(event_json)["discrete_gaussian"]
-    return float(_measurement(event["scale"]).map(event["grid_sensitivity"]))
+    return float(measurement(event["scale"]).map(event["grid_sensitivity"]))
 
 
 def epsilon_of_rho(rho: float, delta: float) -> float:
