@@ -287,7 +287,7 @@ def test_budget_is_checked_again_at_finalize():
     """Another writer of the same ledger (another process) spends it meanwhile: the release is refused."""
     from clipd.engine import ClipPolicy, LayerSpec
     from clipd.engine import _privacy as dp
-    from clipd.server.aggregations import Aggregation
+    from clipd.server.aggregations import Aggregation, AggregationSpec
     from clipd.server.errors import FailedPrecondition
     from clipd.server.privacy import Ledgers
     from clipd.server.stores.base import AggregationRecord, LedgerEntry, MemoryStore
@@ -297,7 +297,7 @@ def test_budget_is_checked_again_at_finalize():
     policy = dp.PrivacyPolicy("L", 1e-5, noise_multiplier=1.0, max_epsilon=6.0)
     layers = (LayerSpec("w", (3,)),)
     plan = policy.plan(1.0, layers)
-    aggregation = Aggregation("a", layers, ClipPolicy(), False, 8, 1 << 20, privacy=policy, plan=plan)
+    aggregation = Aggregation("a", AggregationSpec(layers, ClipPolicy(), privacy=policy), 8, 1 << 20, plan=plan)
     ledgers.admit(aggregation, policy, plan, lambda entry: store.create(AggregationRecord("a", "{}")))
     event = dp.event_to_json(dpe.GaussianDpEvent(1.0))
     store.commit_release("a", b"", "L", LedgerEntry("elsewhere", event, 0.0, 4.73), 0, 0.0)  # spent elsewhere
@@ -462,3 +462,27 @@ def private_server(tmp_path_factory):
     with Client(f"127.0.0.1:{server.port}") as client:
         yield server, client, f"http://127.0.0.1:{server.admin.port}"
     server.stop(grace=1.0)
+
+
+def test_a_release_stored_in_the_format_before_the_container_still_reads_and_damage_is_refused():
+    """Releases are kept in the container format of checkpoints now (magic CLIPDRL2); one a store kept in the
+    older format (CLIPDREL1, built here byte by byte as that format was written) reads back the same."""
+    import json
+    import zlib
+
+    from clipd.engine import CorruptStateError
+    from clipd.server.privacy import Release
+
+    fields, sums = {"epsilon": 0.75, "noise_stddev": 2.0}, (np.array([[1.5, -2.0]]), np.array([3.25]))
+    header = json.dumps({"fields": fields, "arrays": [[list(a.shape), a.dtype.str] for a in sums]}).encode()
+    blob = b"CLIPDREL1\n" + len(header).to_bytes(8, "little") + header + b"".join(a.tobytes() for a in sums)
+    legacy = blob + zlib.crc32(blob).to_bytes(4, "little")
+    for stored in (legacy, Release(fields, sums).to_bytes()):
+        release = Release.from_bytes(stored)
+        assert release.fields == fields
+        assert [a.tolist() for a in release.sums] == [[[1.5, -2.0]], [3.25]]
+        damaged = bytearray(stored)
+        damaged[-6] ^= 1
+        with pytest.raises(CorruptStateError):
+            Release.from_bytes(bytes(damaged))
+    assert Release(fields, sums).to_bytes()[:8] == b"CLIPDRL2"

@@ -716,11 +716,11 @@ def large_state(parameters: int, seed: int) -> PartialState:
 
 
 def test_a_large_checkpoint_goes_to_disk_with_o_direct_and_reads_back_bit_for_bit(tmp_path, monkeypatch):
-    from clipd.engine import _partial
+    from clipd.engine import _container
     from clipd.server.stores import sqlite
 
     monkeypatch.setattr(sqlite, "DIRECT_MIN_BYTES", 1 << 20)  # 1 MiB: this state's 1.6 MB is "large"
-    monkeypatch.setattr(_partial, "_IO_PIECE", 64 << 10)  # and its CRC runs on a thread beside the writes
+    monkeypatch.setattr(_container, "_IO_PIECE", 64 << 10)  # and its CRC runs on a thread beside the writes
     direct = []
 
     class Seen(sqlite._DirectWriter):  # the real writer, counted

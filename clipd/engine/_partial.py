@@ -34,37 +34,19 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import io
-import json
-import struct
-import sys
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import BinaryIO
 
 import numpy as np
 
+from . import _container
 from ._accumulator import NUM_BUCKETS, AccumulatorState
+from ._container import CorruptStateError
 from ._policy import LayerSpec
 
-MAGIC = b"CLIPDPS1"
-_HEAD = struct.Struct("<8sQ")  # magic, header length
-_CRC = struct.Struct("<I")
-_IO_PIECE = 16 << 20  # bytes an array is written or read in at a time (the CRC runs over each piece)
-
-
-class CorruptStateError(ValueError):
-    """A serialized partial state is truncated, corrupted or of another format.
-
-    >>> blob = PartialState.empty([LayerSpec("w", (2,))]).to_bytes()
-    >>> PartialState.from_bytes(blob[:-1])
-    Traceback (most recent call last):
-    ...
-    clipd.engine._partial.CorruptStateError: partial state: checksum mismatch (truncated or corrupted)
-    """
+MAGIC = b"CLIPDPS1"  # a checkpoint in clipd's container format (_container)
 
 
 class OverlapError(ValueError):
@@ -230,74 +212,35 @@ class PartialState:
                 ("example_histogram", self.example_histogram), ("norm_sum", self.norm_sum),
                 ("norm_max", self.norm_max)]
 
-    def _header(self) -> bytes:
-        return json.dumps({
+    def write_to(self, file: BinaryIO) -> tuple[int, int]:
+        """Writes the state in clipd's container format (``_container``: magic ``CLIPDPS1``, a JSON header,
+        the raw little-endian arrays from their own buffers, a CRC-32 of it all). Returns ``(bytes written,
+        CRC-32 of the whole)``, what a store keeps beside the file."""
+        return _container.write(file, MAGIC, self._fields(), self._arrays())
+
+    def _fields(self) -> dict:
+        return {
             "layers": [[l.name, list(l.shape), l.dtype] for l in self.layers],
             "examples": self.examples, "non_finite": self.non_finite,
             "batches": self.batches, "bytes": self.bytes,
             "clients": {c: [s, w] for c, (s, w) in sorted(self.clients.items())},
-            "arrays": [[name, a.dtype.newbyteorder("<").str, list(a.shape)] for name, a in self._arrays()],
-        }, separators=(",", ":")).encode()
-
-    def write_to(self, file: BinaryIO) -> tuple[int, int]:
-        """Writes the state: magic, a JSON header, the raw little-endian arrays, a CRC-32 of it all.
-
-        The arrays are written from their own buffers, a piece at a time: no copy
-        of the state is made (on a big-endian host, one piece at a time is
-        swapped). The CRC runs over the same pieces on a thread of its own (both
-        release the GIL): a large model's checkpoint takes as long as the slower
-        of the two, not their sum. Returns ``(bytes written, CRC-32 of all but the
-        CRC's own 4 bytes)``, what a store keeps beside the file.
-        """
-        header = self._header()
-        head = _HEAD.pack(MAGIC, len(header))
-        crc = zlib.crc32(header, zlib.crc32(head))
-        file.write(head)
-        file.write(header)
-        nbytes = len(head) + len(header) + self.array_bytes
-        if self.array_bytes >= _IO_PIECE and sys.byteorder == "little":  # views of the arrays: no copies
-            pieces = list(self._pieces())
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="clipd-crc") as pool:
-                running = pool.submit(functools.reduce, lambda crc, piece: zlib.crc32(piece, crc), pieces, crc)
-                for piece in pieces:
-                    file.write(piece)
-                crc = running.result()
-        else:
-            for piece in self._pieces():
-                crc = zlib.crc32(piece, crc)
-                file.write(piece)
-        trailer = _CRC.pack(crc)
-        file.write(trailer)
-        return nbytes + _CRC.size, zlib.crc32(trailer, crc)
-
-    def _pieces(self):
-        """The arrays' bytes, little-endian, in pieces of at most ``_IO_PIECE`` (views of the arrays themselves
-        on a little-endian host)."""
-        for _, array in self._arrays():
-            flat = np.ascontiguousarray(array).reshape(-1)
-            step = max(1, _IO_PIECE // max(1, flat.itemsize))
-            for start in range(0, flat.size, step):
-                piece = flat[start : start + step]
-                if sys.byteorder != "little" and piece.dtype.byteorder != "|":
-                    piece = piece.astype(piece.dtype.newbyteorder("<"))
-                yield memoryview(piece).cast("B")
+        }
 
     def to_bytes(self) -> bytes:
         """:meth:`write_to`'s format in one ``bytes`` (a store that keeps blobs in a database row)."""
-        out = io.BytesIO()
-        self.write_to(out)
-        return out.getvalue()
+        return _container.to_bytes(MAGIC, self._fields(), self._arrays())
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> PartialState:
-        """Reads :meth:`to_bytes`'s blob; ``CorruptStateError`` if it is truncated or altered."""
-        data = memoryview(data).cast("B")
-        if len(data) < _HEAD.size + _CRC.size:
-            raise CorruptStateError(f"partial state: {len(data)} bytes is too short")
-        (crc,) = _CRC.unpack(data[-_CRC.size:])
-        if zlib.crc32(data[: -_CRC.size]) != crc:
-            raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
-        return cls.read_from(io.BytesIO(data), len(data))
+        """Reads :meth:`to_bytes`'s blob; ``CorruptStateError`` if it is truncated or altered.
+
+        >>> blob = PartialState.empty([LayerSpec("w", (2,))]).to_bytes()
+        >>> PartialState.from_bytes(blob[:-1])
+        Traceback (most recent call last):
+        ...
+        clipd.engine._container.CorruptStateError: partial state: checksum mismatch (truncated or corrupted)
+        """
+        return cls._from_container(*_container.from_bytes(data, MAGIC, "partial state"))
 
     @classmethod
     def read_from(cls, file: BinaryIO, nbytes: int, crc32: int | None = None) -> PartialState:
@@ -307,36 +250,11 @@ class PartialState:
         the state's own CRC-32 is checked, and ``crc32`` (what :meth:`write_to`
         returned, kept by a store) when given, before the state is returned.
         """
-        if nbytes < _HEAD.size + _CRC.size:
-            raise CorruptStateError(f"partial state: {nbytes} bytes is too short")
-        head = _read_exactly(file, _HEAD.size)
-        magic, header_len = _HEAD.unpack(head)
-        if magic != MAGIC:
-            raise CorruptStateError(f"partial state: unknown format {bytes(magic)!r}")
-        if header_len > nbytes - _HEAD.size - _CRC.size:
-            raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
-        raw_header = _read_exactly(file, header_len)
-        crc = zlib.crc32(raw_header, zlib.crc32(head))
+        return cls._from_container(*_container.read(file, nbytes, MAGIC, "partial state", crc32))
+
+    @classmethod
+    def _from_container(cls, header: dict, arrays: dict) -> PartialState:
         try:
-            header = json.loads(raw_header)
-            left = nbytes - _HEAD.size - header_len - _CRC.size
-            arrays = {}
-            for name, dtype, shape in header["arrays"]:
-                dtype = np.dtype(dtype)
-                size = int(np.prod(shape, dtype=np.int64))
-                if size * dtype.itemsize > left:
-                    raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
-                array = np.empty(size, dtype)
-                crc = _read_into(file, memoryview(array).cast("B"), crc)
-                left -= size * dtype.itemsize
-                arrays[name] = array.astype(dtype.newbyteorder("="), copy=False).reshape(shape)
-            if left != 0:
-                raise CorruptStateError("partial state: the arrays do not fill the blob")
-            trailer = _read_exactly(file, _CRC.size)
-            if _CRC.unpack(trailer)[0] != crc:
-                raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
-            if crc32 is not None and zlib.crc32(trailer, crc) != crc32:
-                raise CorruptStateError("partial state: CRC-32 differs from the store's")
             layers = tuple(LayerSpec(n, tuple(s), d) for n, s, d in header["layers"])
             return cls(
                 layers=layers,
@@ -349,8 +267,6 @@ class PartialState:
                 batches=header["batches"], bytes=header["bytes"],
             )
         except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, CorruptStateError):
-                raise
             raise CorruptStateError(f"partial state: malformed header ({e})") from None
 
     def __eq__(self, other: object) -> bool:
@@ -380,21 +296,3 @@ def _add_sums(totals: tuple[np.ndarray, ...], sums, in_place: bool) -> tuple[np.
         else:
             out.append(total + s.astype(np.float64))
     return tuple(out)
-
-
-def _read_exactly(file: BinaryIO, n: int) -> bytes:
-    data = file.read(n)
-    if len(data) != n:
-        raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
-    return data
-
-
-def _read_into(file: BinaryIO, view: memoryview, crc: int) -> int:
-    """Fills ``view`` from ``file`` a piece at a time; returns the CRC-32 continued over what was read."""
-    for start in range(0, len(view), _IO_PIECE):
-        piece = view[start : start + _IO_PIECE]
-        got = file.readinto(piece)
-        if got != len(piece):
-            raise CorruptStateError("partial state: checksum mismatch (truncated or corrupted)")
-        crc = zlib.crc32(piece, crc)
-    return crc

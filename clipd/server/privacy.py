@@ -36,13 +36,15 @@ import numpy as np
 from dp_accounting import dp_event as dpe
 
 from clipd.engine import PartialState
+from clipd.engine import _container as container
 from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
 from clipd.server.aggregations import TAKES_BATCHES, Aggregation, State
 from clipd.server.errors import FailedPrecondition
 from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, Store
 
-RELEASE_MAGIC = b"CLIPDREL1\n"
+RELEASE_MAGIC = b"CLIPDRL2"  # a private release in clipd's container format (engine._container)
+_LEGACY_RELEASE_MAGIC = b"CLIPDREL1\n"  # the format of releases stored before it (still read)
 NON_PRIVATE = dp.event_to_json(dpe.NonPrivateDpEvent())  # a debug aggregation's entry: epsilon infinite
 
 
@@ -64,17 +66,29 @@ class Release:
     sums: tuple[np.ndarray, ...]
 
     def to_bytes(self) -> bytes:
-        header = json.dumps({"fields": self.fields,
-                             "arrays": [[list(a.shape), a.dtype.str] for a in self.sums]}).encode()
-        body = b"".join(np.ascontiguousarray(a).tobytes() for a in self.sums)
-        blob = RELEASE_MAGIC + len(header).to_bytes(8, "little") + header + body
-        return blob + zlib.crc32(blob).to_bytes(4, "little")
+        """The release in clipd's container format: its fields in the header, its noised sums as arrays.
+
+        >>> release = Release({"epsilon": 1.5}, (np.arange(3.0),))
+        >>> again = Release.from_bytes(release.to_bytes())
+        >>> again.fields, again.sums[0].tolist()
+        ({'epsilon': 1.5}, [0.0, 1.0, 2.0])
+        """
+        return container.to_bytes(RELEASE_MAGIC, {"fields": self.fields},
+                                  [(f"sums/{k}", np.asarray(s)) for k, s in enumerate(self.sums)])
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Release:
-        if not blob.startswith(RELEASE_MAGIC) or zlib.crc32(blob[:-4]) != int.from_bytes(blob[-4:], "little"):
-            raise ValueError("not an intact clipd release")
-        at = len(RELEASE_MAGIC)
+        """:meth:`to_bytes`'s blob (or one of the format before it); ``CorruptStateError`` if it is not intact."""
+        if bytes(blob[:len(_LEGACY_RELEASE_MAGIC)]) == _LEGACY_RELEASE_MAGIC:
+            return cls._from_legacy(blob)
+        header, arrays = container.from_bytes(blob, RELEASE_MAGIC, "release")
+        return cls(header["fields"], tuple(arrays[f"sums/{k}"] for k in range(len(arrays))))
+
+    @classmethod
+    def _from_legacy(cls, blob: bytes) -> Release:
+        if zlib.crc32(blob[:-4]) != int.from_bytes(blob[-4:], "little"):
+            raise container.CorruptStateError("release: checksum mismatch (truncated or corrupted)")
+        at = len(_LEGACY_RELEASE_MAGIC)
         size = int.from_bytes(blob[at:at + 8], "little")
         header = json.loads(blob[at + 8:at + 8 + size])
         offset, sums = at + 8 + size, []
