@@ -22,6 +22,7 @@ from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from conftest import TEST_SETTINGS
+from helpers import wait_until
 
 SUBMIT = "/clipd.v1.Clipd/Submit"
 WIDTH = 1024  # the test layer: 1024 float32 per example
@@ -88,15 +89,6 @@ class HeldStreams:
             channel.close()
 
 
-def wait_for(condition, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(step)
-    return condition()
-
-
 def admin_json(server, path: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.admin.port}{path}", timeout=10) as r:
@@ -118,7 +110,9 @@ def test_stalled_streams_lock_nobody_out_and_are_closed_when_idle():
                 held.open([])  # sends nothing at all
                 held.open([hello(agg, f"stall-{k}"), half_batch(agg, f"stall-{k}", rows=16)])
             limit = server.settings.max_streams
-            assert wait_for(lambda: server.servicer.active_streams == limit and held.ended() == 300 - limit, 20)
+            wait_until(lambda: server.servicer.active_streams == limit and held.ended() == 300 - limit, 20,
+                       lambda: f"{limit} streams held, {300 - limit} ended (held {server.servicer.active_streams},"
+                               f" ended {held.ended()})", step=0.05)
             # The 44 beyond the slots were refused at once, with a retry hint; none was let in.
             assert set(held.codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
             assert all("retry-after-ms" in t for t in held.trailers)
@@ -147,9 +141,12 @@ def test_stalled_streams_lock_nobody_out_and_are_closed_when_idle():
             assert result.examples == 40
 
         # The stalled streams were closed for idleness (UNAVAILABLE: reconnect), their memory released.
-        assert wait_for(lambda: held.ended() == 300, 10), (held.ended(), server.servicer.active_streams, {c: held.codes.count(c) for c in set(held.codes)})
+        wait_until(lambda: held.ended() == 300, 10, lambda: (
+            f"all 300 stalled streams ended (ended {held.ended()}, held {server.servicer.active_streams},"
+            f" codes {({c: held.codes.count(c) for c in set(held.codes)})})"), step=0.05)
         assert held.codes.count(grpc.StatusCode.UNAVAILABLE) == limit
-        assert wait_for(lambda: server.servicer.active_streams == 0 and server.servicer.budget.used == 0, 5)
+        wait_until(lambda: server.servicer.active_streams == 0 and server.servicer.budget.used == 0, 5,
+                   "no stream and no buffered byte left", step=0.05)
         assert admin_json(server, "/readyz")[0] == 200
     finally:
         held.close()
@@ -170,7 +167,9 @@ def test_stalled_streams_of_one_credential_never_refuse_a_client_with_another():
             honest_token = admin.get_aggregation(honest).submit_token
         for k in range(40):
             held.open([hello(flood, f"stall-{k}")], metadata=[("authorization", f"Bearer {flood_token}")])
-        assert wait_for(lambda: server.servicer.active_streams == 32 and held.ended() == 8, 20)
+        wait_until(lambda: server.servicer.active_streams == 32 and held.ended() == 8, 20,
+                   lambda: f"32 streams held, 8 ended (held {server.servicer.active_streams}, ended {held.ended()})",
+                   step=0.05)
         assert set(held.codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # one owner: they never evict each other
 
         updates = np.random.default_rng(1).standard_normal((24, WIDTH)).astype(np.float32)
@@ -180,7 +179,8 @@ def test_stalled_streams_of_one_credential_never_refuse_a_client_with_another():
         took = time.monotonic() - started
         assert report.examples == 24 and report.reconnects == 0 and took < 5.0, (report, took)
         assert server.servicer.stream_slots.evicted >= 1
-        assert wait_for(lambda: grpc.StatusCode.UNAVAILABLE in held.codes, 5)  # the evicted one: reconnect
+        wait_until(lambda: grpc.StatusCode.UNAVAILABLE in held.codes, 5, "the evicted stream's UNAVAILABLE (reconnect)",
+                   step=0.05)
         with Client(target, token="admin-secret") as admin:
             result = admin.finalize(honest)
         norms = np.linalg.norm(updates.astype(np.float64), axis=1)
@@ -205,11 +205,11 @@ def test_a_full_buffer_refuses_new_batches_with_a_retry_hint_and_keeps_the_accep
             client.submit(agg, {"w": first}, client_id="early")
             for k in range(4):  # three half batches fill the budget, the fourth is refused
                 held.open([hello(agg, f"fill-{k}"), half_batch(agg, f"fill-{k}", rows=64)])
-            assert wait_for(lambda: held.ended() == 1, 10)
+            wait_until(lambda: held.ended() == 1, 10, "the fourth half batch refused", step=0.05)
             assert held.codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] and "retry-after-ms" in held.trailers[0]
             assert server.servicer.budget.used == 3 * layer_bytes
             held.close()  # the holders go away: their reservations with them
-            assert wait_for(lambda: server.servicer.budget.used == 0, 5)
+            wait_until(lambda: server.servicer.budget.used == 0, 5, "the holders' reservations released", step=0.05)
             second = np.full((10, WIDTH), 0.25, np.float32)
             client.submit(agg, {"w": second}, client_id="late")
             result = client.finalize(agg)
@@ -260,10 +260,10 @@ def test_creation_limits_are_clear_refusals():
 
 def test_max_clients_counts_a_spread_submission_once_and_frees_a_client_that_left_with_nothing():
     from clipd.engine import ClipPolicy, LayerSpec
-    from clipd.server.aggregations import Aggregation
+    from clipd.server.aggregations import Aggregation, AggregationSpec
     from clipd.server.errors import ResourceExhausted
 
-    aggregation = Aggregation("a", (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20, max_clients=2)
+    aggregation = Aggregation("a", AggregationSpec((LayerSpec("w", (3,)),), ClipPolicy()), 8, 1 << 20, max_clients=2)
     for stream in ("alice", "alice~1", "alice~3"):  # one submission spread over 3 shards: one client
         aggregation.attach(stream, "w1")
     aggregation.attach("bob", "w2")
@@ -286,7 +286,8 @@ def test_a_warm_up_that_takes_too_long_fails_its_aggregation_with_the_reason(mon
     try:
         with Client(f"127.0.0.1:{port}", retry_timeout=1) as client:
             agg = client.create_aggregation({"w": (3, 5)})
-            assert wait_for(lambda: client.get_aggregation(agg).state == pb.Aggregation.FAILED, 10)
+            wait_until(lambda: client.get_aggregation(agg).state == pb.Aggregation.FAILED, 10, "the aggregation FAILED",
+                       step=0.05)
             assert "warm-up (compilation) took longer than 0.001 s" in client.get_aggregation(agg).failure_reason
             record = server.store.get(agg)  # the failure is the store's too (a restart keeps it)
             assert record.state == "failed" and "warm-up" in record.reason

@@ -14,6 +14,7 @@ from clipd.client import Client, FailedPreconditionError, InvalidArgumentError, 
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 from conftest import TEST_SETTINGS
+from helpers import wait_until
 from service_helpers import LAYERS, assert_result_matches, make_updates
 
 FAILED = 5  # clipd.v1.Aggregation.FAILED
@@ -50,9 +51,7 @@ def test_finalized_results_expire_after_the_retention_period_and_leave_the_store
         client.submit(agg, make_updates(5))
         client.finalize(agg)
         assert server.store.get(agg) is not None
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and server.store.get(agg) is not None:
-            time.sleep(0.1)
+        wait_until(lambda: server.store.get(agg) is None, 10, "the expired result gone from the store", step=0.1)
         with pytest.raises(NotFoundError):
             client.get_aggregation(agg)
         assert server.store.get(agg) is None and server.store.load_checkpoint(agg) is None
@@ -130,9 +129,9 @@ def test_a_stream_is_woken_for_its_own_client_and_for_state_changes_only():
     ending wakes hers; closing the aggregation wakes everyone; after ``unlisten`` nothing does."""
 
     from clipd.engine import ClipPolicy, LayerSpec
-    from clipd.server.aggregations import Aggregation
+    from clipd.server.aggregations import Aggregation, AggregationSpec
 
-    aggregation = Aggregation("a", (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20)
+    aggregation = Aggregation("a", AggregationSpec((LayerSpec("w", (3,)),), ClipPolicy()), 8, 1 << 20)
     alice, bob = threading.Event(), threading.Event()
     aggregation.listen("alice", alice)
     aggregation.listen("bob", bob)
@@ -199,10 +198,7 @@ def test_an_aggregation_like_a_compiled_one_opens_without_running_its_steps_agai
 
     def open_one(shape) -> None:
         agg = client.create_aggregation({"w": shape, "b": (3,)})
-        deadline = time.monotonic() + 60
-        while client.get_aggregation(agg).state != 2:  # OPEN
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: client.get_aggregation(agg).state == 2, 60, f"{agg} OPEN")  # 2: OPEN
 
     open_one((7, 13))  # a shape no other test uses: compiled here
     first = len(warm_steps)
@@ -217,12 +213,12 @@ def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is
     """FILL_WAIT gathers small batches into one step; once every stream has ended nothing more can come (a
     trainer's one batch per step), and the step must not wait: the last stream's end wakes the worker."""
     from clipd.engine import ClipPolicy, LayerSpec
-    from clipd.server.aggregations import Aggregation
+    from clipd.server.aggregations import Aggregation, AggregationSpec
     from clipd.server.stores.base import MemoryStore
     from clipd.server.shards.worker import DeviceWorker
 
     worker = DeviceWorker(MemoryStore())
-    aggregation = Aggregation("a", (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20)
+    aggregation = Aggregation("a", AggregationSpec((LayerSpec("w", (3,)),), ClipPolicy()), 8, 1 << 20)
     aggregation.on_last_stream.append(worker._streams_ended)  # as the worker does when it opens an aggregation
     try:
         started = time.monotonic()
@@ -244,14 +240,14 @@ def test_fail_is_recorded_in_the_store_once_and_only_where_asked():
     """``lifecycle.fail``: FAILED with the reason in memory and in the store; ``store=None`` leaves the store
     as it is (another process records it); a finished aggregation does not fail again."""
     from clipd.engine import ClipPolicy, LayerSpec
-    from clipd.server.aggregations import Aggregation, State
+    from clipd.server.aggregations import Aggregation, AggregationSpec, State
     from clipd.server.lifecycle import fail
     from clipd.server.stores.base import AggregationRecord, MemoryStore
 
     store = MemoryStore()
     for name in ("a", "b"):
         store.create(AggregationRecord(name, "{}", created=1.0))
-    a, b = (Aggregation(n, (LayerSpec("w", (3,)),), ClipPolicy(), False, 8, 1 << 20) for n in ("a", "b"))
+    a, b = (Aggregation(n, AggregationSpec((LayerSpec("w", (3,)),), ClipPolicy()), 8, 1 << 20) for n in ("a", "b"))
     assert fail(a, store, "disk full")
     assert a.state is State.FAILED and a.failure_reason == "disk full"
     assert (store.get("a").state, store.get("a").reason) == ("failed", "disk full")

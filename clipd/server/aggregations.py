@@ -87,39 +87,59 @@ def make_accumulator(layers: tuple[LayerSpec, ...], policy: ClipPolicy, plan) ->
     return ClipAccumulator(layers, policy, fixed_point_step=plan.grid_step if plan is not None else 0.0)
 
 
-def spec_to_json(layers: tuple[LayerSpec, ...], policy: ClipPolicy, reject_non_finite: bool,
-                 privacy: dp.PrivacyPolicy | None = None, shards: int = 1) -> str:
-    """An aggregation's layers, policy (with the bound in use), privacy policy and shard count as JSON, for the store."""
-    spec = {
-        "shards": shards,
-        "layers": [[l.name, list(l.shape), l.dtype] for l in layers],
-        "policy": {"kind": policy.kind.value, "l2_norm_clip": policy.l2_norm_clip,
-                   "layer_clips": list(policy.layer_clips), "rescale_to_unit_norm": policy.rescale_to_unit_norm,
-                   "non_finite": policy.non_finite.value},
-        "reject_non_finite": reject_non_finite,
-    }
-    if privacy is not None:
-        spec["privacy"] = dataclasses.asdict(privacy)
-    return json.dumps(spec)
+@dataclasses.dataclass(frozen=True)
+class AggregationSpec:
+    """What an aggregation is, fixed when it is created: its layers, its clipping policy, whether a batch
+    holding NaN or inf is refused whole (the wire's ``REJECT``; the engine then zeroes nothing), its privacy
+    policy and how many shards its clients are split over. :meth:`to_json` is the one form it is kept in
+    (``AggregationRecord.spec``); :meth:`Aggregation.from_record` opens an aggregation from it.
 
+    >>> spec = AggregationSpec((LayerSpec("w", (2, 3)),), ClipPolicy(l2_norm_clip=1.5), shards=2)
+    >>> AggregationSpec.from_json(spec.to_json()) == spec
+    True
+    """
 
-def spec_from_json(text: str) -> tuple[tuple[LayerSpec, ...], ClipPolicy, bool, dp.PrivacyPolicy | None]:
-    """The inverse of :func:`spec_to_json`."""
-    spec = json.loads(text)
-    layers = tuple(LayerSpec(name, tuple(shape), dtype) for name, shape, dtype in spec["layers"])
-    privacy = None
-    if "privacy" in spec:
-        fields = dict(spec["privacy"])
-        fields["sampling"] = dp.Sampling(**fields["sampling"])
-        if fields["adaptive"] is not None:
-            fields["adaptive"] = dp.AdaptiveClipping(**fields["adaptive"])
-        privacy = dp.PrivacyPolicy(**fields)
-    return layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy
+    layers: tuple[LayerSpec, ...]
+    policy: ClipPolicy
+    reject_non_finite: bool = False
+    privacy: dp.PrivacyPolicy | None = None
+    shards: int = 1
 
+    def to_json(self) -> str:
+        """The layers, the policy (with the bound in use), the privacy policy and the shard count, as JSON."""
+        policy = self.policy
+        spec = {
+            "shards": self.shards,
+            "layers": [[layer.name, list(layer.shape), layer.dtype] for layer in self.layers],
+            "policy": {"kind": policy.kind.value, "l2_norm_clip": policy.l2_norm_clip,
+                       "layer_clips": list(policy.layer_clips), "rescale_to_unit_norm": policy.rescale_to_unit_norm,
+                       "non_finite": policy.non_finite.value},
+            "reject_non_finite": self.reject_non_finite,
+        }
+        if self.privacy is not None:
+            spec["privacy"] = dataclasses.asdict(self.privacy)
+        return json.dumps(spec)
 
-def spec_shards(text: str) -> int:
-    """How many shards the aggregation of :func:`spec_to_json`'s text has (1 if it predates shards)."""
-    return int(json.loads(text).get("shards", 1))
+    @classmethod
+    def from_json(cls, text: str) -> AggregationSpec:
+        """The inverse of :meth:`to_json` (a record from before shards has one)."""
+        spec = json.loads(text)
+        layers = tuple(LayerSpec(name, tuple(shape), dtype) for name, shape, dtype in spec["layers"])
+        privacy = None
+        if "privacy" in spec:
+            fields = dict(spec["privacy"])
+            fields["sampling"] = dp.Sampling(**fields["sampling"])
+            if fields["adaptive"] is not None:
+                fields["adaptive"] = dp.AdaptiveClipping(**fields["adaptive"])
+            privacy = dp.PrivacyPolicy(**fields)
+        return cls(layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy,
+                   int(spec.get("shards", 1)))
+
+    def release_plan(self) -> dp.ReleasePlan | None:
+        """The release's plan under its privacy policy (noise, grid), for the bound in use; None if not private."""
+        if self.privacy is None:
+            return None
+        return self.privacy.plan(self.policy.example_bound(self.layers), self.layers)
 
 
 class Aggregation:
@@ -135,21 +155,23 @@ class Aggregation:
     :attr:`totals` is their merge. A client's marks live in its shard's state.
     """
 
-    def __init__(self, aggregation_id: str, layers: tuple[LayerSpec, ...], policy: ClipPolicy,
-                 reject_non_finite: bool, max_device_rows: int, staging_bytes: int,
+    def __init__(self, aggregation_id: str, spec: AggregationSpec, max_device_rows: int, staging_bytes: int,
                  recovered: list[PartialState | None] | None = None, created: float | None = None,
-                 max_clients: int | None = None, privacy=None, plan=None, shards: int = 1) -> None:
+                 max_clients: int | None = None, plan=None) -> None:
+        """``plan``: the release plan of a private spec (default :meth:`AggregationSpec.release_plan`)."""
         self.id = aggregation_id
-        self.privacy = privacy  # engine PrivacyPolicy, or None: the sum is released as is
-        self.plan = plan  # engine ReleasePlan of the privacy policy
+        self.spec = spec
+        layers, policy, shards = spec.layers, spec.policy, spec.shards
+        self.privacy = spec.privacy  # engine PrivacyPolicy, or None: the sum is released as is
+        self.plan = plan if plan is not None else spec.release_plan()  # engine ReleasePlan of the privacy policy
         self.release: dict | None = None  # the committed release's fields
         self.planned_epsilon = 0.0  # the ledger's epsilon once this is released (at creation)
         self.max_clients = max_clients
         self.layers = layers
         self.policy = policy
-        self.reject_non_finite = reject_non_finite
-        self.accumulator = make_accumulator(layers, policy, plan)
-        self.example_bytes = sum(l.size * np.dtype(l.dtype).itemsize for l in layers)
+        self.reject_non_finite = spec.reject_non_finite
+        self.accumulator = make_accumulator(layers, policy, self.plan)
+        self.example_bytes = sum(layer.size * np.dtype(layer.dtype).itemsize for layer in layers)
         rows = max(1, min(max_device_rows, staging_bytes // max(1, self.example_bytes)))
         self.device_rows = 1 << (rows.bit_length() - 1)  # a power of two
         self.created = time.time() if created is None else created
@@ -192,6 +214,14 @@ class Aggregation:
         self.released_sums: tuple[np.ndarray, ...] = ()
         self._finalize_lock = threading.Lock()
 
+    @classmethod
+    def from_record(cls, record, settings, recovered: list[PartialState | None] | None = None) -> Aggregation:
+        """The aggregation a store record describes (its spec, id, creation time), with the server's limits
+        (``settings``) and each shard's checkpoint (``recovered``): how recovery and shard processes open it."""
+        return cls(record.aggregation_id, AggregationSpec.from_json(record.spec), settings.max_device_rows,
+                   settings.staging_bytes, recovered=recovered, created=record.created,
+                   max_clients=settings.max_clients)
+
     @property
     def totals(self) -> PartialState:
         """Every shard's totals merged (as of each shard's last flush)."""
@@ -203,7 +233,7 @@ class Aggregation:
     @property
     def parameters(self) -> int:
         """Elements of all layers together."""
-        return sum(l.size for l in self.layers)
+        return sum(layer.size for layer in self.layers)
 
     @property
     def state_bytes(self) -> int:
@@ -553,7 +583,8 @@ class Aggregation:
 
     def _withheld_stats_locked(self) -> Stats:
         """A private aggregation's statistics: its spec and state; numbers only as released (noised)."""
-        layers = tuple(LayerStats(spec.name, bound, 0, 0.0, 0.0, ()) for spec, bound in zip(self.layers, self._layer_bounds()))
+        layers = tuple(LayerStats(spec.name, bound, 0, 0.0, 0.0, ())
+                       for spec, bound in zip(self.layers, self._layer_bounds()))
         notice = ("withheld: a differentially private aggregation shows no raw statistic;"
                   + (" see the release for its noised ones" if self.release else
                      " its noised statistics come with the release at finalize"))
@@ -692,7 +723,8 @@ class Registry:
         if held + needed > self.memory:
             raise ResourceExhausted(
                 f"aggregation of {aggregation.parameters} parameters: its sums take {aggregation.state_bytes} bytes"
-                f" ({aggregation.shards} shard(s) x {aggregation.state_bytes_per_parameter} bytes a parameter) and an update"
+                f" ({aggregation.shards} shard(s) x {aggregation.state_bytes_per_parameter} bytes a parameter) and"
+                f" an update"
                 f" {aggregation.example_bytes} more; the memory budget is {self.memory} bytes (memory_budget), of"
                 f" which aggregations hold {held} (open ones their sums, finished ones their results)"
                 + ("; cancel finished aggregations whose results were fetched, or finalize open ones" if held

@@ -15,7 +15,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from clipd.server.aggregations import Aggregation, Registry, spec_from_json, spec_shards
+from clipd.server.aggregations import Aggregation, AggregationSpec, Registry
 from clipd.server.credentials import SubmitTokens
 from clipd.server.lifecycle import Lifecycle, Shards, claims_shards, fail
 from clipd.server.logs import event
@@ -227,8 +227,8 @@ def recover(store: Store, registry: Registry, shards: Shards, settings: Settings
     result (or their private release) again; failed ones keep their reason.
     """
     for record in store.records():
-        layers, policy, reject, privacy = spec_from_json(record.spec)
-        shard_count = spec_shards(record.spec)
+        spec = AggregationSpec.from_json(record.spec)
+        shard_count, privacy = spec.shards, spec.privacy
         finalized = record.state == FINALIZED
         release, epochs = None, None
         if privacy is not None and finalized:
@@ -243,10 +243,7 @@ def recover(store: Store, registry: Registry, shards: Shards, settings: Settings
                       for k in range(shard_count)]
             if finalized and None in totals:
                 totals = None  # a final checkpoint is missing or damaged: no result
-        plan = privacy.plan(policy.example_bound(layers), layers) if privacy is not None else None
-        aggregation = Aggregation(record.aggregation_id, layers, policy, reject, settings.max_device_rows,
-                                  settings.staging_bytes, recovered=totals, created=record.created,
-                                  max_clients=settings.max_clients, privacy=privacy, plan=plan, shards=shard_count)
+        aggregation = Aggregation.from_record(record, settings, recovered=totals)
         if epochs is not None:
             aggregation.epochs = epochs
         if finalized and (totals is not None or release is not None):
@@ -258,7 +255,7 @@ def recover(store: Store, registry: Registry, shards: Shards, settings: Settings
             aggregation.finished = record.finished
         else:
             if privacy is not None:
-                ledgers.reserve(aggregation, privacy, plan)
+                ledgers.reserve(aggregation, privacy, aggregation.plan)
             shards.warm_up(aggregation)
             if record.state == CLOSING:  # a finalize was under way: it takes no more batches
                 aggregation.close()

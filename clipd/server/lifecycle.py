@@ -30,7 +30,7 @@ import numpy as np
 
 from clipd.engine import BoundKind, NonFinite, PartialState
 from clipd.engine import _privacy as dp
-from clipd.server.aggregations import Aggregation, Registry, Result, spec_to_json
+from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, Result
 from clipd.server.errors import AlreadyExists, ClipdError, InvalidArgument
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers
@@ -132,16 +132,14 @@ class Lifecycle:
         plan = None
         if privacy is not None:
             policy, plan = self._private_policy(policy, privacy, layers)
-        shards = self.settings.shards or len(self.shards)
+        spec = AggregationSpec(layers, policy, reject, privacy, self.settings.shards or len(self.shards))
 
         def make(aggregation_id: str) -> Aggregation:
-            return Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
-                               self.settings.staging_bytes, max_clients=self.settings.max_clients,
-                               privacy=privacy, plan=plan, shards=shards)
+            return Aggregation(aggregation_id, spec, self.settings.max_device_rows, self.settings.staging_bytes,
+                               max_clients=self.settings.max_clients, plan=plan)
 
         def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it
-            record = AggregationRecord(aggregation.id, spec_to_json(layers, policy, reject, privacy, shards),
-                                       created=aggregation.created)
+            record = AggregationRecord(aggregation.id, spec.to_json(), created=aggregation.created)
 
             def create_record(ledger_entry=None) -> None:
                 if not self.store.create(record, ledger_entry=ledger_entry):
@@ -171,7 +169,8 @@ class Lifecycle:
                                       " rescale_to_unit_norm")
             policy = dataclasses.replace(policy, l2_norm_clip=self.ledgers.current_bound(privacy))
         if policy.rescale_to_unit_norm:
-            raise InvalidArgument("privacy: rescale_to_unit_norm changes the sensitivity; release the plain clipped sum")
+            raise InvalidArgument("privacy: rescale_to_unit_norm changes the sensitivity; release the plain clipped"
+                                  " sum")
         bound = policy.example_bound(layers)
         if not math.isfinite(bound):
             raise InvalidArgument("privacy: an infinite bound (no clipping) has no finite sensitivity")

@@ -62,10 +62,9 @@ from clipd.engine import PartialState
 from clipd.server.aggregations import (
     TAKES_BATCHES,
     Aggregation,
+    AggregationSpec,
     Registry,
     State,
-    spec_from_json,
-    spec_shards,
 )
 from clipd.server.credentials import bearer_token
 from clipd.server.errors import (
@@ -175,7 +174,8 @@ class ShardProcess:
 
     def __init__(self, settings: Settings, index: int, public_port: int, data_port: int, private_dir: str | None,
                  control: str | None = None) -> None:
-        """``private_dir``: the unix sockets of ``--processes``; None on Ray (:class:`clipd.server.shards.ray_hosts.ShardHost`):
+        """``private_dir``: the unix sockets of ``--processes``; None on Ray
+        (:class:`clipd.server.shards.ray_hosts.ShardHost`):
         ``control`` is then the server's address, the siblings' are set by :meth:`set_siblings` and the
         control's calls are the actor's methods."""
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -268,17 +268,13 @@ class ShardProcess:
             raise FailedPrecondition(f"aggregation {aggregation_id} is finalized: it takes no more batches")
         if record.state == FAILED:
             raise FailedPrecondition(f"aggregation {aggregation_id} failed: {record.reason}")
-        layers, policy, reject, privacy = spec_from_json(record.spec)
-        shards = spec_shards(record.spec)
+        shards = AggregationSpec.from_json(record.spec).shards
         mine = self.devices.owned(shards)
         # Claim before reading: no earlier owner of these shards can commit after the checkpoints read here.
         epochs = {k: self.store.claim_shard(aggregation_id, k) for k in mine}
         recovered = [self.store.load_checkpoint(aggregation_id, shard=k) if k in epochs else None
                      for k in range(shards)]
-        plan = privacy.plan(policy.example_bound(layers), layers) if privacy is not None else None
-        aggregation = Aggregation(aggregation_id, layers, policy, reject, self.settings.max_device_rows,
-                                  self.settings.staging_bytes, recovered=recovered, created=record.created,
-                                  max_clients=self.settings.max_clients, privacy=privacy, plan=plan, shards=shards)
+        aggregation = Aggregation.from_record(record, self.settings, recovered=recovered)
         aggregation.epochs = [epochs.get(k) for k in range(shards)]
         if record.state == CLOSING:  # being finalized: what its checkpoints hold is all it will hold
             aggregation.close()
@@ -296,7 +292,7 @@ class ShardProcess:
         record = self.store.get(message.aggregation_id)
         if record is None or not self.servicer.may_submit(token, record.aggregation_id, record.created):
             return self.index
-        return owner_of(wire.shard_of(message.client_id, spec_shards(record.spec)), self.count)
+        return owner_of(wire.shard_of(message.client_id, AggregationSpec.from_json(record.spec).shards), self.count)
 
     def _submit(self, raw_requests, context):
         token = bearer_token(context.invocation_metadata())
@@ -426,7 +422,7 @@ class ShardProcess:
                 raise NotFound(f"no aggregation {message.aggregation_id!r}")
         except ClipdError as e:
             self.servicer.refuse(context, e, "GetPlacement")
-        shards = spec_shards(record.spec)
+        shards = AggregationSpec.from_json(record.spec).shards
         placement = clipd_pb2.Placement(aggregation_id=record.aggregation_id, shards=shards,
                                         endpoints=[endpoints[owner_of(k, self.count)] for k in range(shards)])
         return placement.SerializeToString()
@@ -633,7 +629,8 @@ class ShardProcesses:
                 if dead and not self._stopping.is_set():
                     log.warning("shard process %d (pid %d) exited with %s; starting another", index, process.pid,
                                 process.returncode, extra={"event": "shard_process.restarted"})
-                    threading.Thread(target=self._bring_up, args=(index,), name="clipd-shard-start", daemon=True).start()
+                    threading.Thread(target=self._bring_up, args=(index,), name="clipd-shard-start",
+                                     daemon=True).start()
 
     def _call(self, index: int, name: str, request: dict, timeout: float, quiet: bool = False) -> dict | None:
         """One of the control's calls to process ``index``; None if it failed (``quiet``), else its error raised

@@ -35,7 +35,7 @@ class AggregationRecord:
     """What the store knows of one aggregation besides its checkpoints."""
 
     aggregation_id: str
-    spec: str  # JSON: layers and policy (see aggregations.spec_to_json); opaque to the store
+    spec: str  # JSON: what the aggregation is (aggregations.AggregationSpec.to_json); opaque to the store
     state: str = OPEN  # one of STATES
     created: float = 0.0  # unix seconds
     finished: float | None = None  # unix seconds it was finalized or failed
@@ -173,7 +173,7 @@ class Store(abc.ABC):
     def load_release(self, aggregation_id: str) -> bytes | None:
         """The committed release of an aggregation, or None."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a store with nothing to release keeps this)
         """Releases files and connections."""
 
 
