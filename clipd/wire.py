@@ -94,7 +94,7 @@ def dtype_code(dtype) -> int:
 
 def layer_specs(layers) -> list[pb.LayerSpec]:
     """LayerSpec messages of layers with a ``name``, a ``shape`` and a ``dtype`` name."""
-    return [pb.LayerSpec(name=l.name, shape=l.shape, dtype=DTYPES[l.dtype]) for l in layers]
+    return [pb.LayerSpec(name=layer.name, shape=layer.shape, dtype=DTYPES[layer.dtype]) for layer in layers]
 
 
 def clip_policy(kind: str, non_finite: str, **fields) -> pb.ClipPolicy:

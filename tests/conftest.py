@@ -1,4 +1,4 @@
-"""Shared fixtures: a real clipd server on loopback (ephemeral port) and a real client."""
+"""Shared fixtures: a real clipd server on loopback (ephemeral port), one with an admin token, and a real client."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from clipd.server.settings import Settings
 
 TEST_SETTINGS = dict(host="127.0.0.1", grpc_port=0, admin_port=-1, max_device_rows=16,
                      max_message_bytes=4 << 20, max_aggregations=1000, data_dir="memory")
+ADMIN_TOKEN = "admin-secret-4c1f"  # the admin credential of ``auth_server``
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +18,17 @@ def server(tmp_path_factory):
     """A server with a real (SQLite) store in a fresh directory: acknowledgements wait for checkpoints."""
     data_dir = tmp_path_factory.mktemp("clipd-data")
     server, _ = create_server(Settings(**{**TEST_SETTINGS, "data_dir": str(data_dir)}))
+    yield server
+    server.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory):
+    """Auth on: a server with the admin token ``ADMIN_TOKEN``, the admin API on an ephemeral port, and a real
+    (SQLite) store in a fresh directory."""
+    data_dir = tmp_path_factory.mktemp("clipd-auth")
+    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "admin_token": ADMIN_TOKEN,
+                                          "data_dir": str(data_dir)}))
     yield server
     server.stop(grace=1.0)
 

@@ -1,11 +1,16 @@
-"""Shared test helpers: random per-example batches and tolerant comparisons."""
+"""Shared test helpers: random per-example batches, tolerant comparisons, and waiting for a condition."""
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax.numpy as jnp
 import numpy as np
+
+T = TypeVar("T")
 
 # Relative tolerance per dtype when two implementations may round differently.
 RTOL = {"float32": 1e-5, "float64": 1e-12, "float16": 2e-3, "bfloat16": 2e-2}
@@ -59,3 +64,20 @@ def is_tie_free(norms: np.ndarray, bound: float, rel: float = 1e-4) -> bool:
     if not math.isfinite(bound) or bound == 0:
         return True
     return bool(np.all(np.abs(norms - bound) > rel * bound))
+
+
+def wait_until(condition: Callable[[], T], timeout: float, what: str | Callable[[], str], step: float = 0.01) -> T:
+    """Polls ``condition()`` every ``step`` s until it is truthy, and returns that value.
+
+    Fails the test with ``AssertionError("<what>: not within <timeout> s")`` when it is still falsy at a poll
+    made after ``timeout`` s. ``what`` says what was awaited: a string, or a callable giving one, called only
+    then (to show the state that was reached). An exception raised by ``condition`` propagates at once.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what() if callable(what) else what}: not within {timeout} s")
+        time.sleep(step)

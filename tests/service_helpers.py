@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import zlib
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clipd import engine
+from helpers import wait_until
 
 LAYERS = {"w": (6, 4), "b": (4,), "v": (3, 2, 2)}
 
@@ -166,17 +166,21 @@ class ServerProcess:
                  "--data-dir", str(self.data_dir), "--compilation-cache-dir", str(self.cache_dir), *self.args],
                 env=env, stdout=subprocess.DEVNULL, stderr=log,
             )
-        deadline = time.monotonic() + 90
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
-            ready = grpc.channel_ready_future(channel)  # one future, cancelled before the channel closes: a
-            try:  # future left polling a closed channel raises in gRPC's own thread
-                while True:
-                    assert self.proc.poll() is None, f"clipd serve exited: {self.log()[-3000:]}"
-                    try:
-                        ready.result(timeout=0.5)
-                        return
-                    except grpc.FutureTimeoutError:
-                        assert time.monotonic() < deadline, "clipd serve did not start within 90 s"
+            # One future, cancelled before the channel closes: a future left polling a closed channel raises in
+            # gRPC's own thread.
+            ready = grpc.channel_ready_future(channel)
+
+            def serving() -> bool:
+                assert self.proc.poll() is None, f"clipd serve exited: {self.log()[-3000:]}"
+                try:
+                    ready.result(timeout=0.5)
+                    return True
+                except grpc.FutureTimeoutError:
+                    return False
+
+            try:
+                wait_until(serving, 90, "clipd serve started", step=0)
             finally:
                 ready.cancel()
 
@@ -224,15 +228,17 @@ def global_clip_reference(batches, clip: float) -> tuple[dict[str, np.ndarray], 
 
 def get_json(url: str, wait: float = 30.0) -> dict:
     """GET ``url`` as JSON, waiting up to ``wait`` s for the server to answer (the admin API starts after gRPC)."""
-    deadline = time.monotonic() + wait
-    while True:
+    errors: list[urllib.error.URLError] = []
+
+    def answer() -> tuple | None:  # the JSON in a tuple: an empty object is an answer too
         try:
             with urllib.request.urlopen(url, timeout=30) as response:
-                return json.load(response)
-        except urllib.error.URLError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+                return (json.load(response),)
+        except urllib.error.URLError as e:
+            errors.append(e)
+            return None
+
+    return wait_until(answer, wait, lambda: f"an answer from {url} (last: {errors[-1]!r})", step=0.1)[0]
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ tests/service_helpers.py, not clipd's code.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 
 from clipd.client import Client, NotFoundError, Privacy
 from clipd.server.lifecycle import Shards
+from helpers import wait_until
 from service_helpers import assert_exact_global_clip, random_batch
 
 LAYERS = {"w": (12, 5), "b": (5,)}
@@ -30,10 +30,8 @@ def check_shards_contract(server, target: str, **client_options) -> None:
     kind = server.devices
     assert isinstance(kind, Shards), f"{type(kind).__name__} does not have every method of Shards"
     assert len(kind) >= 1 and isinstance(kind.device_kind, str) and kind.device_kind
-    deadline = time.monotonic() + 60
-    while not kind.ready:  # every shard host up (a device ran its first program, a process serves)
-        assert time.monotonic() < deadline, "the shards never became ready"
-        time.sleep(0.05)
+    # Every shard host up (a device ran its first program, a process serves).
+    wait_until(lambda: kind.ready, 60, "the shards ready", step=0.05)
     with Client(target, **client_options) as c:
         # Every client's batches land in its shard and are counted once, appends included.
         aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP)

@@ -20,6 +20,7 @@ import pytest
 
 from clipd.client import Client
 from clipd.v1 import clipd_pb2 as pb
+from helpers import wait_until
 
 SUBMIT = "/clipd.v1.Clipd/Submit"
 MiB = 1 << 20
@@ -43,15 +44,16 @@ class Serve:
             [sys.executable, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", str(self.port),
              "--admin-port", "-1", "--data-dir", "memory"],
             env=environ, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
         with grpc.insecure_channel(self.target) as channel:
-            while True:
+            def serving() -> bool:
                 assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
                 try:
                     grpc.channel_ready_future(channel).result(timeout=0.5)
-                    return
+                    return True
                 except grpc.FutureTimeoutError:
-                    assert time.monotonic() < deadline, "clipd serve did not start within 60 s"
+                    return False
+
+            wait_until(serving, 60, "clipd serve started", step=0)
 
     @property
     def target(self) -> str:
@@ -84,7 +86,7 @@ def serve(tmp_path):
         s.close()
 
 
-def _stall(channel, messages: list[bytes], release: threading.Event, codes: list) -> grpc.Future:
+def _stall(channel, messages: list[bytes], release: threading.Event, codes: list, greeted: list) -> grpc.Future:
     def requests():
         yield from messages
         release.wait()
@@ -93,8 +95,9 @@ def _stall(channel, messages: list[bytes], release: threading.Event, codes: list
 
     def drain():  # gRPC surfaces the status only after the answers are read
         try:
-            for _ in call:
-                pass
+            for k, _ in enumerate(call):
+                if k == 0:
+                    greeted.append(call)  # the server answered the hello: the stream is open there
         except grpc.RpcError:
             pass
         codes.append(call.code())
@@ -103,11 +106,16 @@ def _stall(channel, messages: list[bytes], release: threading.Event, codes: list
     return call
 
 
-def _half_batches(serve: Serve, aggregation: str, streams: int, batch_bytes: int) -> tuple[list, threading.Event, list]:
-    """``streams`` streams each sending the first half of a ``batch_bytes`` batch, then stalling."""
+def _half_batches(serve: Serve, aggregation: str, streams: int,
+                  batch_bytes: int) -> tuple[list, threading.Event, list, list]:
+    """``streams`` streams each sending the first half of a ``batch_bytes`` batch, then stalling.
+
+    Returns the calls, the event that ends their requests, their status codes once ended, and the calls the
+    server has answered the hello of (open on the server).
+    """
     width = batch_bytes // 4
     channel = grpc.insecure_channel(serve.target, options=[("grpc.max_send_message_length", 64 * MiB)])
-    release, codes, calls = threading.Event(), [], []
+    release, codes, greeted, calls = threading.Event(), [], [], []
     half = np.ones(width // 2, np.float32).tobytes()
     for k in range(streams):
         client = f"abandon-{k}"
@@ -116,8 +124,8 @@ def _half_batches(serve: Serve, aggregation: str, streams: int, batch_bytes: int
             pb.SubmitRequest(aggregation_id=aggregation, client_id=client, writer_id=client).SerializeToString(),
             pb.SubmitRequest(aggregation_id=aggregation, client_id=client, sequence=1,
                              chunks=[chunk]).SerializeToString(),
-        ], release, codes))
-    return calls, release, codes
+        ], release, codes, greeted))
+    return calls, release, codes, greeted
 
 
 def _settle(serve: Serve, seconds: float = 1.5) -> int:
@@ -135,7 +143,7 @@ def test_memory_of_abandoned_half_batches_is_released(serve):
         rounds = []
         for _ in range(2):  # the first round also pays one-time allocations: the baseline is after it
             before = _settle(server)
-            calls, release, codes = _half_batches(server, aggregation, 100, 16 * MiB)
+            calls, release, codes, _ = _half_batches(server, aggregation, 100, 16 * MiB)
             deadline = time.monotonic() + 60
             while client.stats(aggregation).state and time.monotonic() < deadline:
                 held = server.rss()
@@ -176,8 +184,8 @@ def test_malformed_messages_are_invalid_argument_with_one_log_line_and_sigterm_s
 
     with Client(server.target) as client:  # the server is fine
         aggregation = client.create_aggregation({"w": (16 * 1024,)})
-        held, release, codes = _half_batches(server, aggregation, 5, 64 * 1024)  # open at SIGTERM
-        time.sleep(0.5)
+        held, release, codes, greeted = _half_batches(server, aggregation, 5, 64 * 1024)  # open at SIGTERM
+        wait_until(lambda: len(greeted) == 5, 10, "the five streams open on the server")
         assert not codes  # the five are held open
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)

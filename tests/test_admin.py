@@ -16,21 +16,14 @@ from clipd.client import Client
 from clipd.server.admin.app import quantile_from_histogram
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
-from conftest import TEST_SETTINGS
+from conftest import ADMIN_TOKEN, TEST_SETTINGS
 from service_helpers import LAYERS, make_updates, reference
 
 
 @pytest.fixture(scope="module")
 def admin_server():
-    """Auth off (loopback): what the dashboard test needs. ``auth_server`` has an admin token."""
+    """Auth off (loopback): what the dashboard test needs. ``auth_server`` (conftest.py) has an admin token."""
     server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0}))
-    yield server
-    server.stop(grace=1.0)
-
-
-@pytest.fixture(scope="module")
-def auth_server():
-    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "admin_token": "tok"}))
     yield server
     server.stop(grace=1.0)
 
@@ -124,10 +117,10 @@ def test_cancel_needs_the_token(auth_server):
     assert http(auth_server, path, "DELETE")[0] == 401
     assert http(auth_server, path, "DELETE", token="wrong")[0] == 403
     assert http(auth_server, path, "DELETE", token=submit_token)[0] == 403  # a submitter is no admin
-    assert http(auth_server, path, "DELETE", cookie="clipd_admin=tok")[0] == 401  # writes: header only
-    status, body = http(auth_server, path, "DELETE", token="tok")
+    assert http(auth_server, path, "DELETE", cookie=f"clipd_admin={ADMIN_TOKEN}")[0] == 401  # writes: header only
+    status, body = http(auth_server, path, "DELETE", token=ADMIN_TOKEN)
     assert status == 200 and json.loads(body)["state"] == "cancelled"
-    assert http(auth_server, path, token="tok")[0] == 404
+    assert http(auth_server, path, token=ADMIN_TOKEN)[0] == 404
 
 
 def test_every_read_route_needs_the_admin_credential_when_auth_is_on(auth_server):
@@ -138,8 +131,8 @@ def test_every_read_route_needs_the_admin_credential_when_auth_is_on(auth_server
         assert http(auth_server, path)[0] == 401
         assert http(auth_server, path, token="x")[0] == 403
         assert http(auth_server, path, token=submit_token)[0] == 403
-        assert http(auth_server, path, token="tok")[0] == 200
-    assert http(auth_server, "/api/v1/aggregations?token=tok")[0] == 401  # never a credential in a URL
+        assert http(auth_server, path, token=ADMIN_TOKEN)[0] == 200
+    assert http(auth_server, f"/api/v1/aggregations?token={ADMIN_TOKEN}")[0] == 401  # never a credential in a URL
     assert http(auth_server, "/healthz")[0] == 200  # probes stay open
     assert http(auth_server, "/readyz")[0] == 200
 
@@ -149,16 +142,16 @@ def test_the_dashboard_signs_in_with_a_cookie_not_a_url(auth_server):
     assert status == 200 and b'name="token"' in page
     assert http(auth_server, "/login", "POST", body=b"token=nope")[0] == 403
     opener = urllib.request.build_opener(_NoRedirect)
-    request = urllib.request.Request(f"http://127.0.0.1:{auth_server.admin.port}/login", data=b"token=tok",
-                                     method="POST")
+    request = urllib.request.Request(f"http://127.0.0.1:{auth_server.admin.port}/login",
+                                     data=f"token={ADMIN_TOKEN}".encode(), method="POST")
     try:
         opener.open(request, timeout=30)
         raise AssertionError("expected a redirect")
     except urllib.error.HTTPError as e:
         assert e.code == 303 and e.headers["Location"] == "/"
         cookie = e.headers["Set-Cookie"]
-    assert cookie.startswith("clipd_admin=tok;") and "HttpOnly" in cookie and "SameSite=strict" in cookie
-    assert http(auth_server, "/api/v1/aggregations", cookie="clipd_admin=tok")[0] == 200
+    assert cookie.startswith(f"clipd_admin={ADMIN_TOKEN};") and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    assert http(auth_server, "/api/v1/aggregations", cookie=f"clipd_admin={ADMIN_TOKEN}")[0] == 200
     assert http(auth_server, "/api/v1/aggregations", cookie="clipd_admin=nope")[0] == 403
 
 

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from clipd.client import Client
+from helpers import wait_until
 from service_helpers import ServerProcess, free_port
 
 LAYERS = {"big": (1 << 18,), "w": (16, 8)}  # 1 MiB + 512 B per example: 4+ chunks of 256 KiB
@@ -95,10 +96,8 @@ def test_sigkill_at_random_points_loses_nothing_and_counts_nothing_twice(tmp_pat
         for round_ in range(4):
             time.sleep(rng.uniform(0.3, 1.2))
             if round_ in (1, 3):  # during a checkpoint write
-                deadline = time.monotonic() + 5
-                while not _states_dir_has_tmp(server.data_dir / "states") and time.monotonic() < deadline:
-                    time.sleep(0.0005)
-                assert _states_dir_has_tmp(server.data_dir / "states"), "no checkpoint write was seen"
+                wait_until(lambda: _states_dir_has_tmp(server.data_dir / "states"), 5, "a checkpoint write seen",
+                           step=0.0005)
             server.kill()
             time.sleep(rng.uniform(0.0, 0.5))
             server.start()

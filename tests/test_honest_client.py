@@ -17,6 +17,7 @@ from clipd.client import Client, FailedPreconditionError, InvalidUpdateError, Un
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 from conftest import TEST_SETTINGS
+from helpers import wait_until
 from service_helpers import LAYERS, assert_result_matches, make_updates
 
 
@@ -77,11 +78,9 @@ def test_a_reused_client_id_appends(client):
 def test_two_submissions_under_one_client_id_at_once_are_refused_not_merged(server, client):
     agg = client.create_aggregation(LAYERS)
     updates = make_updates(40, seed=3)
-    started = threading.Event()
 
     def slow():
         for i in range(20):
-            started.set()
             time.sleep(0.05)  # the first submission stays open for about a second
             yield _rows(updates, i, i + 1)
 
@@ -93,8 +92,8 @@ def test_two_submissions_under_one_client_id_at_once_are_refused_not_merged(serv
 
     thread = threading.Thread(target=first)
     thread.start()
-    started.wait(5)
-    time.sleep(0.1)
+    aggregation = server.registry.get(agg)
+    wait_until(lambda: aggregation.receiving, 5, "the first submission's stream open on the server")
     with pytest.raises(FailedPreconditionError, match="another submission"):
         client.submit(agg, _rows(updates, 20, 40), client_id="carol")
     thread.join(30)
@@ -107,18 +106,18 @@ def test_an_error_says_what_was_acknowledged_and_resume_sends_exactly_the_rest(t
     settings = Settings(**{**TEST_SETTINGS, "data_dir": str(tmp_path), "grpc_port": 0})
     server, port = create_server(settings)
     updates = make_updates(400, seed=4)
-    gate = threading.Event()
+    gate, stopped = threading.Event(), threading.Event()
 
     def source():
         for i in range(0, 400, 10):
             if i == 200:
                 gate.set()
-                time.sleep(0.5)  # the server stops here
+                stopped.wait(10)  # the server stops here
             yield _rows(updates, i, i + 10)
 
     with Client(f"127.0.0.1:{port}", message_bytes=8 << 10, retry_timeout=0.5) as c:
         agg = c.create_aggregation(LAYERS, aggregation_id="resume-me")
-        stopper = threading.Thread(target=lambda: (gate.wait(10), server.stop(grace=0.5)))
+        stopper = threading.Thread(target=lambda: (gate.wait(10), server.stop(grace=0.5), stopped.set()))
         stopper.start()
         with pytest.raises(UnavailableError) as info:
             c.submit(agg, source(), client_id="dave")
@@ -143,18 +142,19 @@ def test_a_server_restart_is_ridden_out(tmp_path):
     server, port = create_server(settings)
     restarted = {}
     updates = make_updates(300, seed=5)
-    gate = threading.Event()
+    gate, stopped = threading.Event(), threading.Event()
 
     def source():
         for i in range(0, 300, 10):
             if i == 150:
                 gate.set()
-                time.sleep(0.3)
+                stopped.wait(10)  # the server stops here
             yield _rows(updates, i, i + 10)
 
     def restart():
         gate.wait(10)
         server.stop(grace=0)
+        stopped.set()
         time.sleep(1.0)  # clients see UNAVAILABLE meanwhile
         restarted["server"], _ = create_server(Settings(**{**settings.__dict__, "grpc_port": port}))
 

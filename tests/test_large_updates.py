@@ -33,6 +33,7 @@ from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from conftest import TEST_SETTINGS
+from helpers import wait_until
 from service_helpers import FaultyProxy, ServerProcess, free_port, reference
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -89,10 +90,7 @@ def assert_exact(result, expected: dict[str, np.ndarray]) -> None:
 
 
 def wait_open(server, aggregation_id: str) -> None:
-    deadline = time.monotonic() + 30
-    while server.registry.get(aggregation_id).state.value != "open" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.registry.get(aggregation_id).state.value == "open"
+    wait_until(lambda: server.registry.get(aggregation_id).state.value == "open", 30, f"{aggregation_id} open")
 
 
 @pytest.fixture()
@@ -307,9 +305,7 @@ def test_a_broken_update_not_resumed_holds_its_memory_until_the_idle_timeout(dur
     with pytest.raises(grpc.RpcError):  # the stream ends inside its batch: INVALID_ARGUMENT
         list(call)
     assert budget.used == UPDATE_BYTES  # kept for a resuming stream of the same writer...
-    deadline = time.monotonic() + 5
-    while budget.used and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not budget.used, 5, "the broken update's memory released", step=0.05)
     # ...for the idle timeout; then freed, not pooled: the prepared buffers it took (its first layer's: 3
     # messages of 128 KiB) are not back.
     assert budget.used == 0 and budget.pooled == 2 * UPDATE_BYTES - LAYERS["a"][0] * 4

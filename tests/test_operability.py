@@ -25,27 +25,18 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from clipd.cli import build_parser
 from clipd.server import logs
 from clipd.server.admin.apidocs import openapi_30
-from clipd.server.app import create_server
 from clipd.server.rpc.reflection import V1_FILE_NAME, v1_file_descriptor_proto
 from clipd.server.settings import Settings, SettingsError
-from conftest import TEST_SETTINGS
 
 V1_METHOD = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
 EXPECTED_SERVICES = {"clipd.v1.Clipd", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
                      "grpc.reflection.v1alpha.ServerReflection"}
 
 
-@pytest.fixture(scope="module")
-def op_server():
-    """A real server with the admin API on, and auth on (reflection and docs must stay open)."""
-    server, _ = create_server(Settings(**{**TEST_SETTINGS, "admin_port": 0, "admin_token": "tok"}))
-    yield server
-    server.stop(grace=1.0)
-
-
 @pytest.fixture()
-def channel(op_server):
-    with grpc.insecure_channel(f"127.0.0.1:{op_server.port}") as channel:
+def channel(auth_server):
+    """A channel to a real server with the admin API on, and auth on (reflection and docs must stay open)."""
+    with grpc.insecure_channel(f"127.0.0.1:{auth_server.port}") as channel:
         yield channel
 
 
@@ -151,8 +142,8 @@ class _Refs(html.parser.HTMLParser):
             self.refs.append(attrs["href"])
 
 
-def test_docs_load_nothing_from_outside_the_server(op_server):
-    status, body = http(op_server, "/docs")  # no credentials: the docs hold no data
+def test_docs_load_nothing_from_outside_the_server(auth_server):
+    status, body = http(auth_server, "/docs")  # no credentials: the docs hold no data
     assert status == 200
     page = body.decode()
     assert re.findall(r"https?://", page) == [], page
@@ -161,16 +152,16 @@ def test_docs_load_nothing_from_outside_the_server(op_server):
     assert len(parser.refs) >= 2, page  # the script and the stylesheet at least
     for ref in parser.refs:
         assert ref.startswith("/"), ref
-        status, content = http(op_server, ref)
+        status, content = http(auth_server, ref)
         assert status == 200 and content, ref
     spec = re.search(r"url: '([^']+)'", page).group(1)
-    status, body = http(op_server, spec)
+    status, body = http(auth_server, spec)
     document = json.loads(body)
     assert status == 200 and document["openapi"].startswith("3.0")
     assert "/api/v1/aggregations" in document["paths"]
-    status, body = http(op_server, "/openapi.json")
+    status, body = http(auth_server, "/openapi.json")
     assert status == 200 and "/api/v1/aggregations" in json.loads(body)["paths"]
-    assert http(op_server, "/redoc")[0] == 404
+    assert http(auth_server, "/redoc")[0] == 404
 
 
 def test_openapi_30_turns_null_unions_into_nullable():
@@ -190,7 +181,7 @@ def test_openapi_30_turns_null_unions_into_nullable():
     assert document["openapi"] == "3.1.0"  # the input is left alone
 
 
-def test_docs_render_in_chromium_with_only_loopback_reachable(op_server, tmp_path):
+def test_docs_render_in_chromium_with_only_loopback_reachable(auth_server, tmp_path):
     """Swagger UI draws the operations with every address but 127.0.0.1 sent to a dead proxy."""
     chromium = shutil.which("chromium")
     assert chromium, "chromium is missing: apt-get install chromium (.ci/run does)"
@@ -201,7 +192,7 @@ def test_docs_render_in_chromium_with_only_loopback_reachable(op_server, tmp_pat
              "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
              "--virtual-time-budget=5000", "--window-size=1280,1000",
              f"--proxy-server=http://127.0.0.1:{dead_port}", "--proxy-bypass-list=127.0.0.1"]
-    url = f"http://127.0.0.1:{op_server.admin.port}/docs"
+    url = f"http://127.0.0.1:{auth_server.admin.port}/docs"
     dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     paths = set(re.findall(r'data-path="([^"]+)"', dom.stdout))
     assert {"/api/v1/aggregations", "/api/v1/aggregations/{aggregation_id}", "/metrics"} <= paths, \

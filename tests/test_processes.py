@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from conftest import TEST_SETTINGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import wait_until
 from service_helpers import (
     ServerProcess,
     assert_exact_global_clip,
@@ -70,17 +71,17 @@ def _slow_updates(gate: threading.Semaphore):
 
 
 def _wait_serving(target: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
+
+        def serving() -> bool:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
             except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, "not SERVING in time"
-            time.sleep(0.1)
+                return False
+            return status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_until(serving, timeout, f"{target} SERVING", step=0.1)
 
 
 def test_eight_routed_clients_a_shard_process_killed_mid_stream(tmp_path):
@@ -262,10 +263,9 @@ def test_refusals_through_a_shard_process_are_those_of_one_process(behind_shards
                             timeout=60))
             assert acks[-1].acknowledged_sequence == 1
     with Client(target, token="admin-secret") as c:
-        deadline = time.monotonic() + 10  # the control's statistics, polled from the shard processes
-        while c.stats("via-shards").examples != 18:
-            assert time.monotonic() < deadline, c.stats("via-shards")
-            time.sleep(0.1)
+        # The control's statistics, polled from the shard processes.
+        wait_until(lambda: c.stats("via-shards").examples == 18, 10,
+                   lambda: f"18 examples in the statistics ({c.stats('via-shards')})", step=0.1)
         result = c.finalize("via-shards")
     with grpc.insecure_channel(target) as channel:  # finalized: every shard process refuses more batches
         raw = channel.stream_stream("/clipd.v1.Clipd/Submit")

@@ -21,6 +21,7 @@ import ray  # noqa: E402  (the [test] extra installs it: a missing Ray fails, it
 import ray.cluster_utils  # noqa: E402
 
 from clipd.engine import LayerSpec  # noqa: E402
+from helpers import wait_until  # noqa: E402
 
 
 from test_postgres_store import pg_cluster  # noqa: E402,F401  (a fixture)
@@ -165,10 +166,8 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
             result = c.finalize(aggregation)
         assert server.servicer.payload_bytes == 0  # no payload byte reached the server
         assert sum(server.guard.forwarded.values()) > 0  # the hosts reached the server's mutual-TLS port
-        deadline = time.monotonic() + 30
-        while server.devices.describe_processes()[0]["restarts"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_until(lambda: server.devices.describe_processes()[0]["restarts"] >= 1, 30, "the killed host restarted",
+                   step=0.2)
     finally:
         server.stop(1.0)
     assert_result_exact(result, clients)

@@ -10,26 +10,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clipd.client import Client, PermissionDeniedError, UnauthenticatedError
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
+from conftest import ADMIN_TOKEN as ADMIN
 from conftest import TEST_SETTINGS
 
-ADMIN = "admin-secret-4c1f"
 LAYERS = {"w": (4,)}
 
 
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("roles")
-    server, port = create_server(Settings(**{**TEST_SETTINGS, "admin_token": ADMIN, "data_dir": str(data_dir)}))
-    yield server, f"127.0.0.1:{port}"
-    server.stop(grace=1.0)
+def target_of(server) -> str:
+    return f"127.0.0.1:{server.port}"
 
 
 def client(target, token):
     return Client(target, token=token, retry_timeout=0.5)
 
 
-def test_a_submit_token_submits_to_its_aggregation_and_does_nothing_else(secured):
-    _, target = secured
+def test_a_submit_token_submits_to_its_aggregation_and_does_nothing_else(auth_server):
+    target = target_of(auth_server)
     with client(target, ADMIN) as admin:
         mine = admin.create_aggregation(LAYERS, l2_norm_clip=float("inf"))
         other = admin.create_aggregation(LAYERS)
@@ -63,8 +59,8 @@ def test_a_submit_token_submits_to_its_aggregation_and_does_nothing_else(secured
 
 
 @pytest.mark.parametrize("token", [None, "not-a-credential", ADMIN + "x", "cst1_" + "A" * 43])
-def test_without_a_credential_only_health_and_reflection_answer(secured, token):
-    server, target = secured
+def test_without_a_credential_only_health_and_reflection_answer(auth_server, token):
+    target = target_of(auth_server)
     with client(target, ADMIN) as admin:
         aggregation = admin.create_aggregation(LAYERS)
     with client(target, token) as anonymous:
@@ -80,8 +76,8 @@ def test_without_a_credential_only_health_and_reflection_answer(secured, token):
             health_pb2.HealthCheckResponse.SERVING
 
 
-def test_a_submit_token_dies_with_its_aggregation(secured):
-    _, target = secured
+def test_a_submit_token_dies_with_its_aggregation(auth_server):
+    target = target_of(auth_server)
     with client(target, ADMIN) as admin:
         admin.create_aggregation(LAYERS, aggregation_id="reused")
         old = admin.get_aggregation("reused").submit_token

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -26,6 +25,7 @@ from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from conftest import TEST_SETTINGS
+from helpers import wait_until
 from service_helpers import LAYERS, FaultyProxy, assert_result_matches, make_updates, reference
 
 
@@ -353,8 +353,7 @@ def test_graceful_stop_sums_everything_it_accepted():
         sender = threading.Thread(target=lambda: _collect(errors, c.submit, agg, updates))
         sender.start()
         aggregation = server.registry.get(agg)
-        while aggregation.stats().examples == 0 and sender.is_alive():
-            time.sleep(0.01)  # wait until batches are flowing
+        wait_until(lambda: aggregation.stats().examples or not sender.is_alive(), 60, "batches flowing")
         server.stop(grace=2.0)
         sender.join(timeout=60)
     # Every batch the server accepted was summed before the worker stopped.

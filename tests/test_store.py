@@ -10,6 +10,7 @@ leftovers, and a writer process killed with SIGKILL at random moments.
 
 from __future__ import annotations
 
+import fcntl
 import inspect
 import logging
 import math
@@ -32,6 +33,7 @@ from clipd.server.stores import open_store
 from clipd.server.stores.base import (FAILED, FINALIZED, OPEN, AggregationRecord, FencedOut, LedgerConflict,
                                       LedgerEntry, LedgerRecord, MemoryStore, Store)
 from clipd.server.stores.sqlite import SCHEMA_VERSION, SQLiteStore
+from helpers import wait_until
 
 
 def state_at(n: int) -> PartialState:
@@ -569,8 +571,10 @@ class TestSQLiteStore(DurableStoreContract):
         finally:
             store.close()
 
-    def test_no_sweep_while_shard_processes_of_an_earlier_owner_run(self, tmp_path):
+    def test_no_sweep_while_shard_processes_of_an_earlier_owner_run(self, tmp_path, monkeypatch):
         """A sibling (shard process) holds the sweep lock shared: a new owner waits for it before sweeping."""
+        from clipd.server.stores import sqlite
+
         data = tmp_path / "data"
         store = SQLiteStore(str(data))
         store.create(record("a"))
@@ -579,10 +583,26 @@ class TestSQLiteStore(DurableStoreContract):
         sibling = SQLiteStore(str(data), sibling=True)  # an earlier owner's shard process, still running
         in_flight = _only_dir(data) / "0-feedfacefeedface.state"  # renamed, its row not committed yet
         in_flight.write_bytes(state_at(2).to_bytes())
+        refused = []  # the store's lock attempts that a held lock turned away
+
+        class CountedFcntl:  # the store module's fcntl, its refusals counted
+            def __getattr__(self, name):
+                return getattr(fcntl, name)
+
+            @staticmethod
+            def flock(fd, operation):
+                try:
+                    return fcntl.flock(fd, operation)
+                except BlockingIOError:
+                    refused.append(operation)
+                    raise
+
+        monkeypatch.setattr(sqlite, "fcntl", CountedFcntl())
         opened = []
         opener = threading.Thread(target=lambda: opened.append(SQLiteStore(str(data))))
         opener.start()
-        time.sleep(0.5)
+        # Turned away by the sibling's lock, and trying again: the new owner waits.
+        wait_until(lambda: len(refused) >= 2, 10, "the new owner waiting for the sweep lock")
         assert not opened and in_flight.exists()  # the new owner waits; the file is not swept meanwhile
         sibling.close()  # the shard process exits
         opener.join(10)
@@ -738,9 +758,8 @@ def test_a_large_checkpoint_goes_to_disk_with_o_direct_and_reads_back_bit_for_bi
         assert len(direct) == 3 and direct[0] % 4096  # the last block was padded, then cut off
         assert store.load_checkpoint("a") == large_state(200_003, 3)
         directory = tmp_path / "data" / "states" / _only_dir_name(store, "a")
-        deadline = time.monotonic() + 10
-        while len(list(directory.glob("*.state"))) > 2 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the oldest is unlinked after the acknowledgement, on a thread
+        # The oldest is unlinked after the acknowledgement, on a thread.
+        wait_until(lambda: len(list(directory.glob("*.state"))) <= 2, 10, "the oldest generation unlinked")
         files = sorted(directory.glob("*.state"))
         assert [f.name for f in files] == ["2.state", "3.state"] and files[-1].stat().st_size == direct[-1]
     finally:

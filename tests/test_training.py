@@ -9,7 +9,6 @@ import logging
 import math
 import pathlib
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -28,6 +27,7 @@ from clipd.client.updates import Layer, as_batch
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 from conftest import TEST_SETTINGS
+from helpers import wait_until
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -212,15 +212,17 @@ def test_a_failed_step_leaves_no_reservation_on_the_ledger(client):
         dp.step({"w": np.ones((3, 2), np.float32)})
         with pytest.raises(InvalidUpdateError):
             dp.step({"w": np.ones((3, 5), np.float32)})
-        deadline = time.monotonic() + 10
-        while True:  # the cancel runs in the background
+        planned = []  # what the ledger plans for one more step
+
+        def planned_epsilon() -> float:
             again = client.create_aggregation({"w": (2,)}, l2_norm_clip=1.0, privacy=dp.privacy)
-            planned = client.get_aggregation(again).planned_ledger_epsilon
+            planned.append(client.get_aggregation(again).planned_ledger_epsilon)
             client.cancel(again)
-            if planned == pytest.approx(rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert planned == pytest.approx(rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9)  # 1 committed + itself
+            return planned[-1]
+
+        # The cancel runs in the background; then one more step plans 1 committed + itself.
+        wait_until(lambda: planned_epsilon() == pytest.approx(rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9), 10,
+                   lambda: f"the failed step's reservation gone (planned epsilon {planned[-1]})", step=0.05)
         assert dp.step({"w": np.ones((3, 2), np.float32)}).epsilon == pytest.approx(
             rdp_epsilon(0.1, 1.0, 2, 1e-5), rel=1e-9)
 

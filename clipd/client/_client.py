@@ -277,7 +277,7 @@ class Client:
         if aggregation_id not in self._layers:
             aggregation = self.get_aggregation(aggregation_id)
             self._layers[aggregation_id] = [
-                Layer(l.name, tuple(l.shape), wire.DTYPE_NAMES[l.dtype]) for l in aggregation.layers
+                Layer(layer.name, tuple(layer.shape), wire.DTYPE_NAMES[layer.dtype]) for layer in aggregation.layers
             ]
         return self._layers[aggregation_id]
 
@@ -588,7 +588,7 @@ def _layer_specs(layers: Any, dtype: str) -> list[Layer]:
             shape = (shape,) if isinstance(shape, int) else tuple(shape)
             out.append(Layer(str(name), shape, layer_dtype))
         return out
-    return [Layer(l[0], tuple(l[1]), l[2] if len(l) > 2 else dtype) for l in layers]
+    return [Layer(layer[0], tuple(layer[1]), layer[2] if len(layer) > 2 else dtype) for layer in layers]
 
 
 def _amount(nbytes: float) -> str:
@@ -821,7 +821,7 @@ class _BatchStream:
         while True:
             with self._cond:
                 self._cond.wait_for(
-                    lambda: generation != self._generation
+                    lambda sent=sent: generation != self._generation
                     or self._next_to_send(sent) is not None
                     or self._exhausted
                     or self._unacked_bytes < self.window_bytes

@@ -18,9 +18,9 @@ from ._accumulator import (
 )
 from ._declearn import L2Clipping, L2GlobalClipping
 from ._jax_privacy import clip_pytree
-from ._partial import CorruptStateError, OverlapError, PartialState
 from ._opacus import ConstantFlatClipper, ConstantPerLayerClipper, NormClipper
 from ._optax import per_example_global_norm_clip, per_example_layer_norm_clip
+from ._partial import CorruptStateError, OverlapError, PartialState
 from ._policy import BoundKind, ClipPolicy, LayerSpec, NonFinite
 from ._xla_cpu import CHUNK_ELEMENTS, Tricks, sum_buffer_runs
 

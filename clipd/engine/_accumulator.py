@@ -496,7 +496,9 @@ def fixed_point_values(limbs: np.ndarray, step: float) -> np.ndarray:
 
 def _sum_dtype(dtype: str) -> jnp.dtype:
     """float32 for 16- and 32-bit and integer input, float64 for float64 (with x64 on)."""
-    return jnp.promote_types(jnp.dtype(dtype), jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else jnp.dtype(jnp.float32)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
+    return jnp.dtype(jnp.float32)
 
 
 class ClipAccumulator:

@@ -48,7 +48,7 @@ def _clipping_factor(threshold: float, norms: Any) -> jax.Array:
     return jnp.minimum(factor, 1.0)
 
 
-class NormClipper(abc.ABC):
+class NormClipper(abc.ABC):  # noqa: B024 (as opacus: see below)
     """Base clipper, as opacus 0.15's ``NormClipper``.
 
     Like opacus's, it is an ABC without abstract methods: it can be

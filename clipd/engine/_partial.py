@@ -220,7 +220,7 @@ class PartialState:
 
     def _fields(self) -> dict:
         return {
-            "layers": [[l.name, list(l.shape), l.dtype] for l in self.layers],
+            "layers": [[layer.name, list(layer.shape), layer.dtype] for layer in self.layers],
             "examples": self.examples, "non_finite": self.non_finite,
             "batches": self.batches, "bytes": self.bytes,
             "clients": {c: [s, w] for c, (s, w) in sorted(self.clients.items())},

@@ -432,7 +432,8 @@ class PrivacyPolicy:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError("set exactly one of noise_multiplier and target_epsilon")
-        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+        z = self.noise_multiplier
+        if z is not None and not (z >= 0 and math.isfinite(z)):
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}")
         if self.target_epsilon is not None and self.planned_releases < 1:
             raise ValueError("target_epsilon needs planned_releases >= 1")
@@ -474,8 +475,9 @@ class PrivacyPolicy:
         return calibrate_noise_multiplier(self.target_epsilon, self.delta, self.planned_releases, self.sampling,
                                           self.accountant, self.neighbouring)
 
-    def plan(self, example_bound: float, layers: Sequence) -> "ReleasePlan":
-        """The noise of one release of ``layers`` (``LayerSpec``s) whose contributions are clipped to ``example_bound``."""
+    def plan(self, example_bound: float, layers: Sequence) -> ReleasePlan:
+        """The noise of one release of ``layers`` (``LayerSpec``s) whose contributions are clipped to
+        ``example_bound``."""
         z = self.total_noise_multiplier
         s = sensitivity(example_bound, self.neighbouring)
         if self.noise is Noise.SECURE:

@@ -68,7 +68,8 @@ FINEST = FIXED_POINT_RANGE.bit_length() - 2
 UNIT = 2.0 ** -24  # float32's unit roundoff
 
 CHUNK = 1 << 18
-"""Draws per sampler call (bounds the memory of OpenDP's list); from ``PARALLEL_FROM`` draws on, processes share them."""
+"""Draws per sampler call (bounds the memory of OpenDP's list); from ``PARALLEL_FROM`` draws on, processes share
+them."""
 PARALLEL_FROM = 1 << 18
 
 MAX_GRID_VALUE = 1 << 52

@@ -27,7 +27,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object a line: ts (UTC, ISO 8601), level, logger, message, and an event's fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        ts = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        ts = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
         out: dict[str, Any] = {
             "ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname.lower(),

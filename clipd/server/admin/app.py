@@ -213,7 +213,8 @@ def _privacy_metrics(server, private):
                                          labels=["aggregation", "ledger", "layer"])
     noise = GaugeMetricFamily("clipd_release_noise_stddev", "Noise stddev per coordinate of a private release's sum.",
                               labels=["aggregation", "ledger"])
-    debug = GaugeMetricFamily("clipd_privacy_debug", "1: a private aggregation shows raw statistics (epsilon infinite).",
+    debug = GaugeMetricFamily("clipd_privacy_debug",
+                              "1: a private aggregation shows raw statistics (epsilon infinite).",
                               labels=["aggregation", "ledger"])
     for aggregation, stats in private:
         labels = [aggregation.id, aggregation.privacy.ledger_id]

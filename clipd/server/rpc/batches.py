@@ -178,7 +178,8 @@ class BatchAssembler:
             raise InvalidArgument(f"{where}: batch size {shape[0]}, other layers have {p.rows}")
         p.wire[k] = name
         if chunk.offset != p.received[k]:
-            raise InvalidArgument(f"{where}: chunk at byte {chunk.offset}, expected {p.received[k]} (chunks go in order)")
+            raise InvalidArgument(f"{where}: chunk at byte {chunk.offset}, expected {p.received[k]}"
+                                  " (chunks go in order)")
         end = chunk.offset + len(chunk.data)
         total = p.wire_bytes(k, spec)
         if end > total:

@@ -144,7 +144,8 @@ def ledger_to_proto(ledger: dict) -> pb.Ledger:
 def policy_from_proto(policy: pb.ClipPolicy, num_layers: int) -> tuple[ClipPolicy, bool]:
     """The engine policy, and whether batches holding non-finite values are rejected."""
     if policy.kind not in KINDS:
-        raise InvalidArgument("policy.kind: choose GLOBAL, PER_LAYER_UNIFORM, PER_LAYER_PROPORTIONAL or PER_LAYER_EXPLICIT")
+        raise InvalidArgument("policy.kind: choose GLOBAL, PER_LAYER_UNIFORM, PER_LAYER_PROPORTIONAL or"
+                              " PER_LAYER_EXPLICIT")
     kind = KINDS[policy.kind]
     if kind is BoundKind.PER_LAYER_EXPLICIT and len(policy.layer_clips) != num_layers:
         raise InvalidArgument(
@@ -187,9 +188,9 @@ def stats_to_proto(stats: Stats) -> pb.AggregationStats:
         non_finite=stats.non_finite,
         clipped=stats.clipped,
         layers=[
-            pb.LayerStats(name=l.name, bound=l.bound, clipped=l.clipped, norm_mean=l.norm_mean,
-                          norm_max=l.norm_max, norm_histogram=l.norm_histogram)
-            for l in stats.layers
+            pb.LayerStats(name=layer.name, bound=layer.bound, clipped=layer.clipped, norm_mean=layer.norm_mean,
+                          norm_max=layer.norm_max, norm_histogram=layer.norm_histogram)
+            for layer in stats.layers
         ],
         bucket_upper_bounds=stats.bucket_upper_bounds,
         example_norm_histogram=stats.example_norm_histogram,

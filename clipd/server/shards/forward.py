@@ -20,7 +20,7 @@ SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
 
 
 def _forwarded_metadata(context, index: int) -> list[tuple[str, str]]:
-    """The caller's metadata (its bearer token), and which endpoint or shard process forwards it (the caller's own dropped)."""
+    """The caller's metadata (its bearer token), and which shard process forwards it (the caller's own dropped)."""
     keep = [(k, v) for k, v in context.invocation_metadata()
             if not k.startswith((":", "grpc-")) and k not in ("user-agent", INGEST_METADATA, PEER_METADATA)]
     return [*keep, (INGEST_METADATA, str(index)), (PEER_METADATA, context.peer() or "")]

@@ -58,7 +58,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -525,7 +526,7 @@ class DeviceWorker:
         """The aggregation's staging buffer not used by the step in flight."""
         if slot.staging is None:
             slot.staging = [
-                [aligned_empty((aggregation.device_rows, *l.shape), l.dtype) for l in aggregation.layers]
+                [aligned_empty((aggregation.device_rows, *layer.shape), layer.dtype) for layer in aggregation.layers]
                 for _ in range(2)
             ]
         buffers = slot.staging[slot.next_staging]
@@ -703,7 +704,8 @@ class DeviceWorker:
                 if final is not None:
                     final.set_exception(e)
                 reason = f"checkpoint failed: {type(e).__name__}: {e}"
-                self.call_soon(lambda: self._fail(aggregation, reason))
+                # (bound now: the loop's next item must not change whom this fails)
+                self.call_soon(lambda aggregation=aggregation, reason=reason: self._fail(aggregation, reason))
             else:
                 aggregation.mark_durable(totals.clients)
                 if final is not None:
@@ -735,7 +737,7 @@ class DeviceWorker:
                 for rows, kind in [] if compiled else _programs(aggregation, self.device):
                     if aggregation not in self._warming:
                         return
-                    layers = [np.zeros((rows, *l.shape), l.dtype) for l in aggregation.layers]
+                    layers = [np.zeros((rows, *layer.shape), layer.dtype) for layer in aggregation.layers]
                     if kind == "measure":
                         jax.block_until_ready(acc.measure(acc.init(sums=False), layers, np.zeros(rows, bool)))
                     else:
