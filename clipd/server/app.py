@@ -143,15 +143,15 @@ class ClipdServer:
                     log.exception("could not expire aggregation %s", aggregation.id)
 
     def _trim_after_release(self, period: float = 1.0, threshold: int = 64 << 20) -> None:
-        """Once a second, if 64 MiB+ of batch buffers were released since the last time, trims the heap."""
+        """Once a second, if 64 MiB+ of batch buffers were given back since the last time, trims the heap."""
         trimmed = 0
         while not self.stopped.wait(period):
             self.servicer.budget.drop_idle_buffers()
-            released = self.servicer.budget.released
-            if released - trimmed >= threshold:
+            given_back = self.servicer.budget.given_back
+            if given_back - trimmed >= threshold:
                 gc.collect(0)
                 trim_heap()
-                trimmed = released
+                trimmed = given_back
 
     def start(self) -> ClipdServer:
         self.grpc.start()

@@ -202,7 +202,7 @@ class Lifecycle:
             if aggregation.reject_non_finite:
                 check_finite(batch, aggregation)
             if not aggregation.accept(client, batch.sequence, writer):
-                batch.release()  # a duplicate of an accepted batch
+                batch.give_back()  # a duplicate of an accepted batch
                 return
             try:
                 self.shards.submit(aggregation, client, writer, batch)
@@ -210,7 +210,7 @@ class Lifecycle:
                 aggregation.drop(1)
                 raise
         except BaseException:
-            batch.release()
+            batch.give_back()
             raise
 
     # finalize and release --------------------------------------------------------------------------

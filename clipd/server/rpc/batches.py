@@ -19,7 +19,7 @@ class Batch(NamedTuple):
 
     ``reservation`` holds its bytes in the server's buffer budget until the
     device worker has copied it (or it is dropped): whoever lets go of a batch
-    calls :meth:`release`.
+    calls :meth:`give_back`.
     """
 
     sequence: int
@@ -28,9 +28,9 @@ class Batch(NamedTuple):
     nbytes: int
     reservation: Reservation | None = None
 
-    def release(self) -> None:
+    def give_back(self) -> None:
         if self.reservation is not None:
-            self.reservation.release()
+            self.reservation.give_back()
 
 
 class _Partial:
@@ -80,7 +80,7 @@ class BatchAssembler:
         if p is not None:
             p.buffers = []
             if p.reservation is not None:
-                p.reservation.release(reuse=False)
+                p.reservation.give_back(reuse=False)
 
     def take_partial(self) -> _Partial | None:
         """Detaches the incomplete batch (its buffers and reservation with it), for a resuming stream."""

@@ -32,7 +32,7 @@ def aligned_empty(shape, dtype=np.uint8, alignment: int = ALIGNMENT) -> np.ndarr
 
 
 class Reservation:
-    """Bytes held in a :class:`ByteBudget`; :meth:`release` gives them back (once, however often called),
+    """Bytes held in a :class:`ByteBudget`; :meth:`give_back` gives them back (once, however often called),
     with the buffers taken for them (:meth:`buffer`), which go back to the budget's pool."""
 
     __slots__ = ("_budget", "buffers", "nbytes")
@@ -44,16 +44,16 @@ class Reservation:
 
     def buffer(self, nbytes: int) -> np.ndarray:
         """A 64-byte-aligned uint8 buffer of ``nbytes`` for this reservation's batch: a pooled one of that size
-        if there is one (no page faults), else a new one. It goes back to the pool with :meth:`release`:
+        if there is one (no page faults), else a new one. It goes back to the pool with :meth:`give_back`:
         nothing may use it after that."""
         budget = self._budget
         if budget is None:
-            raise RuntimeError("a released reservation takes no buffer")
+            raise RuntimeError("a reservation given back takes no buffer")
         array = budget._pooled(nbytes)
         self.buffers.append(array)
         return array
 
-    def release(self, reuse: bool = True) -> None:
+    def give_back(self, reuse: bool = True) -> None:
         """Gives the bytes back; the buffers go to the pool (``reuse``: a batch that was summed or dropped
         whole) or are freed (a batch abandoned half received: a flood of those leaves nothing pooled)."""
         budget, self._budget = self._budget, None
@@ -76,7 +76,7 @@ class ByteBudget:
     Traceback (most recent call last):
     ...
     clipd.server.errors.ResourceExhausted: a batch of 60 bytes does not fit: 60 of 100 bytes are buffered ...
-    >>> first.release(); budget.used
+    >>> first.give_back(); budget.used
     0
     """
 
@@ -84,9 +84,9 @@ class ByteBudget:
         self._limit = limit  # bytes, or a function giving them now (what the memory budget leaves)
         self.used = 0
         self.refused = 0
-        self.released = 0  # bytes given back in all (the server trims the heap after large releases)
+        self.given_back = 0  # bytes given back in all (the server trims the heap after large amounts)
         self._cond = threading.Condition()
-        # Receive buffers of released batches, by size, for the next batch of that size: a large update's
+        # Receive buffers of batches given back, by size, for the next batch of that size: a large update's
         # buffer is gigabytes, and faulting in fresh pages ran at about 1 GB/s here (the wire runs at 1-2).
         # Pooled bytes count against the limit with the reserved ones; the pool gives way to reservations
         # and drops what was not reused for ``pool_idle`` seconds.
@@ -120,7 +120,7 @@ class ByteBudget:
     def _give_back(self, nbytes: int, buffers=()) -> None:
         with self._cond:
             self.used -= nbytes
-            self.released += nbytes
+            self.given_back += nbytes
             now = time.monotonic()
             for array in buffers:
                 self._pool.setdefault(array.nbytes, []).append((now, array))
@@ -300,7 +300,7 @@ def trim_heap() -> None:
 
     Batch buffers are large and short-lived: once freed, glibc keeps their pages
     in the heap, so the process would stay at its peak resident size after a
-    flood. The server calls this after large amounts were released.
+    flood. The server calls this after large amounts were given back.
     """
     if _TRIM is not None:
         _TRIM(0)

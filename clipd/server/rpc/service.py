@@ -12,7 +12,7 @@ buffer budget of the server when its first chunk arrives; a stream that sends
 nothing for ``stream_idle_timeout`` seconds is closed (UNAVAILABLE: the client
 reconnects and resends what was not acknowledged); a message that does not
 parse is INVALID_ARGUMENT. Whatever way a stream ends, its partial batch and
-reservation are released.
+reservation are given back.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
                 del self._parked[key]
             left, entry[1] = entry[1], None
         if left is not None and left.reservation is not None:
-            left.reservation.release(reuse=False)
+            left.reservation.give_back(reuse=False)
 
     def unpark(self, key: tuple[str, str], writer: str, resume: bool, still_open=lambda: False):
         """The batch a broken stream of ``writer`` left for this client, if ``resume``; any other is dropped.
@@ -309,7 +309,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             partial, entry[1] = entry[1], None
             self._parked_cond.notify_all()
             if partial is not None and partial.reservation is not None:
-                partial.reservation.release(reuse=False)
+                partial.reservation.give_back(reuse=False)
 
     def is_admin(self, token: str | None) -> bool:
         """Auth off, or the admin token."""

@@ -173,9 +173,9 @@ class _InFlight:
     staged: bool = False  # its layers are a staging buffer (the next fill writes over them)
     stats: Any = None  # the device statistics read when it finished (None: not read this time)
 
-    def release(self) -> None:
+    def give_back(self) -> None:
         for batch in self.holds:
-            batch.release()
+            batch.give_back()
         self.holds = []
 
 
@@ -202,9 +202,9 @@ class _Slot:
     unadded: list[_InFlight] = dataclasses.field(default_factory=list)  # measured examples waiting to be added
     # into the totals (sums on the host) while the committer writes them; they hold their batches
 
-    def release(self) -> None:
+    def give_back(self) -> None:
         for inflight in self.unadded:
-            inflight.release()
+            inflight.give_back()
         self.unadded = []
 
 
@@ -345,14 +345,14 @@ class DeviceWorker:
         for shard in self._shards.get(aggregation, ()):
             slot = self._slots.pop((aggregation, shard), None)
             if slot is not None:
-                slot.release()
+                slot.give_back()
 
     def _drop_parked(self, aggregation: Aggregation) -> None:
         with self._cond:
             self._warming.discard(aggregation)
         parked = self._parked.pop(aggregation, [])
         for work in parked:
-            work.batch.release()
+            work.batch.give_back()
         if parked:
             aggregation.drop(len(parked))
 
@@ -461,7 +461,7 @@ class DeviceWorker:
         """On the worker thread: drops a failed aggregation's device state, parked and queued batches here."""
         self._drop_slots(aggregation)
         if self._inflight is not None and self._inflight.aggregation is aggregation:
-            self._inflight.release()
+            self._inflight.give_back()
             self._inflight = None
         self._drop_parked(aggregation)
         with self._cond:
@@ -469,7 +469,7 @@ class DeviceWorker:
             for work in mine:
                 self._queue.remove(work)
                 self._queued_bytes -= work.batch.nbytes
-                work.batch.release()
+                work.batch.give_back()
             self._cond.notify_all()
         with aggregation.cond:
             aggregation.pending = 0
@@ -482,7 +482,7 @@ class DeviceWorker:
             self._parked.setdefault(aggregation, []).append(first)  # runs once the warm-up is done
             return
         if slot is None or aggregation.state in (State.CANCELLED, State.FAILED):
-            first.batch.release()
+            first.batch.give_back()
             aggregation.drop(1)
             return
         capacity = aggregation.device_rows
@@ -510,9 +510,9 @@ class DeviceWorker:
                     self._dispatch(aggregation, shard, slot, buffers, fill, done)
                     buffers, fill, done = None, 0, []
             if direct_step is not None and self._inflight is not None and self._inflight.step == direct_step:
-                self._inflight.holds.append(batch)  # the step in flight reads its buffers: released after it
+                self._inflight.holds.append(batch)  # the step in flight reads its buffers: given back after it
             else:
-                batch.release()  # copied (or summed): its buffers may go
+                batch.give_back()  # copied (or summed): its buffers may go
             if not fill:  # its last rows went in a step of their own: nothing is waiting in staging
                 work = self._more_for(aggregation, shard, capacity, 0.0)
                 continue
@@ -571,14 +571,14 @@ class DeviceWorker:
             if inflight.example is not None:
                 inflight.scales = jax.device_get(inflight.scales)
         except Exception as e:
-            inflight.release()
+            inflight.give_back()
             self._fail(aggregation, f"device step failed: {type(e).__name__}: {e}")
             return
         if inflight.example is not None:  # sums on the host: added now, or once the committer is done
             slot.unadded.append(inflight)
             self._add_measured(aggregation, shard, slot, wait=inflight.staged)
             return
-        inflight.release()  # the step has read them: their buffers may be reused
+        inflight.give_back()  # the step has read them: their buffers may be reused
         self._summed(aggregation, shard, slot, inflight)
 
     def _add_measured(self, aggregation: Aggregation, shard: int, slot: _Slot, wait: bool = False) -> None:
@@ -594,10 +594,10 @@ class DeviceWorker:
             try:
                 add_example(aggregation.shard_totals[shard].sums, inflight.example, inflight.scales)
             except Exception as e:
-                inflight.release()
+                inflight.give_back()
                 self._fail(aggregation, f"adding an example failed: {type(e).__name__}: {e}")
                 return
-            inflight.release()
+            inflight.give_back()
             self._summed(aggregation, shard, slot, inflight)
 
     def _summed(self, aggregation: Aggregation, shard: int, slot: _Slot, inflight: _InFlight) -> None:
