@@ -185,7 +185,7 @@ def median_bounds(views: Sequence[np.ndarray]) -> tuple[float, float]:
 class AccumulatorStep:
     """A callable that runs one accumulator update, rebinding the donated state."""
 
-    def __init__(self, specs, policy, batch, valid, tricks: Tricks = Tricks()) -> None:
+    def __init__(self, specs, policy, batch, valid, tricks: Tricks = Tricks()) -> None:  # noqa: B008 (immutable)
         self.acc = ClipAccumulator(specs, policy, tricks)
         self.state = self.acc.init()
         self.batch, self.valid = batch, valid

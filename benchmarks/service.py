@@ -670,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> float:
 
     print()
     for r in results:
-        seconds = ", ".join(f"{name} s {['%.3f' % s for s in r.seconds[name]]}" for name in MEASURED)
+        seconds = ", ".join(f"{name} s {[f'{s:.3f}' for s in r.seconds[name]]}" for name in MEASURED)
         clipped = "/".join(f"{r.clip_fraction[name]:.2f}" for name in SERVICES)
         print(f"{r.case.name}: {seconds}, clip fraction {clipped} (durable/memory)")
     print_environment(settings, cases, repeats, args.server_process, pings, idle_pings)

@@ -53,11 +53,12 @@ def opacus_steps(data, args) -> list[float]:
     """Seconds per step of Opacus doing it all locally (its DataLoader's Poisson sampling replaced by
     the same sampling as clipd's trainer, so that both steps see the same batches)."""
     import torch
-    from clipd.client.dpsgd import poisson_sample
     from dpsgd_torch import Mlp
     from opacus import GradSampleModule
     from opacus.accountants import RDPAccountant
     from opacus.optimizers import DPOptimizer
+
+    from clipd.client.dpsgd import poisson_sample
 
     torch.manual_seed(0)
     n = len(data.y_train)
@@ -85,8 +86,9 @@ def opacus_steps(data, args) -> list[float]:
 def clipd_steps(data, args, client, pipeline: bool, grads_only: bool = False, warm=lambda: None):
     """Seconds per step through clipd (or of the trainer's part alone), and the seconds of each call."""
     import torch
-    from clipd.client.dpsgd import DpSgd, poisson_sample
     from dpsgd_torch import Mlp, per_example_gradients
+
+    from clipd.client.dpsgd import DpSgd, poisson_sample
 
     torch.manual_seed(0)
     n = len(data.y_train)
@@ -188,16 +190,19 @@ def main() -> None:
         args.steps, args.warmup = 6, 2  # and no in-process breakdown of the server's part
     logging.getLogger("absl").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as workdir:
-        store = lambda name: os.path.join(workdir, name) if args.store == "durable" else "memory"
+        def store(name):
+            return os.path.join(workdir, name) if args.store == "durable" else "memory"
+
         # The server process starts while this one imports torch and Opacus (waited for before any timing).
         with clipd_serve(store("served")) as served:
             import torch
 
             torch.set_num_threads(1)  # the trainer and the server share the machine's cores, as in the example
+            from dpsgd_common import load_digits
+
             from clipd.client import Client
             from clipd.server.app import create_server
             from clipd.server.settings import Settings
-            from dpsgd_common import load_digits
 
             data = load_digits()
             print(f"DP-SGD step, MLP of 2,410 parameters, expected batch {args.batch_size:g} of"

@@ -16,11 +16,11 @@ import collections
 import sys
 import time
 
+import dpsgd_common as common  # examples/dpsgd_common.py: data, flags, server, report
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dpsgd_common as common  # examples/dpsgd_common.py: data, flags, server, report
 from clipd.client import Client, FailedPreconditionError
 from clipd.client.dpsgd import poisson_sample
 

@@ -22,11 +22,11 @@ import collections
 import sys
 import time
 
+import dpsgd_common as common  # examples/dpsgd_common.py: data, flags, server, report
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-import dpsgd_common as common  # examples/dpsgd_common.py: data, flags, server, report
 from clipd.client import Client, FailedPreconditionError
 from clipd.client.dpsgd import poisson_sample
 

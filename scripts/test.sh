@@ -7,7 +7,7 @@
 #   Python: torch 2.13.0 (CPU build), then this project in editable mode with its [server] and [test] extras
 #   (the service; the reference libraries that serve as oracles: optax, jax-privacy, declearn, opacus; the
 #   DP-SGD examples' scikit-learn and matplotlib; pytest, hypothesis, import-linter, ruff, mkdocs), then the import
-#   contracts (lint-imports), the lint rules (ruff, on clipd/), the documentation site (mkdocs build --strict)
+#   contracts (lint-imports), the lint rules (ruff), the documentation site (mkdocs build --strict)
 #   and the suite.
 #
 #   Then the Flower tests (tests/flower), in environments of their own under .cache/ (git-ignored, kept
@@ -58,8 +58,8 @@ if [ "$flower_only" -eq 0 ]; then
   # The import contracts (.importlinter): the engine imports nothing of the service or the client, the client
   # nothing of the server or the engine, and no folder's modules or packages import each other in a circle.
   lint-imports
-  # The lint rules of pyproject.toml's [tool.ruff.lint] (pyflakes, pycodestyle, isort, bugbear, pyupgrade) on clipd/.
-  ruff check --quiet clipd/
+  # The lint rules of [tool.ruff.lint] in pyproject.toml (pyflakes, pycodestyle, isort, bugbear, pyupgrade).
+  ruff check --quiet clipd/ tests/ benchmarks/ examples/
   # The docs site (mkdocs.yml, docs/) in strict mode: a broken link or anchor, or a page not in nav, fails.
   python -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
   python -m pytest "$@"

@@ -17,12 +17,11 @@ import urllib.request
 import zlib
 
 import grpc
-
 import jax.numpy as jnp
 import numpy as np
+from helpers import wait_until
 
 from clipd import engine
-from helpers import wait_until
 
 LAYERS = {"w": (6, 4), "b": (4,), "v": (3, 2, 2)}
 
@@ -87,7 +86,7 @@ class FaultyProxy:
         while not self._closed.is_set():
             try:
                 downstream, _ = self._listener.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
             with self._lock:
@@ -199,7 +198,7 @@ class ServerProcess:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-    
+
 
 def random_batch(client: str, index: int, layers: dict[str, tuple[int, ...]], rows: int) -> dict[str, np.ndarray]:
     """Batch ``index`` of ``client``: float32, deterministic, example norms spread around 1 (about half clipped at 1)."""

@@ -11,11 +11,11 @@ import uuid
 
 import numpy as np
 import pytest
+from helpers import wait_until
+from service_helpers import assert_exact_global_clip, random_batch
 
 from clipd.client import Client, NotFoundError, Privacy
 from clipd.server.lifecycle import Shards
-from helpers import wait_until
-from service_helpers import assert_exact_global_clip, random_batch
 
 LAYERS = {"w": (12, 5), "b": (5,)}
 CLIP = 1.0

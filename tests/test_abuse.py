@@ -6,23 +6,23 @@ purpose; each test releases what it holds and is bounded in count and time.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
-import json
 
 import grpc
 import numpy as np
 import pytest
+from conftest import TEST_SETTINGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import wait_until
 
-from clipd.client import Client, ResourceExhaustedError
+from clipd.client import Client, NotFoundError, ResourceExhaustedError
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
-from conftest import TEST_SETTINGS
-from helpers import wait_until
 
 SUBMIT = "/clipd.v1.Clipd/Submit"
 WIDTH = 1024  # the test layer: 1024 float32 per example
@@ -357,7 +357,7 @@ def test_lifecycle_events_and_refusals_are_structured_log_lines(client, server):
     logs.configure("info", "json", stream=buffer)
     try:
         aggregation = client.create_aggregation({"w": (4,)})
-        with pytest.raises(Exception):
+        with pytest.raises(NotFoundError):
             client.stats("no-such-aggregation")
         client.submit(aggregation, {"w": np.ones((2, 4), np.float32)})
         client.finalize(aggregation)
@@ -366,9 +366,9 @@ def test_lifecycle_events_and_refusals_are_structured_log_lines(client, server):
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
     lines = [json.loads(line) for line in buffer.getvalue().splitlines()]
-    mine = [l for l in lines if l.get("aggregation") == aggregation]
-    assert [l["event"] for l in mine] == ["aggregation.created", "aggregation.finalized", "aggregation.deleted"]
+    mine = [entry for entry in lines if entry.get("aggregation") == aggregation]
+    assert [entry["event"] for entry in mine] == ["aggregation.created", "aggregation.finalized", "aggregation.deleted"]
     assert mine[0]["layers"] == 1 and mine[0]["parameters"] == 4 and mine[1]["examples"] == 2
-    refused = [l for l in lines if l.get("event") == "request.refused"]
+    refused = [entry for entry in lines if entry.get("event") == "request.refused"]
     assert len(refused) == 1 and refused[0]["code"] == "NOT_FOUND" and refused[0]["method"] == "GetStats"
     assert refused[0]["peer"].startswith("ipv4:127.0.0.1:")

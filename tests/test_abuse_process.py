@@ -17,10 +17,10 @@ import time
 import grpc
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from clipd.client import Client
 from clipd.v1 import clipd_pb2 as pb
-from helpers import wait_until
 
 SUBMIT = "/clipd.v1.Clipd/Submit"
 MiB = 1 << 20

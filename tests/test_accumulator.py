@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_close, global_norms, layer_shapes, random_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax_privacy import clipping as jp
@@ -27,10 +28,9 @@ from clipd.engine import (
     merge,
     sum_buffer_runs,
 )
-from helpers import assert_close, global_norms, layer_shapes, random_batch
 
 
-def make_acc(batch, policy, dtype=None, tricks=Tricks()):
+def make_acc(batch, policy, dtype=None, tricks=Tricks()):  # noqa: B008 (a NamedTuple: immutable)
     specs = [LayerSpec(f"l{k}", x.shape[1:], dtype or str(x.dtype)) for k, x in enumerate(batch)]
     return ClipAccumulator(specs, policy, tricks)
 

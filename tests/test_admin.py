@@ -11,13 +11,13 @@ import urllib.request
 
 import numpy as np
 import pytest
+from conftest import ADMIN_TOKEN, TEST_SETTINGS
+from service_helpers import LAYERS, make_updates, reference
 
-from clipd.client import Client
+from clipd.client import Client, NotFoundError
 from clipd.server.admin.app import quantile_from_histogram
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
-from conftest import ADMIN_TOKEN, TEST_SETTINGS
-from service_helpers import LAYERS, make_updates, reference
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_per_layer_clip_counts_equal_the_engine(admin_server, streamed):
     assert status == 200
     view = json.loads(body)
     assert view["examples"] == 200 and view["state"] == "open"
-    assert {l["name"]: l["clipped"] for l in view["layers"]} == ref_counts
+    assert {layer["name"]: layer["clipped"] for layer in view["layers"]} == ref_counts
     for layer in view["layers"]:
         assert layer["clip_fraction"] == pytest.approx(ref_counts[layer["name"]] / 200)
         assert sum(layer["norm_histogram"]) == 200
@@ -103,7 +103,7 @@ def test_metrics_pass_promtool_and_have_layer_labels_from_the_start(admin_server
 
 def test_rejections_are_counted_by_status(admin_server):
     with client_for(admin_server) as c:
-        with pytest.raises(Exception):
+        with pytest.raises(NotFoundError):
             c.stats("missing")
     text = http(admin_server, "/metrics")[1].decode()
     assert 'clipd_rejected_requests_total{code="NOT_FOUND"}' in text

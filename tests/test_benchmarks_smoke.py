@@ -183,7 +183,7 @@ def test_large_benchmark_quick_run():
     assert set(rows) == {("large", "memory"), ("large", "durable"), ("1 MiB", "memory")}, out.stdout
     params = 1 << 22
     gbps, peak = {}, {}
-    for key, (case, store, p, examples, clipped, submit_s, finalize_s, rate, over, reconnects, errors, exact) \
+    for key, (case, _store, p, examples, clipped, submit_s, _finalize_s, rate, over, reconnects, errors, exact) \
             in rows.items():
         assert int(p) == params, key
         # one update per client, or P / 262,144 examples of 1 MiB each; two of the four clients' clipped

@@ -51,7 +51,9 @@ def test_bfloat16_is_ml_dtypes_conversion_bit_for_bit():
     wrong = np.flatnonzero(mine != expected)
     assert wrong.size == 0, [(hex(x.view(np.uint32)[i]), hex(mine[i]), hex(expected[i])) for i in wrong[:5]]
     # The spot checks: ties to even, the largest float rounds to inf, NaN stays NaN (quiet, its sign), no flush.
-    bits = lambda *v: wire.to_wire_dtype(np.array(v, np.uint32).view(np.float32), "bfloat16").tolist()
+    def bits(*v):
+        return wire.to_wire_dtype(np.array(v, np.uint32).view(np.float32), "bfloat16").tolist()
+
     assert bits(0x3F808000, 0x3F818000, 0x3F808001) == [0x3F80, 0x3F82, 0x3F81]
     assert bits(0x7F7FFFFF, 0xFF7FFFFF, 0x7F800001, 0xFFFFFFFF) == [0x7F80, 0xFF80, 0x7FC0, 0xFFC0]
     assert bits(0x00010000, 0x00018000, 0x00008000) == [0x0001, 0x0002, 0x0000]

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax_privacy import clipping as jp
 
 from clipd import engine
-from helpers import assert_close
 
 
 def _structures(dtype: str) -> dict[str, object]:

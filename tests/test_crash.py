@@ -19,10 +19,10 @@ import threading
 import time
 
 import numpy as np
-
-from clipd.client import Client
 from helpers import wait_until
 from service_helpers import ServerProcess, free_port
+
+from clipd.client import Client
 
 LAYERS = {"big": (1 << 18,), "w": (16, 8)}  # 1 MiB + 512 B per example: 4+ chunks of 256 KiB
 CLIP = 20.0

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import zlib
 
+from service_helpers import ServerProcess, assert_exact_global_clip, free_port, get_json, random_batch, submitting
 
 from clipd.client import Client
 from clipd.server.stores.sqlite import SQLiteStore
-from service_helpers import ServerProcess, assert_exact_global_clip, free_port, get_json, random_batch, submitting
 
 DEVICES = 4
 LAYERS = {"w": (32, 8), "b": (8,)}

@@ -12,13 +12,13 @@ import time
 
 import numpy as np
 import pytest
+from conftest import TEST_SETTINGS
+from helpers import wait_until
+from service_helpers import LAYERS, assert_result_matches, make_updates
 
 from clipd.client import Client, FailedPreconditionError, InvalidUpdateError, UnavailableError
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
-from conftest import TEST_SETTINGS
-from helpers import wait_until
-from service_helpers import LAYERS, assert_result_matches, make_updates
 
 
 def _rows(updates, start, stop):

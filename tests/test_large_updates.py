@@ -24,6 +24,9 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import TEST_SETTINGS
+from helpers import wait_until
+from service_helpers import FaultyProxy, ServerProcess, free_port, reference
 
 from clipd import wire
 from clipd.client import Client, Privacy, ResourceExhaustedError
@@ -32,9 +35,6 @@ from clipd.server.rpc import service
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
-from conftest import TEST_SETTINGS
-from helpers import wait_until
-from service_helpers import FaultyProxy, ServerProcess, free_port, reference
 
 KiB, MiB = 1 << 10, 1 << 20
 LAYERS = {"a": (180_000,), "b": (30, 2_000)}  # 240,000 float32 parameters: 960 KB an update

@@ -8,14 +8,14 @@ import threading
 import time
 
 import pytest
+from conftest import TEST_SETTINGS
+from helpers import wait_until
+from service_helpers import LAYERS, assert_result_matches, make_updates
 
 from clipd import cli
 from clipd.client import Client, FailedPreconditionError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
-from conftest import TEST_SETTINGS
-from helpers import wait_until
-from service_helpers import LAYERS, assert_result_matches, make_updates
 
 FAILED = 5  # clipd.v1.Aggregation.FAILED
 
@@ -214,8 +214,8 @@ def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is
     trainer's one batch per step), and the step must not wait: the last stream's end wakes the worker."""
     from clipd.engine import ClipPolicy, LayerSpec
     from clipd.server.aggregations import Aggregation, AggregationSpec
-    from clipd.server.stores.base import MemoryStore
     from clipd.server.shards.worker import DeviceWorker
+    from clipd.server.stores.base import MemoryStore
 
     worker = DeviceWorker(MemoryStore())
     aggregation = Aggregation("a", AggregationSpec((LayerSpec("w", (3,)),), ClipPolicy()), 8, 1 << 20)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_close, global_norms, layer_shapes, random_batch
 
 from clipd import engine
-from helpers import assert_close, global_norms, layer_shapes, random_batch
 
 BOUNDS = {"zero": 0.0, "tiny": 1e-6, "typical": None, "huge": 1e6, "inf": float("inf")}
 

@@ -26,11 +26,10 @@ import zlib
 
 import psycopg
 import pytest
+from test_store import DurableStoreContract, record, state_at
 
 from clipd.server.stores.base import FINALIZED, OPEN, AggregationRecord, LedgerConflict, LedgerEntry, LedgerRecord
 from clipd.server.stores.postgres import SCHEMA_VERSION, PostgresStore
-
-from test_store import DurableStoreContract, record, state_at
 
 PG_BIN = "/usr/lib/postgresql/15/bin"
 _TIMEOUT = 60  # seconds for any one cluster command
@@ -75,7 +74,7 @@ class Cluster:
     def start(self) -> None:
         self._run(self.initdb, "-D", self.data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8",
                   "--locale=C")
-        for attempt in range(3):  # the port is free when picked; another process may take it first
+        for _attempt in range(3):  # the port is free when picked; another process may take it first
             self.port = _free_port()
             options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.dir}"
                        " -c max_connections=50")
@@ -313,11 +312,11 @@ class TestPostgresStore(DurableStoreContract):
 def test_a_server_on_postgresql_keeps_its_shards_and_tokens_across_a_restart(pg_cluster):
     """The whole server on the shared store: 2 shards, a restart, the same submit token, an exact sum."""
     import numpy as np
+    from conftest import TEST_SETTINGS
 
     from clipd.client import Client
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
-    from conftest import TEST_SETTINGS
 
     settings = Settings(**{**TEST_SETTINGS, "data_dir": pg_cluster.new_database(), "shards": 2,
                            "admin_token": "admin"})
@@ -360,11 +359,11 @@ def test_a_second_server_on_the_same_database_fences_the_first_out(pg_cluster):
     """A takeover (a rolling update): B claims every open shard; A's next checkpoint is refused, A's
     aggregation fails, and B holds everything A acknowledged, nothing twice."""
     import numpy as np
+    from conftest import TEST_SETTINGS
 
     from clipd.client import Client, ClipdError
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
-    from conftest import TEST_SETTINGS
 
     settings = Settings(**{**TEST_SETTINGS, "data_dir": pg_cluster.new_database(), "shards": 2})
     x = np.random.default_rng(9).standard_normal((3, 5, 4)).astype(np.float32)

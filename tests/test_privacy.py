@@ -451,11 +451,11 @@ def test_debug_mode_shows_raw_statistics_and_makes_epsilon_infinite(private_serv
 @pytest.fixture(scope="module")
 def private_server(tmp_path_factory):
     """A server with its admin API (auth off, loopback) and a client."""
+    from conftest import TEST_SETTINGS
+
     from clipd.client import Client
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
-
-    from conftest import TEST_SETTINGS
 
     data_dir = tmp_path_factory.mktemp("clipd-private")
     server, _ = create_server(Settings(**{**TEST_SETTINGS, "data_dir": str(data_dir), "admin_port": 0}))

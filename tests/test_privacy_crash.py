@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
+from service_helpers import ServerProcess, free_port
 
 from clipd.client import Client, ClipdError, FailedPreconditionError, Privacy
-from service_helpers import ServerProcess, free_port
 
 
 def _client(port: int) -> Client:
@@ -88,7 +88,7 @@ def test_sigkill_during_finalize_never_splits_a_release_from_its_ledger_entry(tm
                 client.submit(agg, {"w": np.ones((8, 4096), np.float32)})
                 aggregations.append(agg)
 
-                def finalize():
+                def finalize(agg=agg):
                     try:
                         client.finalize(agg)
                     except (ClipdError, ValueError):

@@ -16,15 +16,12 @@ import time
 
 import numpy as np
 import pytest
-
 import ray  # noqa: E402  (the [test] extra installs it: a missing Ray fails, it is not skipped)
 import ray.cluster_utils  # noqa: E402
+from helpers import wait_until  # noqa: E402
+from test_postgres_store import pg_cluster  # noqa: E402,F401  (a fixture)
 
 from clipd.engine import LayerSpec  # noqa: E402
-from helpers import wait_until  # noqa: E402
-
-
-from test_postgres_store import pg_cluster  # noqa: E402,F401  (a fixture)
 
 CLIP = 1.0
 LAYERS = (LayerSpec("w", (4, 3), "float32"), LayerSpec("b", (5,), "float32"))
@@ -36,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:Runtime
 
 # Fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def pg(pg_cluster):
+def pg(pg_cluster):  # noqa: F811 (the imported fixture, by name)
     """The throwaway PostgreSQL of tests/test_postgres_store.py."""
     return pg_cluster
 
@@ -114,16 +111,15 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
     import threading
 
     import grpc
+    from conftest import TEST_SETTINGS
+    from service_helpers import free_port, submitting
+    from test_tls import _issue
 
     from clipd.client import Client
     from clipd.server.app import create_server
     from clipd.server.settings import Settings
     from clipd.v1 import clipd_pb2 as pb
     from clipd.v1 import clipd_pb2_grpc as pb_grpc
-    from conftest import TEST_SETTINGS
-    from test_tls import _issue
-
-    from service_helpers import free_port, submitting
 
     ca, ca_pair = _issue(tmp_path, "ca", "clipd test CA", ca=True)
     server_pem, _ = _issue(tmp_path, "server", "localhost", ca_pair, server=True, client_too=True)
@@ -176,12 +172,12 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
 def test_ray_shard_hosts_one_on_each_node_keep_the_shards_contract(pg, ray_cluster):
     """``--ray`` alone: a shard host on each of the cluster's two nodes, keeping the contract of every kind of
     shards (tests/shards_contract.py), as the local devices and shard processes do."""
-    from clipd.server.app import create_server
-    from clipd.server.settings import Settings
     from conftest import TEST_SETTINGS
+    from service_helpers import free_port
     from shards_contract import check_shards_contract
 
-    from service_helpers import free_port
+    from clipd.server.app import create_server
+    from clipd.server.settings import Settings
 
     settings = Settings(**{**TEST_SETTINGS, "data_dir": pg.new_database(), "ray_address": ray_cluster.address,
                            "ray_ingest_port": free_port()})

@@ -5,13 +5,13 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from conftest import ADMIN_TOKEN as ADMIN
+from conftest import TEST_SETTINGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clipd.client import Client, PermissionDeniedError, UnauthenticatedError
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
-from conftest import ADMIN_TOKEN as ADMIN
-from conftest import TEST_SETTINGS
 
 LAYERS = {"w": (4,)}
 
@@ -36,7 +36,7 @@ def test_a_submit_token_submits_to_its_aggregation_and_does_nothing_else(auth_se
     with client(target, token) as participant:
         assert participant.submit(mine, ones).examples == 3
         spec = participant.get_aggregation(mine)  # the spec, to check updates against
-        assert [tuple(l.shape) for l in spec.layers] == [(4,)]
+        assert [tuple(layer.shape) for layer in spec.layers] == [(4,)]
         assert spec.submit_token == "" and spec.examples == 0  # no token, no statistics
         with pytest.raises(PermissionDeniedError):
             participant.submit(other, ones)

@@ -324,9 +324,7 @@ def test_a_fixed_point_delta_is_flushed_before_its_limbs_could_overflow(server, 
     ({"noise_multiplier": 1.0, "public_denominator": 4.0, "adaptive": "yes"}, "adaptive clipping"),
 ])
 def test_what_secure_noise_does_not_take_is_an_invalid_argument(client, fields, message):
-    from clipd.client import InvalidArgumentError, Privacy
-
-    from clipd.client import Adaptive
+    from clipd.client import Adaptive, InvalidArgumentError, Privacy
 
     given = {"noise": "secure", "accountant": "zcdp", **fields}
     if given.get("adaptive") == "yes":

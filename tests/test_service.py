@@ -8,8 +8,11 @@ import threading
 import grpc
 import numpy as np
 import pytest
+from conftest import TEST_SETTINGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import wait_until
+from service_helpers import LAYERS, FaultyProxy, assert_result_matches, make_updates, reference
 
 from clipd.client import (
     AlreadyExistsError,
@@ -24,9 +27,6 @@ from clipd.server.app import create_server
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
-from conftest import TEST_SETTINGS
-from helpers import wait_until
-from service_helpers import LAYERS, FaultyProxy, assert_result_matches, make_updates, reference
 
 
 @pytest.mark.parametrize(
@@ -264,7 +264,7 @@ def test_aggregation_lifecycle_and_errors(client):
     updates = make_updates(5, seed=9)
     client.submit(agg, updates)
     stats = client.stats(agg)
-    assert stats.examples == 5 and stats.batches == 1 and [l.name for l in stats.layers] == list(LAYERS)
+    assert stats.examples == 5 and stats.batches == 1 and [layer.name for layer in stats.layers] == list(LAYERS)
     first = client.finalize(agg)
     second = client.finalize(agg)  # idempotent: the result is kept
     for k in LAYERS:
@@ -331,7 +331,7 @@ def test_jax_pytrees_and_single_examples_from_the_client(client):
 
     example = {"dense": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}, "scale": jnp.ones(1)}
     layers = layers_like(example)
-    assert [l.name for l in layers] == ["dense/bias", "dense/kernel", "scale"]
+    assert [layer.name for layer in layers] == ["dense/bias", "dense/kernel", "scale"]
     agg = client.create_aggregation(layers, l2_norm_clip=1e9)
     rng = np.random.default_rng(12)
     examples = [{"dense": {"kernel": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32),

@@ -6,11 +6,11 @@ Ray shard hosts run the same contract in tests/test_ray.py, beside its Ray clust
 from __future__ import annotations
 
 import pytest
+from conftest import TEST_SETTINGS
+from shards_contract import check_shards_contract
 
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
-from conftest import TEST_SETTINGS
-from shards_contract import check_shards_contract
 
 
 @pytest.mark.parametrize("kind", [dict(), dict(processes=2)], ids=["local-devices", "shard-processes"])

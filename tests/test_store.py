@@ -27,13 +27,23 @@ import zlib
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from clipd.engine import NUM_BUCKETS, LayerSpec, PartialState
 from clipd.server.stores import open_store
-from clipd.server.stores.base import (FAILED, FINALIZED, OPEN, AggregationRecord, FencedOut, LedgerConflict,
-                                      LedgerEntry, LedgerRecord, MemoryStore, Store)
+from clipd.server.stores.base import (
+    FAILED,
+    FINALIZED,
+    OPEN,
+    AggregationRecord,
+    FencedOut,
+    LedgerConflict,
+    LedgerEntry,
+    LedgerRecord,
+    MemoryStore,
+    Store,
+)
 from clipd.server.stores.sqlite import SCHEMA_VERSION, SQLiteStore
-from helpers import wait_until
 
 
 def state_at(n: int) -> PartialState:
@@ -258,7 +268,7 @@ class StoreContract:
         for k, aggregation_id in enumerate(["r1", "r2"]):
             store.create(AggregationRecord(aggregation_id, "{}", created=float(k)))
             store.save_checkpoint(aggregation_id, state_at(k + 1))
-            entry = LedgerEntry(aggregation_id, '{"e": %d}' % k, time=10.0 + k, epsilon_after=1.5 * (k + 1),
+            entry = LedgerEntry(aggregation_id, f'{{"e": {k}}}', time=10.0 + k, epsilon_after=1.5 * (k + 1),
                                 next_bound=0.5 if k else None)
             store.commit_release(aggregation_id, b"release-%d" % k, "L", entry, k, finished=20.0 + k)
             assert store.get(aggregation_id).state == FINALIZED and store.get(aggregation_id).finished == 20.0 + k
@@ -536,7 +546,7 @@ class TestSQLiteStore(DurableStoreContract):
         with pytest.raises(RuntimeError, match="in use by another clipd process"):
             SQLiteStore(data)
         probe = subprocess.run(
-            [sys.executable, "-c", "from clipd.server.stores.sqlite import SQLiteStore; SQLiteStore(%r)" % data],
+            [sys.executable, "-c", f"from clipd.server.stores.sqlite import SQLiteStore; SQLiteStore({data!r})"],
             capture_output=True, text=True, timeout=60)
         assert probe.returncode != 0 and "in use by another clipd process" in probe.stderr
         first.close()

@@ -52,7 +52,7 @@ def _issue(directory: pathlib.Path, stem: str, subject: str, issuer: tuple | Non
     ``client_too``: a server certificate that may also authenticate as a client (clipd's hosts present it).
     """
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     issuer_cert, issuer_key = issuer if issuer else (None, key)
     builder = (
         x509.CertificateBuilder()

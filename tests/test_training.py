@@ -14,8 +14,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import TEST_SETTINGS
 from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant
+from helpers import wait_until
 from opacus import GradSampleModule
 from opacus.accountants import RDPAccountant
 from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
@@ -26,8 +28,6 @@ from clipd.client.dpsgd import DpSgd, poisson_sample
 from clipd.client.updates import Layer, as_batch
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
-from conftest import TEST_SETTINGS
-from helpers import wait_until
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 

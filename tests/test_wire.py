@@ -32,7 +32,7 @@ requests = st.tuples(st.text(max_size=20), st.text(max_size=20), st.integers(0, 
 def _protobuf(agg, client, seq, cs, writer) -> pb.SubmitRequest:
     return pb.SubmitRequest(
         aggregation_id=agg, client_id=client, sequence=seq, writer_id=writer,
-        chunks=[pb.TensorChunk(layer=l, dtype=d, shape=s, offset=o, data=b) for l, d, s, o, b in cs],
+        chunks=[pb.TensorChunk(layer=k, dtype=d, shape=s, offset=o, data=b) for k, d, s, o, b in cs],
     )
 
 
@@ -46,7 +46,7 @@ def _as_tuple(m):
 def test_client_encoding_parses_with_protobuf(request):
     agg, client, seq, cs, writer = request
     encoded = wire.submit_request(
-        agg, client, seq, [wire.tensor_chunk(l, d, s, o, np.frombuffer(b, np.uint8)) for l, d, s, o, b in cs],
+        agg, client, seq, [wire.tensor_chunk(k, d, s, o, np.frombuffer(b, np.uint8)) for k, d, s, o, b in cs],
         writer,
     )
     assert _as_tuple(pb.SubmitRequest.FromString(encoded)) == _as_tuple(_protobuf(*request))

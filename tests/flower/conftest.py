@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("flwr", reason="tests/flower runs in .cache/flower-venv: bash scripts/test.sh")
 
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from flower_helpers import ServerProcess  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from clipd.client import Client  # noqa: E402
 

@@ -41,10 +41,9 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import dp_accounting  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-import dp_accounting  # noqa: E402
 import tensorflow_privacy  # noqa: E402
 from tensorflow_privacy.privacy.dp_query import (  # noqa: E402
     quantile_adaptive_clip_sum_query as qacsq,
