@@ -162,14 +162,10 @@ class Aggregation:
         self.id = aggregation_id
         self.spec = spec
         layers, policy, shards = spec.layers, spec.policy, spec.shards
-        self.privacy = spec.privacy  # engine PrivacyPolicy, or None: the sum is released as is
         self.plan = plan if plan is not None else spec.release_plan()  # engine ReleasePlan of the privacy policy
         self.release: dict | None = None  # the committed release's fields
         self.planned_epsilon = 0.0  # the ledger's epsilon once this is released (at creation)
         self.max_clients = max_clients
-        self.layers = layers
-        self.policy = policy
-        self.reject_non_finite = spec.reject_non_finite
         self.accumulator = make_accumulator(layers, policy, self.plan)
         self.example_bytes = sum(layer.size * np.dtype(layer.dtype).itemsize for layer in layers)
         rows = max(1, min(max_device_rows, staging_bytes // max(1, self.example_bytes)))
@@ -187,7 +183,6 @@ class Aggregation:
         recovered = [None] * shards if recovered is None else recovered  # one checkpoint (or None) per shard
         if len(recovered) != shards:
             raise ValueError(f"aggregation {aggregation_id}: {len(recovered)} recovered shards, not {shards}")
-        self.shards = shards
         self.arriving = [0] * shards  # per shard: batches partly received by a stream
         # Each shard's epoch (Store.claim_shard) when the store is shared: checkpoints of an owner that was
         # replaced (another server took over) are refused. None: no claim (one server owns the store).
@@ -213,6 +208,13 @@ class Aggregation:
         self.result: Result | None = None
         self.released_sums: tuple[np.ndarray, ...] = ()
         self._finalize_lock = threading.Lock()
+
+    # What it is: its spec's (fixed at creation).
+    layers = property(lambda self: self.spec.layers)
+    policy = property(lambda self: self.spec.policy)
+    reject_non_finite = property(lambda self: self.spec.reject_non_finite)
+    privacy = property(lambda self: self.spec.privacy, doc="engine PrivacyPolicy, or None: the sum is released as is")
+    shards = property(lambda self: self.spec.shards)
 
     @classmethod
     def from_record(cls, record, settings, recovered: list[PartialState | None] | None = None) -> Aggregation:

@@ -98,7 +98,7 @@ class ClipdServer:
         tokens = SubmitTokens(self.store.submit_token_key())
         self.lifecycle = Lifecycle(settings, self.registry, self.devices, self.store, self.ledgers)
         self.servicer = ClipdServicer(settings, self.lifecycle, tokens)
-        if isinstance(self.devices, Devices):  # this process receives the updates its devices sum
+        if not self.data_plane_elsewhere:  # this process receives the updates its devices sum
             self.servicer.prepare_receive_buffers(self.devices)
         self.health = health.HealthServicer()
         self.guard = Guard(settings.admin_token, self.servicer)
@@ -155,13 +155,13 @@ class ClipdServer:
 
     def start(self) -> ClipdServer:
         self.grpc.start()
-        if self.data_plane_elsewhere:  # the processes that forward calls here: the only ones counted so
-            self.guard.ingest_indexes = frozenset(str(i) for i in range(self.devices.count))
-        if self.settings.ray_address:  # they reach this server's port for everything but Submit
+        if self.settings.ray_address:  # the hosts reach this server's port for everything but Submit
             from clipd.server.shards.ray_hosts import cluster_address
 
             self.devices.control = f"{cluster_address(self.settings.host)}:{self.port}"
-        if self.data_plane_elsewhere:  # returns once every shard process (or host) is ready
+        if self.data_plane_elsewhere:
+            # The processes that forward calls here (the only ones counted so); returns once each is ready.
+            self.guard.ingest_indexes = frozenset(str(i) for i in range(self.devices.count))
             self.devices.start(self.registry)
         self._janitor.start()
         self._trimmer.start()

@@ -150,13 +150,7 @@ class ByteBudget:
             arrays = [aligned_empty(n) for n in sizes]
             for array in arrays:
                 array[:: mmap.PAGESIZE] = 0  # one write a page faults it in
-            with self._cond:
-                self.used -= sum(sizes)
-                now = time.monotonic()
-                for array in arrays:
-                    self._pool.setdefault(array.nbytes, []).append((now, array))
-                    self.pooled += array.nbytes
-                self._cond.notify_all()
+            self._give_back(sum(sizes), arrays)  # into the pool, as a reservation's buffers go
             made += 1
         return made
 

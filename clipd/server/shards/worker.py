@@ -629,8 +629,8 @@ class DeviceWorker:
         delta = jax.device_get(slot.delta)  # on the CPU, views of the device buffers
         totals = aggregation.shard_totals[shard].absorb(delta, slot.marks, slot.batches, slot.nbytes, in_place=True)
         del delta
-        if aggregation.device_rows > 1 or slot.delta.sum_chunks is None:  # (one example a step: the next one is fresh)
-            slot.delta = aggregation.accumulator.reset(slot.delta)  # zeroed in its own buffers
+        if aggregation.device_rows > 1 or slot.delta.sum_chunks is None:  # (a delta of one example a step with
+            slot.delta = aggregation.accumulator.reset(slot.delta)  # sums: the next, fresh, step writes over it)
         slot.marks, slot.batches, slot.nbytes, slot.steps = {}, 0, 0, 0
         aggregation.flushed(totals, shard)
         return totals
