@@ -124,31 +124,27 @@ def test_a_stream_to_an_unknown_aggregation_fails_fast(client):
     assert time.monotonic() - start < 10
 
 
-def test_a_stream_is_woken_for_its_own_client_and_for_state_changes_only():
-    """``Aggregation.listen``: a checkpoint covering alice wakes alice's streams, not bob's; a stream of alice
-    ending wakes hers; closing the aggregation wakes everyone; after ``unlisten`` nothing does."""
+def test_a_stream_is_told_of_its_own_client_and_of_state_changes_only():
+    """``Aggregation.listen``: a checkpoint covering alice tells alice's listeners her durable sequence, not
+    bob's; closing the aggregation tells everyone (None); after ``unlisten`` nothing does."""
 
     from clipd.engine import ClipPolicy, LayerSpec
     from clipd.server.aggregations import Aggregation, AggregationSpec
 
     aggregation = Aggregation("a", AggregationSpec((LayerSpec("w", (3,)),), ClipPolicy()), 8, 1 << 20)
-    alice, bob = threading.Event(), threading.Event()
-    aggregation.listen("alice", alice)
-    aggregation.listen("bob", bob)
+    alice, bob = [], []
+    aggregation.listen("alice", alice.append)
+    aggregation.listen("bob", bob.append)
     aggregation.mark_durable({"alice": (1, "w1")})  # a checkpoint with alice's batch 1
-    assert alice.is_set() and not bob.is_set() and aggregation.durable("alice") == 1
-    alice.clear()
-    aggregation.attach("alice", "w1")
-    aggregation.detach("alice", "w1")  # her stream ended
-    assert alice.is_set() and not bob.is_set()
-    alice.clear()
+    assert alice == [1] and bob == [] and aggregation.durable("alice") == 1
+    aggregation.mark_durable({"alice": (3, "w1"), "carol": (1, "w2")})
+    assert alice == [1, 3] and bob == []
     aggregation.close()
-    assert alice.is_set() and bob.is_set()
-    alice.clear()
-    aggregation.unlisten("alice", alice)
-    aggregation.mark_durable({"alice": (2, "w1")})
+    assert alice == [1, 3, None] and bob == [None]
+    aggregation.unlisten("alice", alice.append)
+    aggregation.mark_durable({"alice": (4, "w1")})
     aggregation.fail("a test")
-    assert not alice.is_set()
+    assert alice == [1, 3, None] and bob == [None, None]
 
 
 def test_a_finalize_after_an_acknowledged_checkpoint_writes_it_once(tmp_path):
@@ -219,7 +215,7 @@ def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is
 
     worker = DeviceWorker(MemoryStore())
     aggregation = Aggregation("a", AggregationSpec((LayerSpec("w", (3,)),), ClipPolicy()), 8, 1 << 20)
-    aggregation.on_last_stream.append(worker._streams_ended)  # as the worker does when it opens an aggregation
+    aggregation.notify_on_last_stream(worker._streams_ended)  # as the worker does when it opens an aggregation
     try:
         started = time.monotonic()
         assert worker._more_for(aggregation, 0, 8, deadline=started + 0.5) is None

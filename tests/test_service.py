@@ -358,7 +358,7 @@ def test_graceful_stop_sums_everything_it_accepted():
         sender.join(timeout=60)
     # Every batch the server accepted was summed before the worker stopped.
     assert aggregation.pending == 0
-    accepted = sum(aggregation._accepted.values())
+    accepted = aggregation.accepted_batches()
     assert aggregation.stats().batches == accepted > 0
 
 

@@ -22,8 +22,9 @@ import numpy as np
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine import _privacy as dp
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
+from clipd.server.sequences import ClientSequences
 from clipd.server.settings import DELTA_BYTES_PER_PARAMETER, TOTALS_BYTES_PER_PARAMETER
-from clipd.wire import SPREAD_MARK, shard_of
+from clipd.wire import shard_of
 
 
 class State(str, enum.Enum):
@@ -36,6 +37,22 @@ class State(str, enum.Enum):
 
 
 TAKES_BATCHES = (State.WARMING_UP, State.OPEN)
+ENDED = (State.FINALIZED, State.CANCELLED, State.FAILED)
+
+# The moves an aggregation's state may make (anything else is a bug: InvalidTransition). A recovered aggregation
+# starts WARMING_UP and may be restored FINALIZED or FAILED at once; a finished one is cancelled to delete it.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.WARMING_UP: frozenset({State.OPEN, State.FINALIZING, State.FINALIZED, State.FAILED, State.CANCELLED}),
+    State.OPEN: frozenset({State.FINALIZING, State.FAILED, State.CANCELLED}),
+    State.FINALIZING: frozenset({State.FINALIZED, State.FAILED, State.CANCELLED}),
+    State.FINALIZED: frozenset({State.CANCELLED}),
+    State.FAILED: frozenset({State.CANCELLED}),
+    State.CANCELLED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    """An aggregation was asked to move between two states that :data:`TRANSITIONS` does not join."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +91,6 @@ class Stats:
 class Result:
     stats: Stats
     sums: tuple[np.ndarray, ...]
-
-
-def _client_of(client_id: str) -> str:
-    """The client a stream's id speaks for: ``alice`` for ``alice``, ``alice~1``, ``alice~2``, ..."""
-    return client_id.rpartition(SPREAD_MARK)[0] or client_id
-
 
 
 def make_accumulator(layers: tuple[LayerSpec, ...], policy: ClipPolicy, plan) -> ClipAccumulator:
@@ -143,12 +154,16 @@ class AggregationSpec:
 
 
 class Aggregation:
-    """One aggregation: its spec, its clients' sequence numbers, its totals and latest statistics.
+    """One aggregation: its spec, its state, its clients' sequence numbers, its totals and latest statistics.
 
-    Two marks per client, each a batch sequence number: ``accepted`` (taken in:
-    queued or summed) >= ``durable`` (in a committed checkpoint). Streams
-    acknowledge ``durable`` only; ``pending`` counts accepted batches not yet
-    summed. After a restart both start at the recovered checkpoint's marks.
+    A state machine (:data:`TRANSITIONS`): WARMING_UP -> OPEN -> FINALIZING -> FINALIZED, or FAILED or
+    CANCELLED on the way. Its fields are read from outside and written only by its own methods, under
+    :attr:`cond`.
+
+    Each client's batch sequence numbers are kept by :class:`ClientSequences`: accepted (taken in: queued or
+    summed) >= summed >= durable (in a committed checkpoint). Streams acknowledge ``durable`` only;
+    :attr:`pending` counts accepted batches not yet summed. After a restart the marks start at the recovered
+    checkpoint's.
 
     Shards: the aggregation's clients are split over ``shards`` partial states
     (:func:`shard_of`), each summed by one device and checkpointed on its own;
@@ -164,8 +179,7 @@ class Aggregation:
         layers, policy, shards = spec.layers, spec.policy, spec.shards
         self.plan = plan if plan is not None else spec.release_plan()  # engine ReleasePlan of the privacy policy
         self.release: dict | None = None  # the committed release's fields
-        self.planned_epsilon = 0.0  # the ledger's epsilon once this is released (at creation)
-        self.max_clients = max_clients
+        self._planned_epsilon = 0.0  # the ledger's epsilon once this is released (at creation)
         self.accumulator = make_accumulator(layers, policy, self.plan)
         self.example_bytes = sum(layer.size * np.dtype(layer.dtype).itemsize for layer in layers)
         rows = max(1, min(max_device_rows, staging_bytes // max(1, self.example_bytes)))
@@ -175,31 +189,23 @@ class Aggregation:
         # Each open Submit stream's response side waits on its own event, woken only when its client's
         # acknowledgement moves or the aggregation's state changes: waking every stream on every step and
         # checkpoint costs (streams x steps) thread wake-ups, which is what thousands of clients in a round pay.
-        self._listeners: dict[str, list[threading.Event]] = {}
-        self.state = State.WARMING_UP
-        self.failure_reason = ""
-        self.finished: float | None = None  # unix time it was finalized or failed
-        self.pending = 0  # batches accepted and not yet summed
+        self._listeners: dict[str, list[Callable[[int | None], Any]]] = {}
+        self._state = State.WARMING_UP
+        self._failure_reason = ""
+        self._finished: float | None = None  # unix time it was finalized or failed
+        self._pending = 0  # batches accepted and not yet summed
         recovered = [None] * shards if recovered is None else recovered  # one checkpoint (or None) per shard
         if len(recovered) != shards:
             raise ValueError(f"aggregation {aggregation_id}: {len(recovered)} recovered shards, not {shards}")
-        self.arriving = [0] * shards  # per shard: batches partly received by a stream
+        self._arriving = [0] * shards  # per shard: batches partly received by a stream
         # Each shard's epoch (Store.claim_shard) when the store is shared: checkpoints of an owner that was
         # replaced (another server took over) are refused. None: no claim (one server owns the store).
-        self.epochs: list[int | None] = [None] * shards
+        self._epochs: list[int | None] = [None] * shards
         # Each shard's totals as of its last flush.
         self.shard_totals = [r if r is not None else PartialState.empty(layers) for r in recovered]
         totals = self.totals
-        marks = {client: sequence for client, (sequence, _) in totals.clients.items()}
-        self._accepted = dict(marks)
-        self._summed = dict(marks)  # the highest batch of each client in the sum (maybe not yet durable)
-        self._durable = dict(marks)
-        self._last_writer = {client: writer for client, (_, writer) in totals.clients.items()}
-        self._open_writers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        self.on_last_stream: list[Callable[[], Any]] = []  # told when its last open stream ends (see detach)
-        # Client ids (accepted, or with a stream open) per client: the streams of a spread submission are one
-        # client for max_clients. Kept as it changes, so a new client costs O(1), not O(clients).
-        self._ids_per_client = collections.Counter(_client_of(c) for c in self._accepted)
+        self._sequences = ClientSequences(totals.clients, max_clients)
+        self._on_last_stream: list[Callable[[], Any]] = []  # told when its last open stream ends (see detach)
         self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
         self._rate_base = self._examples
         self._device_stats: list = [None] * shards  # per shard: statistics of its device delta since its flush
@@ -215,6 +221,45 @@ class Aggregation:
     reject_non_finite = property(lambda self: self.spec.reject_non_finite)
     privacy = property(lambda self: self.spec.privacy, doc="engine PrivacyPolicy, or None: the sum is released as is")
     shards = property(lambda self: self.spec.shards)
+
+    # Where it is (written by its own methods only).
+    state = property(lambda self: self._state, doc="State: where it is in its lifecycle (TRANSITIONS)")
+    failure_reason = property(lambda self: self._failure_reason, doc="why it FAILED ('' otherwise)")
+    finished = property(lambda self: self._finished, doc="unix time it was finalized or failed, or None")
+    pending = property(lambda self: self._pending, doc="batches accepted and not yet summed")
+    planned_epsilon = property(lambda self: self._planned_epsilon,
+                               doc="its ledger's epsilon once it is released (set at creation: admitted)")
+    max_clients = property(lambda self: self._sequences.max_clients)
+
+    def epoch(self, shard: int) -> int | None:
+        """The shard's claim epoch on a shared store (its checkpoints carry it), None without a claim."""
+        return self._epochs[shard]
+
+    def arriving(self, shard: int) -> int:
+        """Batches of the shard that streams are receiving now."""
+        return self._arriving[shard]
+
+    def claimed(self, epochs: list[int | None]) -> None:
+        """This server claimed the shards (``Store.claim_shard``): their epochs, one per shard (None: not here)."""
+        if len(epochs) != self.shards:
+            raise ValueError(f"aggregation {self.id}: {len(epochs)} epochs for {self.shards} shards")
+        with self.cond:
+            self._epochs = list(epochs)
+
+    def admitted(self, planned_epsilon: float) -> None:
+        """Its ledger admitted it (at creation): the ledger's epsilon once it is released."""
+        with self.cond:
+            self._planned_epsilon = planned_epsilon
+
+    def _move_locked(self, to: State) -> None:
+        """Moves to ``to`` (:data:`TRANSITIONS`); wakes every stream listening and every waiter."""
+        if to is not self._state and to not in TRANSITIONS[self._state]:
+            raise InvalidTransition(f"aggregation {self.id}: {self._state.value} -> {to.value}")
+        self._state = to
+        if to in (State.FINALIZED, State.FAILED) and self._finished is None:
+            self._finished = time.time()
+        self._wake_locked()
+        self.cond.notify_all()
 
     @classmethod
     def from_record(cls, record, settings, recovered: list[PartialState | None] | None = None) -> Aggregation:
@@ -267,135 +312,97 @@ class Aggregation:
         return 0 if self.withheld else self._examples
 
     def _check_takes_batches(self) -> None:
-        if self.state is State.FAILED:
-            raise FailedPrecondition(f"aggregation {self.id} failed: {self.failure_reason}")
-        if self.state not in TAKES_BATCHES:
-            raise FailedPrecondition(f"aggregation {self.id} is {self.state.value}: it takes no more batches")
+        self._check_not_ended()
+        if self._state not in TAKES_BATCHES:
+            raise FailedPrecondition(f"aggregation {self.id} is {self._state.value}: it takes no more batches")
 
-    # Clients and sequence numbers -------------------------------------------------
-    def _check_room_for(self, client_id: str) -> None:
-        if self.max_clients is None or client_id in self._accepted or client_id in self._open_writers:
-            return
-        if _client_of(client_id) in self._ids_per_client:  # another stream of a spread submission
-            return
-        known = len(self._ids_per_client)
-        if known >= self.max_clients:
-            raise ResourceExhausted(f"aggregation {self.id} has {known} clients, the limit"
-                                    f" is {self.max_clients} (max_clients)")
-
+    # Clients and sequence numbers (ClientSequences) ----------------------------------
     def attach(self, client_id: str, writer: str) -> tuple[int, int, str]:
-        """A stream of ``writer`` opens for ``client_id``: ``(durable, accepted, last writer)``.
-
-        Refused while a stream of another writer (another submission) is open for
-        the same client: their sequence numbers would collide. ``writer`` ""
-        (streams without a hello) is never refused.
-        """
+        """A stream of ``writer`` opens for ``client_id``: ``(durable, accepted, last writer)``
+        (:meth:`ClientSequences.attach`)."""
         with self.cond:
             self._check_takes_batches()
-            self._check_room_for(client_id)
-            if client_id not in self._accepted and client_id not in self._open_writers:
-                self._ids_per_client[_client_of(client_id)] += 1
-            others = [w for w, n in self._open_writers[client_id].items() if n and w != writer]
-            if writer and others:
-                raise FailedPrecondition(
-                    f"client {client_id!r} is being written by another submission; wait for it to end"
-                    " or use another client_id"
-                )
-            self._open_writers[client_id][writer] += 1
-            return (self._durable.get(client_id, 0), self._accepted.get(client_id, 0),
-                    self._last_writer.get(client_id, ""))
+            return self._sequences.attach(client_id, writer, f"aggregation {self.id}")
 
     def batch_arriving(self, client_id: str, change: int) -> None:
         """A stream of ``client_id`` started (+1) or stopped (-1) receiving a batch."""
         with self.cond:
-            self.arriving[self.shard_of(client_id)] += change
+            self._arriving[self.shard_of(client_id)] += change
 
     def streams_of(self, client_id: str, writer: str) -> int:
         """How many streams of ``writer`` are open for ``client_id``."""
         with self.cond:
-            writers = self._open_writers.get(client_id)
-            return writers[writer] if writers else 0
+            return self._sequences.streams_of(client_id, writer)
 
     @property
     def receiving(self) -> bool:
         """Whether a Submit stream is open on the aggregation (more batches may come)."""
-        return bool(self._open_writers)
+        return self._sequences.receiving
+
+    def notify_on_last_stream(self, callback: Callable[[], Any]) -> None:
+        """``callback()`` runs (outside the lock) each time its last open stream ends: a device worker's step
+        waiting for more batches of this aggregation then runs at once."""
+        with self.cond:
+            self._on_last_stream.append(callback)
 
     def detach(self, client_id: str, writer: str) -> None:
-        """A stream of ``writer`` for ``client_id`` ended; the last stream's end is told to ``on_last_stream``
-        (the device workers: a step waiting for more batches of this aggregation runs at once)."""
+        """A stream of ``writer`` for ``client_id`` ended (see :meth:`notify_on_last_stream`)."""
         with self.cond:
-            writers = self._open_writers[client_id]
-            writers[writer] -= 1
-            if writers[writer] <= 0:
-                del writers[writer]
-            if not writers:
-                del self._open_writers[client_id]
-                if client_id not in self._accepted:
-                    self._forget_id_locked(client_id)
-            self._wake_locked((client_id,))
+            last = self._sequences.detach(client_id, writer)
             self.cond.notify_all()
-            last = not self._open_writers
-            listeners = list(self.on_last_stream) if last else []
+            listeners = list(self._on_last_stream) if last else []
         for notify in listeners:  # (outside the lock: a worker's lock is taken in there)
             notify()
 
-    def _forget_id_locked(self, client_id: str) -> None:
-        client = _client_of(client_id)
-        self._ids_per_client[client] -= 1
-        if self._ids_per_client[client] <= 0:
-            del self._ids_per_client[client]
-
-    def listen(self, client_id: str, event: threading.Event) -> None:
-        """``event`` is set whenever ``client_id``'s acknowledgement moves, a stream of it ends, or the
-        aggregation's state changes (until :meth:`unlisten`)."""
+    def listen(self, client_id: str, listener: Callable[[int | None], Any]) -> None:
+        """``listener(durable)`` is called (under the lock: it must not block) whenever ``client_id``'s
+        durable sequence moves, and ``listener(None)`` whenever the aggregation's state changes (until
+        :meth:`unlisten`)."""
         with self.cond:
-            self._listeners.setdefault(client_id, []).append(event)
+            self._listeners.setdefault(client_id, []).append(listener)
 
-    def unlisten(self, client_id: str, event: threading.Event) -> None:
+    def unlisten(self, client_id: str, listener: Callable[[int | None], Any]) -> None:
         with self.cond:
-            events = self._listeners.get(client_id, [])
-            if event in events:
-                events.remove(event)
-            if not events:
+            listeners = self._listeners.get(client_id, [])
+            if listener in listeners:
+                listeners.remove(listener)
+            if not listeners:
                 self._listeners.pop(client_id, None)
 
-    def _wake_locked(self, clients=None) -> None:
-        """Sets the events of these clients' listeners (of every listener when None)."""
-        groups = self._listeners.values() if clients is None else (self._listeners.get(c, ()) for c in clients)
-        for events in groups:
-            for event in events:
-                event.set()
+    def _wake_locked(self, marks: dict[str, tuple[int, str]] | None = None) -> None:
+        """Tells these clients' listeners their durable sequence; every listener the state when None."""
+        if marks is None:
+            for listeners in self._listeners.values():
+                for listener in listeners:
+                    listener(None)
+            return
+        for client in marks:
+            for listener in self._listeners.get(client, ()):
+                listener(self._sequences.durable(client))
 
     def accept(self, client_id: str, sequence: int, writer: str = "") -> bool:
-        """Reserves a batch: True if new, False if a duplicate of an accepted one."""
+        """Reserves a batch: True if new, False if a duplicate of an accepted one (:meth:`ClientSequences.accept`)."""
         with self.cond:
             self._check_takes_batches()
-            if client_id not in self._accepted:
-                self._check_room_for(client_id)
-            last = self._accepted.get(client_id, 0)
-            if sequence <= last:
-                return False
-            if sequence != last + 1:
-                raise FailedPrecondition(
-                    f"client {client_id!r}: batch {sequence} after {last}; sequence numbers go up by one from 1"
-                )
-            if client_id not in self._accepted and client_id not in self._open_writers:
-                self._ids_per_client[_client_of(client_id)] += 1
-            self._accepted[client_id] = sequence
-            self._last_writer[client_id] = writer
-            self.pending += 1
-            return True
+            new = self._sequences.accept(client_id, sequence, writer, f"aggregation {self.id}")
+            if new:
+                self._pending += 1
+            return new
 
     def summed(self, client_id: str) -> int:
         """The client's highest batch in the sum (durable or not yet)."""
         with self.cond:
-            return max(self._summed.get(client_id, 0), self._durable.get(client_id, 0))
+            return self._sequences.summed(client_id)
 
     def durable(self, client_id: str) -> int:
         """The client's highest batch in a committed checkpoint."""
         with self.cond:
-            return self._durable.get(client_id, 0)
+            return self._sequences.durable(client_id)
+
+    def accepted_batches(self) -> int:
+        """Batches accepted from all clients together."""
+        with self.cond:
+            return self._sequences.accepted_batches()
 
     # Called by the worker ---------------------------------------------------------
     def record(self, done: list[tuple[str, str, int, int, int]], device_stats, shard: int = 0) -> None:
@@ -403,12 +410,11 @@ class Aggregation:
         now = time.time()
         with self.cond:
             for client, _, sequence, rows, nbytes in done:
-                if sequence > self._summed.get(client, 0):
-                    self._summed[client] = sequence
+                self._sequences.mark_summed(client, sequence)
                 self._examples += rows
                 self._bytes += nbytes
                 self._batches += 1
-                self.pending = max(0, self.pending - 1)  # a failure on another shard already set it to 0
+                self._pending = max(0, self._pending - 1)  # a failure on another shard already set it to 0
             if device_stats is not None:
                 self._device_stats[shard] = device_stats
             self._updated = now
@@ -425,7 +431,7 @@ class Aggregation:
     def observe(self, states: dict[int, PartialState]) -> None:
         """The control process of shard processes: their shards' totals as of now (for the statistics)."""
         with self.cond:
-            if self.state not in (*TAKES_BATCHES, State.FINALIZING):
+            if self._state not in (*TAKES_BATCHES, State.FINALIZING):
                 return
             for shard, state in states.items():
                 self.shard_totals[shard] = state
@@ -437,58 +443,50 @@ class Aggregation:
                 self._rates.append((now, self._examples))
             self.cond.notify_all()
 
-    def mark_durable(self, clients) -> None:
+    def mark_durable(self, clients: dict[str, tuple[int, str]]) -> None:
         """A checkpoint holding these client marks was committed: acknowledge up to them."""
         with self.cond:
-            for client, (sequence, _) in clients.items():
-                if sequence > self._durable.get(client, 0):
-                    self._durable[client] = sequence
+            self._sequences.mark_durable(clients)
             self._wake_locked(clients)
             self.cond.notify_all()
 
-    def drop(self, count: int) -> None:
-        """Forgets ``count`` accepted batches that will never be summed (cancelled or failed)."""
+    def drop(self, count: int | None = None) -> None:
+        """Forgets ``count`` accepted batches that will never be summed (cancelled or failed); all when None
+        (a failed aggregation's worker dropped everything it held of it)."""
         with self.cond:
-            self.pending = max(0, self.pending - count)  # a failure already set it to 0
+            self._pending = 0 if count is None else max(0, self._pending - count)  # a failure already set 0
             self.cond.notify_all()
 
     def mark_open(self) -> None:
+        """The warm-up is done: OPEN (unless it moved on meanwhile)."""
         with self.cond:
-            if self.state is State.WARMING_UP:
-                self.state = State.OPEN
-            self._wake_locked()
-            self.cond.notify_all()
+            if self._state is State.WARMING_UP:
+                self._move_locked(State.OPEN)
 
-    def fail(self, reason: str) -> bool:
-        """Moves to FAILED (True), unless already finished; streams and Finalize then fail with ``reason``."""
+    def fail(self, reason: str, finished: float | None = None) -> bool:
+        """Moves to FAILED (True), unless already finished; streams and Finalize then fail with ``reason``.
+        ``finished``: when it failed (recovery restores a stored failure's time; default now)."""
         with self.cond:
-            if self.state in (State.FINALIZED, State.CANCELLED, State.FAILED):
+            if self._state in ENDED:
                 return False
-            self.state = State.FAILED
-            self.failure_reason = reason
-            self.finished = time.time()
-            self._wake_locked()
-            self.cond.notify_all()
+            self._failure_reason = reason
+            self._finished = finished
+            self._move_locked(State.FAILED)
             return True
 
     # Lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Stops taking batches; FINALIZING until :meth:`wait_drained` sees the last one summed."""
         with self.cond:
-            if self.state is State.CANCELLED:
-                raise FailedPrecondition(f"aggregation {self.id} was cancelled")
-            if self.state is State.FAILED:
-                raise FailedPrecondition(f"aggregation {self.id} failed: {self.failure_reason}")
-            if self.state in TAKES_BATCHES:
-                self.state = State.FINALIZING
-            self._wake_locked()
-            self.cond.notify_all()
+            self._check_not_ended()
+            if self._state in TAKES_BATCHES:
+                self._move_locked(State.FINALIZING)
 
     def wait_drained(self, timeout: float | None = None) -> bool:
         """Waits until every accepted batch is summed (or the aggregation ended otherwise)."""
         with self.cond:
             return self.cond.wait_for(
-                lambda: self.pending == 0 or self.state in (State.CANCELLED, State.FAILED), timeout)
+                lambda: self._pending == 0 or self._state in (State.CANCELLED, State.FAILED), timeout)
 
     def finalize(self, commit_final, timeout: float, release=None) -> Result:
         """Closes, waits for every accepted batch, commits the final state, keeps ``Result``.
@@ -524,13 +522,11 @@ class Aggregation:
                 self._check_not_ended()
                 if released is not None:
                     self.release, self.released_sums = released.fields, released.sums
-                self.state = State.FINALIZED
-                self.finished = time.time()
                 self.shard_totals = list(shard_totals)
                 self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
                 self._device_stats = [None] * self.shards
                 self.mark_durable(totals.clients)
-                self._wake_locked()
+                self._move_locked(State.FINALIZED)
                 self.result = self._result_locked()
                 self._keep_result_only_locked()
                 return self.result
@@ -538,8 +534,8 @@ class Aggregation:
     def restore_result(self, finished: float | None, release=None) -> None:
         """Marks a recovered aggregation FINALIZED with its recovered totals (or its release) as the result."""
         with self.cond:
-            self.state = State.FINALIZED
-            self.finished = finished
+            self._finished = finished
+            self._move_locked(State.FINALIZED)
             if release is not None:
                 self.release, self.released_sums = release.fields, release.sums
             self.result = self._result_locked()
@@ -556,17 +552,17 @@ class Aggregation:
         return Result(self._stats_locked(), sums)
 
     def _check_not_ended(self) -> None:
-        if self.state is State.CANCELLED:
+        """FailedPrecondition if it was cancelled or failed."""
+        if self._state is State.CANCELLED:
             raise FailedPrecondition(f"aggregation {self.id} was cancelled")
-        if self.state is State.FAILED:
-            raise FailedPrecondition(f"aggregation {self.id} failed: {self.failure_reason}")
+        if self._state is State.FAILED:
+            raise FailedPrecondition(f"aggregation {self.id} failed: {self._failure_reason}")
 
     def cancel(self) -> None:
+        """CANCELLED, from any state (its result, if any, is dropped)."""
         with self.cond:
-            self.state = State.CANCELLED
+            self._move_locked(State.CANCELLED)
             self.result = None
-            self._wake_locked()
-            self.cond.notify_all()
 
     # Reading ------------------------------------------------------------------------
     def stats(self) -> Stats:

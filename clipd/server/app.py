@@ -245,14 +245,13 @@ def recover(store: Store, registry: Registry, shards: Shards, settings: Settings
                 totals = None  # a final checkpoint is missing or damaged: no result
         aggregation = Aggregation.from_record(record, settings, recovered=totals)
         if epochs is not None:
-            aggregation.epochs = epochs
+            aggregation.claimed(epochs)
         if finalized and (totals is not None or release is not None):
             aggregation.restore_result(record.finished, release)
         elif finalized:
             fail(aggregation, None, "the final checkpoint can't be read back")
         elif record.state == FAILED:  # restored as it was: no new fault, no event
-            aggregation.fail(record.reason)
-            aggregation.finished = record.finished
+            aggregation.fail(record.reason, finished=record.finished)
         else:
             if privacy is not None:
                 ledgers.reserve(aggregation, privacy, aggregation.plan)

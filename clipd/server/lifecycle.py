@@ -148,7 +148,7 @@ class Lifecycle:
             if privacy is None:
                 create_record()
             else:
-                aggregation.planned_epsilon = self.ledgers.admit(aggregation, privacy, plan, create_record)
+                aggregation.admitted(self.ledgers.admit(aggregation, privacy, plan, create_record))
             self._claim_shards(aggregation)
             self.shards.warm_up(aggregation)
 
@@ -193,7 +193,7 @@ class Lifecycle:
         processes and Ray actors claim for themselves.
         """
         if claims_shards(self.store, self.settings):
-            aggregation.epochs = [self.store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)]
+            aggregation.claimed([self.store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)])
 
     # submit -------------------------------------------------------------------------------------
     def submit(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:

@@ -17,9 +17,11 @@ reservation are given back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
+import queue
 import threading
 import time
 
@@ -361,213 +363,267 @@ def stream_owner(token: str | None, context) -> tuple[str, str]:
     return token or "", host
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """The reader bound the stream to its aggregation and client: the hello's answer is due."""
+
+    aggregation: Aggregation
+    greeting: pb.SubmitResponse
+
+
+@dataclasses.dataclass(frozen=True)
+class _Acknowledged:
+    """From the aggregation: the client's durable sequence moved to ``durable`` (None: its state changed)."""
+
+    durable: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ended:
+    """The reader is done: the request stream ended after batch ``last_sequence`` (``error`` None: cleanly)."""
+
+    last_sequence: int
+    error: Exception | None
+
+
+class _Evicted:
+    """The stream's slot went to a client of another owner (StreamSlots)."""
+
+
+EVICTED = Unavailable("this stream's slot went to another client (every slot was taken and this credential held"
+                      " the most); reconnect to go on (unacknowledged batches must be sent again)")
+
+
 class _SubmitSession:
-    """One Submit stream: a reader thread takes batches in, the response side acknowledges them."""
+    """One Submit stream: a reader thread takes batches in; the response side acknowledges them.
+
+    Read in one direction: the reader, the aggregation and the stream slots put events (:class:`_Bound`,
+    :class:`_Acknowledged`, :class:`_Ended`, :class:`_Evicted`) on :attr:`events`, which the response side
+    (:meth:`acknowledgements`) alone takes from; its idle timeout is the wait on that queue. Besides, the
+    reader alone writes how far it got (``last_heard``, ``last_sequence``, ``receiving``, ``received_bytes``),
+    which the response side reads for its progress messages and idle timeout.
+    """
 
     def __init__(self, servicer: ClipdServicer, token: str | None) -> None:
         self.servicer = servicer
         self.token = token
-        self.bound = threading.Event()
-        self.wake = threading.Event()  # set by the aggregation when this client's acknowledgement may move
-        self.aggregation: Aggregation | None = None
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.client = ""
         self.writer = ""
-        self.greeting: pb.SubmitResponse | None = None  # the answer to a hello, until sent
+        # Written by the reader only.
         self.last_sequence = 0  # the highest sequence this stream delivered whole
-        self.acknowledged = 0  # the highest sequence acknowledged to the client
         self.receiving = False  # a batch of this stream is partly received (the server waits for its rest)
         self.received_bytes = 0  # tensor bytes received on this stream (progress)
-        # When the client was last heard, or last answered: the idle timeout counts from there, and only
-        # while the server waits for the client (not while it sums or checkpoints what the client sent).
+        # When the client was last heard (or, by the response side, last answered): the idle timeout counts from
+        # there, and only while the server waits for the client (not while it sums or checkpoints what it sent).
         self.last_heard = time.monotonic()
-        self.finished = False
-        self.broken = False  # the stream ended inside a batch (its received part may be resumed)
         self.assembler: BatchAssembler | None = None
-        self.evicted = False  # the slot went to a client of another owner (StreamSlots)
-        self.error: Exception | None = None
 
     def idle_since(self) -> float:
         return self.last_heard
 
     def evict(self) -> None:
         """Ends this stream soon (UNAVAILABLE): its slot goes to another owner's client."""
-        self.evicted = True
-        self.bound.set()
-        self.wake.set()
+        self.events.put(_Evicted())
 
+    # The reader thread -----------------------------------------------------------------------------
     def read(self, requests) -> None:
         settings = self.servicer.settings
+        aggregation: Aggregation | None = None
         assembler = None
+        error: Exception | None = None
+        broken = False  # the stream ended inside a batch (its received part may be resumed)
         try:
             for message in requests:
                 self.last_heard = time.monotonic()
                 if isinstance(message, Malformed):
                     raise InvalidArgument(f"malformed SubmitRequest: {message.reason}")
-                if self.aggregation is None:
-                    aggregation = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
+                if aggregation is None:
+                    named = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
                     assembler = self.assembler = BatchAssembler(
-                        aggregation.layers, settings.max_batch_bytes, self.servicer.budget,
+                        named.layers, settings.max_batch_bytes, self.servicer.budget,
                         settings.buffer_wait, large_bytes=settings.max_message_bytes,
                         large_wait=settings.stream_idle_timeout * 0.9)
-                    self._bind(message, aggregation, assembler)
-                    del aggregation
+                    aggregation = self._bind(message, named, assembler)
+                    del named
                     if message.sequence == 0 and not message.chunks:
                         continue  # a hello: answered by the response side
-                elif (message.aggregation_id, message.client_id) != (self.aggregation.id, self.client):
+                elif (message.aggregation_id, message.client_id) != (aggregation.id, self.client):
                     raise InvalidArgument("a stream carries one aggregation and one client_id")
                 if message.sequence < 1:
                     raise InvalidArgument(f"sequence must be >= 1, got {message.sequence}")
-                self._set_receiving(True)
+                self._set_receiving(aggregation, True)
                 self.received_bytes += sum(len(chunk.data) for chunk in message.chunks)
                 batch = assembler.add(message.sequence, message.chunks)
                 self.last_heard = time.monotonic()  # (add may have waited for memory: not the client's silence)
                 del message  # a zero-copy batch keeps its message alive: nothing else may
                 if batch is None:
                     continue
-                self._set_receiving(False)
-                self._take(batch)
+                self._set_receiving(aggregation, False)
+                self._take(aggregation, batch)
                 self.last_sequence = batch.sequence
                 del batch
             if assembler is not None and assembler.incomplete_sequence is not None:
-                self.broken = True
+                broken = True
                 raise InvalidArgument(f"the stream ended inside batch {assembler.incomplete_sequence}")
         except Exception as e:  # ClipdError, or the stream broke (client gone)
-            self.error = e.with_traceback(None)  # the traceback would hold this frame's buffers
+            error = e.with_traceback(None)  # the traceback would hold this frame's buffers
         finally:
-            partial = None
-            if assembler is not None:
-                if (self.writer and (self.broken or not isinstance(self.error, ClipdError))
-                        and assembler.incomplete_bytes >= RESUME_MIN_BYTES):
-                    partial = assembler.take_partial()  # the connection broke inside a large batch: kept a while
-                assembler.discard()
-            parked = None
-            self._set_receiving(False)
-            if partial is not None:  # (before the detach: a resuming stream that came first waits for it)
-                key = (self.aggregation.id, self.client)
-                parked = self.servicer.park(key, self.writer, partial)
-            self.finished = True
-            self.bound.set()
-            if self.aggregation is not None:
-                self.aggregation.detach(self.client, self.writer)  # wakes the response side too
-            if parked is not None:
-                self.servicer.keep_parked(key, parked)
+            self._end(aggregation, assembler, error, broken)
 
-    def _take(self, batch) -> None:
+    def _end(self, aggregation: Aggregation | None, assembler: BatchAssembler | None, error: Exception | None,
+             broken: bool) -> None:
+        """The request stream is over: keeps a large batch it broke inside for a resuming stream, detaches,
+        tells the response side."""
+        partial = None
+        if assembler is not None:
+            if (self.writer and (broken or not isinstance(error, ClipdError))
+                    and assembler.incomplete_bytes >= RESUME_MIN_BYTES):
+                partial = assembler.take_partial()  # the connection broke inside a large batch: kept a while
+            assembler.discard()
+        parked = None
+        if aggregation is not None:
+            self._set_receiving(aggregation, False)
+            if partial is not None:  # (before the detach: a resuming stream that came first waits for it)
+                parked = self.servicer.park((aggregation.id, self.client), self.writer, partial)
+            aggregation.detach(self.client, self.writer)
+        self.events.put(_Ended(self.last_sequence, error))
+        if parked is not None and aggregation is not None:
+            self.servicer.keep_parked((aggregation.id, self.client), parked)
+
+    def _take(self, aggregation: Aggregation, batch) -> None:
         """Hands a whole batch on to the aggregation's lifecycle (which may let go of it: a duplicate)."""
         self.servicer.payload_bytes += batch.nbytes  # one reader thread per stream: a rare lost += is harmless
-        self.servicer.lifecycle.submit(self.aggregation, self.client, self.writer, batch)
+        self.servicer.lifecycle.submit(aggregation, self.client, self.writer, batch)
 
-    def _bind(self, message, aggregation: Aggregation, assembler: BatchAssembler) -> None:
+    def _bind(self, message, aggregation: Aggregation, assembler: BatchAssembler) -> Aggregation:
         """The stream's first message names its aggregation (checked: who may submit) and client: attach."""
         self.client = check_client_id(message.client_id)
         self.writer = message.writer_id
         durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
-        self.greeting = pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=accepted,
-                                          aggregation_examples=aggregation.examples, writer_id=last_writer)
+        greeting = pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=accepted,
+                                     aggregation_examples=aggregation.examples, writer_id=last_writer)
         hello = message.sequence == 0 and not message.chunks
         partial = self.servicer.unpark((aggregation.id, self.client), self.writer, hello and message.resume,
                                        lambda: aggregation.streams_of(self.client, self.writer) > 1)
         if partial is not None:  # the rest of that batch comes on this stream
             assembler.adopt(partial)
-            self.greeting.partial_sequence = partial.sequence
-            self.greeting.partial_bytes.extend(partial.received)
-        self.aggregation = aggregation
-        if partial is not None:
-            self._set_receiving(True)
-        self.bound.set()
+            greeting.partial_sequence = partial.sequence
+            greeting.partial_bytes.extend(partial.received)
+            self._set_receiving(aggregation, True)
+        self.events.put(_Bound(aggregation, greeting))
+        return aggregation
 
-    def _set_receiving(self, receiving: bool) -> None:
+    def _set_receiving(self, aggregation: Aggregation, receiving: bool) -> None:
         """A batch of this stream starts or stops arriving (the aggregation counts them per shard: a large
         checkpoint waits a little for one about to complete, to cover both)."""
-        if receiving != self.receiving and self.aggregation is not None:
-            self.aggregation.batch_arriving(self.client, 1 if receiving else -1)
+        if receiving != self.receiving:
+            aggregation.batch_arriving(self.client, 1 if receiving else -1)
         self.receiving = receiving
 
-    def _idle(self) -> bool:
-        """True (and the error set) if the client has sent nothing for the idle timeout, or was evicted."""
-        if self.evicted:
-            self.error = Unavailable("this stream's slot went to another client (every slot was taken and this"
-                                     " credential held the most); reconnect to go on (unacknowledged batches must"
-                                     " be sent again)")
-            return True
-        timeout = self.servicer.settings.stream_idle_timeout
-        if self.finished or time.monotonic() - self.last_heard < timeout:
-            return False
-        if self.last_sequence > self.acknowledged and not self.receiving:
-            return False  # the client waits for the server (its batches are being summed or checkpointed)
-        if self.assembler is not None and self.assembler.waiting_for_room:
-            return False  # the server waits for memory to take the client's update in
-        self.error = Unavailable(f"nothing received for {timeout:g} s: the stream is closed;"
-                                 " reconnect to go on (unacknowledged batches must be sent again)")
-        return True
-
-    def _wait_time(self) -> float:
+    # The response side -----------------------------------------------------------------------------
+    def _next_event(self):
+        """The next event, or None once the idle timeout's next check (or a progress message) is due."""
         left = self.servicer.settings.stream_idle_timeout - (time.monotonic() - self.last_heard)
-        return max(0.01, min(PROGRESS_PERIOD, left)) if left > 0 else PROGRESS_PERIOD
+        try:
+            return self.events.get(timeout=max(0.01, min(PROGRESS_PERIOD, left)) if left > 0 else PROGRESS_PERIOD)
+        except queue.Empty:
+            return None
+
+    def _idle_error(self, ended: _Ended | None, acknowledged: int) -> Exception | None:
+        """UNAVAILABLE if the client has sent nothing for the idle timeout while the server waited for it."""
+        timeout = self.servicer.settings.stream_idle_timeout
+        if ended is not None or time.monotonic() - self.last_heard < timeout:
+            return None
+        if self.last_sequence > acknowledged and not self.receiving:
+            return None  # the client waits for the server (its batches are being summed or checkpointed)
+        if self.assembler is not None and self.assembler.waiting_for_room:
+            return None  # the server waits for memory to take the client's update in
+        return Unavailable(f"nothing received for {timeout:g} s: the stream is closed;"
+                           " reconnect to go on (unacknowledged batches must be sent again)")
 
     def acknowledgements(self, context):
-        """Yields the hello's answer, then an acknowledgement whenever this client's durable sequence moves."""
-        while not self.bound.wait(timeout=self._wait_time()):
-            if not context.is_active():
+        """Yields the hello's answer, then an acknowledgement whenever this client's durable sequence moves;
+        ends with the stream's error, if any."""
+        error: Exception | None = None
+        ended: _Ended | None = None
+        bound: _Bound | None = None
+        while bound is None and ended is None and error is None:
+            event = self._next_event()
+            if isinstance(event, _Bound):
+                bound = event
+            elif isinstance(event, _Ended):
+                ended, error = event, event.error
+            elif isinstance(event, _Evicted):
+                error = EVICTED
+            elif not context.is_active():
                 return
-            if self._idle():
-                break
-        if self.evicted:
-            self._idle()  # sets the error: UNAVAILABLE
-        aggregation = self.aggregation if self.error is None else None
-        sent = 0
-        if aggregation is not None and self.greeting is not None:
-            sent = self.greeting.acknowledged_sequence
-            yield self.greeting
-        if aggregation is not None:
-            aggregation.listen(self.client, self.wake)  # its first read below sees any earlier change
+            else:
+                error = self._idle_error(ended, 0)
+        if bound is not None and error is None:
+            yield bound.greeting
+            aggregation = bound.aggregation
+            listener = self._acknowledged
+            aggregation.listen(self.client, listener)  # its first read below sees any earlier change
             try:
-                if (yield from self._acknowledge(aggregation, sent, context)):
-                    return  # the client is gone
+                error = yield from self._acknowledge(aggregation, bound.greeting.acknowledged_sequence, context)
             finally:
-                aggregation.unlisten(self.client, self.wake)
-        if isinstance(self.error, ClipdError):
-            self.servicer.refuse(context, self.error, "Submit")
-        elif self.error is not None and context.is_active():
-            context.abort(grpc.StatusCode.CANCELLED, f"the request stream broke: {self.error}")
+                aggregation.unlisten(self.client, listener)
+            if error is _GONE:
+                return
+        if isinstance(error, ClipdError):
+            self.servicer.refuse(context, error, "Submit")
+        elif error is not None and context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, f"the request stream broke: {error}")
+
+    def _acknowledged(self, durable: int | None) -> None:
+        """The aggregation's listener (called under its lock: a put never blocks)."""
+        self.events.put(_Acknowledged(durable))
 
     def _acknowledge(self, aggregation: Aggregation, sent: int, context):
         """Acknowledges each move of the client's durable sequence until the stream's batches are all durable
-        or it ended otherwise (``self.error``); True if the client went away. Woken by the event given to
-        :meth:`Aggregation.listen`, never by other clients' steps and checkpoints. While the server holds
-        batches of this stream not yet acknowledged, a progress message goes out every ``PROGRESS_PERIOD``."""
-        self.acknowledged = sent
+        or it ended otherwise; returns the error to end with (None, or ``_GONE`` if the client went away).
+        While the server holds batches of this stream not yet acknowledged, a progress message goes out every
+        ``PROGRESS_PERIOD``."""
+        ended: _Ended | None = None
         last_said = time.monotonic()
+        with aggregation.cond:
+            done, state = aggregation.durable(self.client), aggregation.state
         while True:
-            self.wake.clear()  # before reading: a wake-up after the read is not lost
-            with aggregation.cond:
-                done = aggregation.durable(self.client)
-                summed = aggregation.summed(self.client)
-                examples = aggregation.examples
-                state = aggregation.state
             now = time.monotonic()
             if done > sent:
-                sent = self.acknowledged = done
+                sent = done
                 self.last_heard = last_said = now  # the client's turn again: its silence counts from here
-                yield pb.SubmitResponse(acknowledged_sequence=done, aggregation_examples=examples)
-            elif ((self.receiving or self.last_sequence > done) and not self.finished
+                yield pb.SubmitResponse(acknowledged_sequence=done, aggregation_examples=aggregation.examples)
+            elif ((self.receiving or self.last_sequence > done) and ended is None
                   and now - last_said >= PROGRESS_PERIOD):
                 last_said = now  # a large update in the works: say how far it is
-                yield pb.SubmitResponse(acknowledged_sequence=done, aggregation_examples=examples,
-                                        received_bytes=self.received_bytes, summed_sequence=summed)
-            if self.finished and (self.error is not None or done >= self.last_sequence):
-                return
+                yield pb.SubmitResponse(acknowledged_sequence=done, aggregation_examples=aggregation.examples,
+                                        received_bytes=self.received_bytes,
+                                        summed_sequence=aggregation.summed(self.client))
+            if ended is not None and (ended.error is not None or done >= ended.last_sequence):
+                return ended.error
             if state is State.CANCELLED:
-                self.error = self.error or FailedPrecondition(f"aggregation {aggregation.id} was cancelled")
-                return
+                return (ended and ended.error) or FailedPrecondition(f"aggregation {aggregation.id} was cancelled")
             if state is State.FAILED:
-                self.error = FailedPrecondition(f"aggregation {aggregation.id} failed: {aggregation.failure_reason}")
-                return
+                return FailedPrecondition(f"aggregation {aggregation.id} failed: {aggregation.failure_reason}")
             if not context.is_active():
-                return True
-            if self._idle():
-                return
-            self.wake.wait(self._wait_time())
+                return _GONE
+            if (idle := self._idle_error(ended, sent)) is not None:
+                return idle
+            event = self._next_event()
+            if isinstance(event, _Acknowledged):
+                if event.durable is None:
+                    state = aggregation.state
+                else:
+                    done = max(done, event.durable)
+            elif isinstance(event, _Ended):
+                ended = event
+            elif isinstance(event, _Evicted):
+                return EVICTED
+
+
+_GONE = Exception("the client went away")  # (a sentinel: nothing is sent to a client that is gone)
 
 
 def check_limits(layers, settings: Settings) -> None:

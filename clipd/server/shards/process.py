@@ -275,7 +275,7 @@ class ShardProcess:
         recovered = [self.store.load_checkpoint(aggregation_id, shard=k) if k in epochs else None
                      for k in range(shards)]
         aggregation = Aggregation.from_record(record, self.settings, recovered=recovered)
-        aggregation.epochs = [epochs.get(k) for k in range(shards)]
+        aggregation.claimed([epochs.get(k) for k in range(shards)])
         if record.state == CLOSING:  # being finalized: what its checkpoints hold is all it will hold
             aggregation.close()
         elif mine:

@@ -471,9 +471,7 @@ class DeviceWorker:
                 self._queued_bytes -= work.batch.nbytes
                 work.batch.give_back()
             self._cond.notify_all()
-        with aggregation.cond:
-            aggregation.pending = 0
-            aggregation.cond.notify_all()
+        aggregation.drop()  # every accepted batch of it that was here is gone
 
     def _accumulate(self, first: _Work) -> None:
         aggregation, shard = first.aggregation, first.shard
@@ -663,7 +661,7 @@ class DeviceWorker:
             return slot.checkpoint_due
         if slot.full_since is None:
             slot.full_since = now
-        if aggregation.arriving[shard] > 0:
+        if aggregation.arriving(shard) > 0:
             return min(slot.checkpoint_due, slot.full_since + slot.last_commit_seconds)
         return now
 
@@ -695,7 +693,7 @@ class DeviceWorker:
                 if queued is CHECKPOINT_FAILED:  # the checkpoint this final commit relies on
                     raise Unavailable(f"the last checkpoint of aggregation {aggregation.id} failed")
                 if queued is not totals:  # else: nothing summed since that checkpoint, which holds these totals
-                    self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epochs[shard])
+                    self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epoch(shard))
             except Exception as e:
                 if final is None and slot.queued is totals:
                     with self._cond:
@@ -761,7 +759,7 @@ class DeviceWorker:
         if aggregation.state in (State.CANCELLED, State.FAILED, State.FINALIZED):
             self._drop_parked(aggregation)
             return
-        aggregation.on_last_stream.append(self._streams_ended)
+        aggregation.notify_on_last_stream(self._streams_ended)
         on_host = sums_on_host(aggregation, self.device)
         for shard in self._shards[aggregation]:
             self._slots[(aggregation, shard)] = _Slot(aggregation.accumulator.init(sums=not on_host))
