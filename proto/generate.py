@@ -1,4 +1,4 @@
-"""Regenerates the Python gRPC code from proto/clipd/v1/clipd.proto.
+"""Regenerates the Python gRPC code from proto/clipd/v1/clipd.proto (the API) and shard_host.proto (internal).
 
 Run from anywhere: ``python proto/generate.py`` writes ``clipd/v1/`` of the repository (or under
 ``OUT_DIR`` with ``python proto/generate.py OUT_DIR``).
@@ -42,7 +42,7 @@ import tempfile
 
 PROTO_ROOT = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = PROTO_ROOT.parent
-PROTO_FILE = "clipd/v1/clipd.proto"
+PROTO_FILES = ("clipd/v1/clipd.proto", "clipd/v1/shard_host.proto")
 
 GENERATOR = "grpcio-tools==1.67.1"
 GENCODE_PROTOBUF = (5, 27, 2)  # what GENERATOR's protoc writes into clipd_pb2.py
@@ -89,17 +89,17 @@ def generator_dir() -> pathlib.Path:
 
 
 def generate(out_dir: pathlib.Path) -> None:
-    """Writes clipd/v1/clipd_pb2.py, clipd_pb2.pyi and clipd_pb2_grpc.py under ``out_dir``."""
+    """Writes clipd/v1/{clipd,shard_host}_pb2.py, _pb2.pyi and _pb2_grpc.py under ``out_dir``."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [f"-I{PROTO_ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", PROTO_FILE]
+            f"--grpc_python_out={out_dir}", *PROTO_FILES]
     done = subprocess.run([sys.executable, "-c", _RUN_PROTOC, str(generator_dir()), *args],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"proto/generate.py: protoc failed:\n{done.stderr.strip() or done.stdout.strip()}")
     stamp = "# Protobuf Python Version: {}.{}.{}".format(*GENCODE_PROTOBUF)
-    if stamp not in (out_dir / "clipd" / "v1" / "clipd_pb2.py").read_text():
+    if any(stamp not in (out_dir / "clipd" / "v1" / f"{name}_pb2.py").read_text() for name in ("clipd", "shard_host")):
         raise SystemExit(f"proto/generate.py: {GENERATOR} did not write protobuf {GENCODE_PROTOBUF} gencode")
 
 

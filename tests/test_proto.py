@@ -10,7 +10,8 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GENERATED_DIR = ROOT / "clipd" / "v1"
-GENERATED = ["clipd_pb2.py", "clipd_pb2.pyi", "clipd_pb2_grpc.py"]
+GENERATED = ["clipd_pb2.py", "clipd_pb2.pyi", "clipd_pb2_grpc.py", "shard_host_pb2.py", "shard_host_pb2.pyi",
+             "shard_host_pb2_grpc.py"]
 
 
 def _load_generate():

@@ -83,29 +83,75 @@ from clipd.server.shards.local import owner_of
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
 from clipd.server.tls import peer_channel
 from clipd.v1 import clipd_pb2
+from clipd.v1 import shard_host_pb2 as host_pb
+from clipd.v1 import shard_host_pb2_grpc as host_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
-INTERNAL = "clipd.internal.Shard"  # on the shard processes' private unix sockets only
-INTERNAL_CALLS = ("Open", "Finish", "Stats", "Forget", "Serve")
-OPEN, FINISH, STATS, FORGET, SERVE = INTERNAL_CALLS
+# The control's calls to a shard host (proto/clipd/v1/shard_host.proto), by name: request and answer types.
+CALLS = {
+    "Open": (host_pb.OpenRequest, host_pb.OpenResponse),
+    "Finish": (host_pb.FinishRequest, host_pb.FinishResponse),
+    "Stats": (host_pb.StatsRequest, host_pb.StatsResponse),
+    "Forget": (host_pb.ForgetRequest, host_pb.ForgetResponse),
+    "Serve": (host_pb.ServeRequest, host_pb.ServeResponse),
+}
 _STAT_COUNTS = ("examples", "non_finite", "batches", "bytes")
 _STAT_ARRAYS = ("clip_counts", "layer_histograms", "example_histogram", "norm_sum", "norm_max")
 
+# A host's refusal that the control raises as such; any other failure of a call is the host's: Unavailable.
+_ERRORS = {grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition, grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+           grpc.StatusCode.NOT_FOUND: NotFound}
 
-_ERRORS = {"FAILED_PRECONDITION": FailedPrecondition, "DEADLINE_EXCEEDED": DeadlineExceeded, "NOT_FOUND": NotFound}
+
+def host_error(host: str, code: grpc.StatusCode, message: str) -> ClipdError:
+    """The error a failed call to a shard host raises on the control's side: the host's own refusal as it said
+    it, anything else (the host unreachable, restarting, a timeout) as ``Unavailable``."""
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+        return _ERRORS[code](message)
+    return _ERRORS.get(code, Unavailable)(f"{host}: {code.name}: {message}")
 
 
-def stats_to_json(state: PartialState) -> dict:
+def stats_to_proto(state: PartialState) -> host_pb.ShardStats:
     """A shard's statistics (no sums, no client marks) for the control process."""
-    return {**{f: int(getattr(state, f)) for f in _STAT_COUNTS},
-            **{f: getattr(state, f).tolist() for f in _STAT_ARRAYS}}
+    return host_pb.ShardStats(**{f: int(getattr(state, f)) for f in _STAT_COUNTS},
+                              **{f: getattr(state, f).ravel().tolist() for f in _STAT_ARRAYS})
 
 
-def stats_from_json(empty: PartialState, fields: dict) -> PartialState:
-    """:func:`stats_to_json`'s shard as a partial state whose sums stay zero (read from checkpoints at finalize)."""
-    return dataclasses.replace(empty, **{f: int(fields[f]) for f in _STAT_COUNTS},
-                               **{f: np.asarray(fields[f], getattr(empty, f).dtype) for f in _STAT_ARRAYS})
+def stats_from_proto(empty: PartialState, stats: host_pb.ShardStats) -> PartialState:
+    """:func:`stats_to_proto`'s shard as a partial state whose sums stay zero (read from checkpoints at finalize)."""
+    arrays = {f: np.asarray(getattr(stats, f), getattr(empty, f).dtype).reshape(getattr(empty, f).shape)
+              for f in _STAT_ARRAYS}
+    return dataclasses.replace(empty, **{f: int(getattr(stats, f)) for f in _STAT_COUNTS}, **arrays)
+
+
+class _ShardHostService(host_grpc.ShardHostServicer):
+    """The ShardHost service on a shard process's private socket: each call runs on the process; a
+    ``ClipdError`` it raises is the call's status."""
+
+    def __init__(self, process: ShardProcess) -> None:
+        self.process = process
+
+    def _run(self, name: str, request, context):
+        try:
+            return self.process.handle(name, request)
+        except ClipdError as e:
+            context.abort(e.code, str(e))
+
+    def Open(self, request, context):  # noqa: N802 (the generated servicer's names)
+        return self._run("Open", request, context)
+
+    def Finish(self, request, context):  # noqa: N802
+        return self._run("Finish", request, context)
+
+    def Stats(self, request, context):  # noqa: N802
+        return self._run("Stats", request, context)
+
+    def Forget(self, request, context):  # noqa: N802
+        return self._run("Forget", request, context)
+
+    def Serve(self, request, context):  # noqa: N802
+        return self._run("Serve", request, context)
 
 
 # The shard process ------------------------------------------------------------------------------------
@@ -246,10 +292,8 @@ class ShardProcess:
                                    options=server_options(settings))
         self.private.add_generic_rpc_handlers((
             grpc.method_handlers_generic_handler(SERVICE.full_name, {
-                "Submit": grpc.stream_stream_rpc_method_handler(self._submit)}),
-            grpc.method_handlers_generic_handler(INTERNAL, {
-                name: grpc.unary_unary_rpc_method_handler(self._internal(name)) for name in INTERNAL_CALLS}),
-        ))
+                "Submit": grpc.stream_stream_rpc_method_handler(self._submit)}),))
+        host_grpc.add_ShardHostServicer_to_server(_ShardHostService(self), self.private)
         self.private.add_insecure_port(f"unix:{socket_path(private_dir, index)}")
 
     def set_siblings(self, targets: dict[int, str]) -> None:
@@ -334,70 +378,64 @@ class ShardProcess:
             self.servicer.stream_slots.release(owner_key)
 
     # The control process's calls -------------------------------------------------------------------
-    def call(self, name: str, request: dict) -> dict:
-        """One of the control's calls (``INTERNAL_CALLS``): its answer, or ``{"error": code, "message": why}``."""
-        try:
-            return getattr(self, f"_{name.lower()}")(request)
-        except ClipdError as e:
-            return {"error": e.code.name, "message": str(e)}
+    def handle(self, name: str, request):
+        """One of the control's calls (:data:`CALLS`, the ShardHost service) with its request message: its
+        answer message; a refusal raised as ``ClipdError``."""
+        return getattr(self, f"_{name.lower()}")(request)
 
-    def _internal(self, name: str):
-        def handle(request: bytes, context) -> bytes:
-            return json.dumps(self.call(name, json.loads(request))).encode()
-
-        return handle
-
-    def _open(self, request: dict) -> dict:
+    def _open(self, request: host_pb.OpenRequest) -> host_pb.OpenResponse:
         """Opens the aggregation here and waits (up to the warm-up timeout) for its programs to compile."""
-        aggregation = self.registry.get(request["id"])
+        aggregation = self.registry.get(request.aggregation_id)
         with aggregation.cond:
             aggregation.cond.wait_for(lambda: aggregation.state is not State.WARMING_UP, self.settings.warmup_timeout)
-            return {"state": aggregation.state.value}
+            return host_pb.OpenResponse(state=aggregation.state.value)
 
-    def _finish(self, request: dict) -> dict:
+    def _finish(self, request: host_pb.FinishRequest) -> host_pb.FinishResponse:
         """No more batches; every accepted one summed; this process's shards' final checkpoints committed."""
         try:
-            aggregation = self.registry.get(request["id"])
+            aggregation = self.registry.get(request.aggregation_id)
         except FailedPrecondition:
-            return {"shards": []}  # not open here and closing, finalized or failed: nothing of it is in flight
+            return host_pb.FinishResponse()  # not open here and closing, finalized or failed: nothing in flight
         aggregation.close()
-        timeout = float(request["timeout"])
+        timeout = request.timeout_seconds
         if not aggregation.wait_drained(timeout):
             raise DeadlineExceeded(f"aggregation {aggregation.id}: {aggregation.pending} accepted batches not"
                                    f" summed after {timeout:g} s")
         if aggregation.state is State.FAILED:
             raise FailedPrecondition(f"aggregation {aggregation.id} failed: {aggregation.failure_reason}")
         self.devices.commit_final(aggregation, timeout)
-        return {"shards": list(self.devices.owned(aggregation.shards))}
+        return host_pb.FinishResponse(shards=list(self.devices.owned(aggregation.shards)))
 
-    def _stats(self, request: dict) -> dict:
+    def _stats(self, request: host_pb.StatsRequest) -> host_pb.StatsResponse:
         """Each named open aggregation's statistics, per shard of this process; this process's devices."""
-        found = {}
+        answer = host_pb.StatsResponse(
+            devices=[host_pb.Device(**d) for d in self.devices.describe()], queued_bytes=self.devices.queued_bytes,
+            queue_depth=self.devices.queue_depth, payload_bytes=self.servicer.payload_bytes)
+        wanted = set(request.aggregation_ids)
         for aggregation in self.registry.all():
-            if aggregation.id not in request["ids"]:
+            if aggregation.id not in wanted:
                 continue
-            states = aggregation.live_shard_totals(self.devices.owned(aggregation.shards))
-            failed = aggregation.failure_reason if aggregation.state is State.FAILED else ""
-            found[aggregation.id] = {"shards": {k: stats_to_json(s) for k, s in states.items()}, "failed": failed}
-        return {"aggregations": found, "devices": self.devices.describe(),
-                "queued_bytes": self.devices.queued_bytes, "queue_depth": self.devices.queue_depth,
-                "payload_bytes": self.servicer.payload_bytes}
+            found = answer.aggregations[aggregation.id]
+            for k, state in aggregation.live_shard_totals(self.devices.owned(aggregation.shards)).items():
+                found.shards[k].CopyFrom(stats_to_proto(state))
+            found.failure_reason = aggregation.failure_reason if aggregation.state is State.FAILED else ""
+        return answer
 
-    def _forget(self, request: dict) -> dict:
+    def _forget(self, request: host_pb.ForgetRequest) -> host_pb.ForgetResponse:
         with contextlib.suppress(NotFound):
-            aggregation = Registry.get(self.registry, request["id"])  # not opened here: nothing to forget
+            aggregation = Registry.get(self.registry, request.aggregation_id)  # not opened here: nothing to forget
             self.registry.remove(aggregation.id)
             aggregation.cancel()
             self.devices.forget(aggregation)
         self.servicer.budget.drop_pool()
-        return {}
+        return host_pb.ForgetResponse()
 
-    def _serve(self, request: dict) -> dict:
+    def _serve(self, request: host_pb.ServeRequest) -> host_pb.ServeResponse:
         """Says SERVING; ``endpoints``: every shard process's, for GetPlacement (sent again when one moved)."""
-        self.set_placement(request.get("endpoints") or [])
+        self.set_placement(list(request.endpoints))
         for name in ("", SERVICE.full_name):
             self.health.set(name, self._serving)
-        return {}
+        return host_pb.ServeResponse()
 
     def set_placement(self, endpoints: list[str]) -> None:
         """Where shard process *i* is reached (endpoint *i*); an empty or partial list: GetPlacement is
@@ -514,11 +552,12 @@ class ShardProcesses:
         self._told: list[str] = []  # the endpoints the serving shard processes answer GetPlacement with
         self.restarts = [0] * self.count
         self._channels = [grpc.insecure_channel(f"unix:{socket_path(self.private_dir, i)}") for i in range(self.count)]
+        self._hosts = [host_grpc.ShardHostStub(channel) for channel in self._channels]
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._started = False
         self.registry: Registry | None = None
-        self._seen: dict = {}  # the last Stats answer of each process
+        self._seen: dict[int, host_pb.StatsResponse] = {}  # the last Stats answer of each process
         self._empty: dict[str, PartialState] = {}
         self._threads = [threading.Thread(target=self._watch, name="clipd-shards-watch", daemon=True),
                          threading.Thread(target=self._pump, name="clipd-shards-stats", daemon=True)]
@@ -571,13 +610,13 @@ class ShardProcesses:
         """
         endpoints = self.endpoints()  # what its GetPlacement answers
         try:
-            answer = json.loads(self._channels[index].unary_unary(f"/{INTERNAL}/{SERVE}")(
-                json.dumps({"endpoints": endpoints}).encode(), timeout=30, wait_for_ready=True))
+            self._hosts[index].Serve(host_pb.ServeRequest(endpoints=endpoints), timeout=30, wait_for_ready=True)
+            told = True
         except grpc.RpcError:
-            answer = None
+            told = False
         with self._lock:
             process = self._processes[index]
-            if answer is not None and "error" not in answer and process is not None and process.poll() is None:
+            if told and process is not None and process.poll() is None:
                 self._served[index] = True
                 others = [i for i in range(self.count) if i != index and self._served[i]]
             else:
@@ -586,8 +625,7 @@ class ShardProcesses:
             if endpoints != self._told:  # it came back on another port: the others answer GetPlacement too
                 for other in others:
                     with contextlib.suppress(grpc.RpcError):
-                        self._channels[other].unary_unary(f"/{INTERNAL}/{SERVE}")(
-                            json.dumps({"endpoints": endpoints}).encode(), timeout=5)
+                        self._hosts[other].Serve(host_pb.ServeRequest(endpoints=endpoints), timeout=5)
                 self._told = endpoints
             return True
         if process is not None:
@@ -632,29 +670,21 @@ class ShardProcesses:
                     threading.Thread(target=self._bring_up, args=(index,), name="clipd-shard-start",
                                      daemon=True).start()
 
-    def _call(self, index: int, name: str, request: dict, timeout: float, quiet: bool = False) -> dict | None:
-        """One of the control's calls to process ``index``; None if it failed (``quiet``), else its error raised
-        (``Unavailable`` if the process can't be reached)."""
+    def _call(self, index: int, name: str, request, timeout: float, quiet: bool = False):
+        """One of the control's calls (:data:`CALLS`) to host ``index``: its answer message; None if it failed
+        (``quiet``), else its error raised (:func:`host_error`)."""
         try:
-            answer = self._transport(index, name, request, timeout)
+            return self._transport(index, name, request, timeout)
         except ClipdError:
             if quiet:
                 return None
             raise
-        if "error" in answer:
-            if quiet:
-                return None
-            raise _ERRORS.get(answer["error"], Unavailable)(answer["message"])
-        return answer
 
-    def _transport(self, index: int, name: str, request: dict, timeout: float) -> dict:
+    def _transport(self, index: int, name: str, request, timeout: float):
         try:
-            answer = self._channels[index].unary_unary(f"/{INTERNAL}/{name}")(json.dumps(request).encode(),
-                                                                               timeout=timeout)
+            return getattr(self._hosts[index], name)(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise (DeadlineExceeded if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED else Unavailable)(
-                f"shard process {index}: {e.code().name}: {e.details()}") from None
-        return json.loads(answer)
+            raise host_error(f"shard process {index}", e.code(), e.details()) from None
 
     # The servicer's calls --------------------------------------------------------------------------------
     def warm_up(self, aggregation: Aggregation) -> None:
@@ -665,7 +695,8 @@ class ShardProcesses:
 
         def open_everywhere():
             for index in range(min(self.count, aggregation.shards)):
-                self._call(index, OPEN, {"id": aggregation.id}, timeout=self.settings.warmup_timeout, quiet=True)
+                self._call(index, "Open", host_pb.OpenRequest(aggregation_id=aggregation.id),
+                           timeout=self.settings.warmup_timeout, quiet=True)
             aggregation.mark_open()
 
         threading.Thread(target=open_everywhere, name=f"clipd-open-{aggregation.id}", daemon=True).start()
@@ -704,14 +735,15 @@ class ShardProcesses:
                 raise DeadlineExceeded(f"aggregation {aggregation.id}: shard process {index} did not commit its"
                                        " final checkpoints in time")
             try:
-                self._call(index, FINISH, {"id": aggregation.id, "timeout": left}, timeout=left + 1.0)
+                self._call(index, "Finish", host_pb.FinishRequest(aggregation_id=aggregation.id, timeout_seconds=left),
+                           timeout=left + 1.0)
                 return
             except Unavailable:
                 time.sleep(0.1)  # restarting: it opens the aggregation from the store again
 
     def forget(self, aggregation: Aggregation) -> None:
         for index in range(self.count):
-            self._call(index, FORGET, {"id": aggregation.id}, timeout=10.0, quiet=True)
+            self._call(index, "Forget", host_pb.ForgetRequest(aggregation_id=aggregation.id), timeout=10.0, quiet=True)
         self._empty.pop(aggregation.id, None)
 
     def finished(self, aggregation: Aggregation) -> None:
@@ -735,7 +767,7 @@ class ShardProcesses:
         ids = [a.id for a in live]
         answers = {}
         for index in range(self.count):
-            answer = self._call(index, STATS, {"ids": ids}, timeout=5.0, quiet=True)
+            answer = self._call(index, "Stats", host_pb.StatsRequest(aggregation_ids=ids), timeout=5.0, quiet=True)
             if answer is not None:
                 answers[index] = self._seen[index] = answer
         for aggregation in live:
@@ -744,10 +776,10 @@ class ShardProcesses:
                 empty = self._empty[aggregation.id] = PartialState.empty(aggregation.layers)
             states, failed = {}, ""
             for answer in answers.values():
-                found = answer["aggregations"].get(aggregation.id)
-                if found is not None:
-                    states.update({int(k): stats_from_json(empty, v) for k, v in found["shards"].items()})
-                    failed = failed or found["failed"]
+                if aggregation.id in answer.aggregations:
+                    found = answer.aggregations[aggregation.id]
+                    states.update({k: stats_from_proto(empty, v) for k, v in found.shards.items()})
+                    failed = failed or found.failure_reason
             if failed and aggregation.state in TAKES_BATCHES:
                 fail(aggregation, self.store, failed)
             elif states:
@@ -756,7 +788,7 @@ class ShardProcesses:
     @property
     def payload_bytes(self) -> int:
         """Submit payload bytes the shard processes received (as of their last statistics)."""
-        return sum(a.get("payload_bytes", 0) for a in self._seen.values())
+        return sum(a.payload_bytes for a in self._seen.values())
 
     # The server ----------------------------------------------------------------------------------------
     @property
@@ -766,11 +798,11 @@ class ShardProcesses:
 
     @property
     def queued_bytes(self) -> int:
-        return sum(a.get("queued_bytes", 0) for a in self._seen.values())
+        return sum(a.queued_bytes for a in self._seen.values())
 
     @property
     def queue_depth(self) -> int:
-        return sum(a.get("queue_depth", 0) for a in self._seen.values())
+        return sum(a.queue_depth for a in self._seen.values())
 
     @property
     def device_kind(self) -> str:
@@ -779,7 +811,8 @@ class ShardProcesses:
 
     def describe(self) -> list[dict]:
         """Every shard process's devices (as of its last statistics), with the process's index."""
-        return [{**d, "process": i} for i, a in sorted(self._seen.items()) for d in a.get("devices", [])]
+        return [{"id": d.id, "kind": d.kind, "platform": d.platform, "steps": d.steps, "process": i}
+                for i, a in sorted(self._seen.items()) for d in a.devices]
 
     def describe_processes(self) -> list[dict]:
         with self._lock:

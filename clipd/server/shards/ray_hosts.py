@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from typing import Any
 
 try:
     import ray
@@ -25,8 +26,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "clipd.server.shards.ray_hosts needs Ray: pip install 'clipd[ray]' (ray>=2.60,<3)"
     ) from e
 
-from clipd.server.shards.process import ShardProcesses
+import grpc
+
+from clipd.server.errors import ClipdError
+from clipd.server.shards.process import CALLS, ShardProcesses, host_error
 from clipd.server.stores.base import Store
+from clipd.v1 import shard_host_pb2 as host_pb
 
 __all__ = ["RayShardHosts", "cluster_address"]
 
@@ -54,7 +59,7 @@ class _ShardHost:
         settings = Settings(**fields)
         self.host = cluster_address(settings.advertise_host or settings.host)  # as clients and hosts reach it
         self.process = ShardProcess(settings, index, settings.ray_ingest_port, 0, None, control=control).start()
-        self.process.call("Serve", {})
+        self.process.handle("Serve", host_pb.ServeRequest())
 
     def endpoint(self) -> str:
         return f"{self.host}:{self.process.data_port}"
@@ -66,15 +71,23 @@ class _ShardHost:
         every = {**siblings, self.process.index: self.endpoint()}
         self.process.set_placement([every.get(i, "") for i in range(self.process.count)])
 
-    def call(self, name: str, request: dict) -> dict:
-        return self.process.call(name, request)
+    def call(self, name: str, request: bytes) -> tuple[str, str, bytes]:
+        """One of the control's calls (the ShardHost service, ``CALLS``), serialized both ways:
+        ``("", "", answer)``, or ``(status code name, message, b"")`` if the host refused it."""
+        request_type, _ = CALLS[name]
+        try:
+            return "", "", self.process.handle(name, request_type.FromString(request)).SerializeToString()
+        except ClipdError as e:
+            return e.code.name, str(e), b""
 
     def pid(self) -> int:
         return os.getpid()
 
 
 # Several calls at once: a long Open or Finish must not hold up the server's endpoint and pid checks.
-ShardHost = ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0.25, max_concurrency=16)(_ShardHost)
+# (Ray's overloads of ray.remote(...) list the options of a remote function only, not an actor's.)
+ShardHost = ray.remote(  # type: ignore[call-overload]
+    max_restarts=-1, max_task_retries=0, num_cpus=0.25, max_concurrency=16)(_ShardHost)
 
 
 class RayShardHosts(ShardProcesses):
@@ -112,7 +125,7 @@ class RayShardHosts(ShardProcesses):
 
     def start(self, registry) -> RayShardHosts:
         self.registry = registry
-        options = dict(scheduling_strategy="SPREAD")
+        options: dict[str, Any] = dict(scheduling_strategy="SPREAD")
         if self.settings.ray_gpus_per_host:
             options["num_gpus"] = self.settings.ray_gpus_per_host
         self.actors = [ShardHost.options(**options).remote(self._fields, i, self.control) for i in range(self.count)]
@@ -124,7 +137,7 @@ class RayShardHosts(ShardProcesses):
 
     def _refresh(self, timeout: float = 30) -> bool:
         """Reads every host's endpoint and pid; tells them each other's endpoints if one moved. True if all answer."""
-        answers = []
+        answers: list[list[Any] | None] = []  # [endpoint, pid], None: no answer
         for actor in self.actors:
             try:
                 answers.append(ray.get([actor.endpoint.remote(), actor.pid.remote()], timeout=timeout))
@@ -155,11 +168,15 @@ class RayShardHosts(ShardProcesses):
             with contextlib.suppress(Exception):
                 self._refresh(timeout=5)
 
-    def _transport(self, index: int, name: str, request: dict, timeout: float) -> dict:
+    def _transport(self, index: int, name: str, request, timeout: float):
         try:
-            return ray.get(self.actors[index].call.remote(name, request), timeout=timeout)
+            code, message, answer = ray.get(self.actors[index].call.remote(name, request.SerializeToString()),
+                                            timeout=timeout)
         except Exception as e:  # the actor died or is being restarted, or the call timed out
             raise self._unavailable(f"shard host {index}: {type(e).__name__}") from None
+        if code:
+            raise host_error(f"shard host {index}", grpc.StatusCode[code], message)
+        return CALLS[name][1].FromString(answer)
 
     def endpoints(self) -> list[str]:
         with self._lock:
