@@ -21,7 +21,7 @@ from clipd.client import Client  # noqa: E402
 def server_python() -> str:
     python = os.environ.get("CLIPD_SERVER_PYTHON")
     if not python:
-        pytest.skip("CLIPD_SERVER_PYTHON (a Python with clipd[server]) is not set: run bash scripts/test.sh")
+        pytest.skip("CLIPD_SERVER_PYTHON (a Python with clipd's server extra) is not set: run bash scripts/test.sh")
     return python
 
 

@@ -33,12 +33,12 @@ def test_this_environment_is_flower_without_the_server_extra():
 def test_the_server_says_which_extra_it_needs():
     code = "import clipd.server"
     done = _run(sys.executable, "-c", code)
-    assert done.returncode != 0 and "pip install 'clipd[server]'" in done.stderr
+    assert done.returncode != 0 and "pip install '.[server]'" in done.stderr
     done = _run(sys.executable, "-m", "clipd", "serve", "--grpc-port", "0")
     assert done.returncode == 1
-    assert done.stderr.startswith("clipd: error: clipd serve:") and "pip install 'clipd[server]'" in done.stderr
+    assert done.stderr.startswith("clipd: error: clipd serve:") and "pip install '.[server]'" in done.stderr
     done = _run(sys.executable, "-m", "clipd", "demo", "--examples", "10")
-    assert done.returncode == 1 and "--target" in done.stderr and "clipd[server]" in done.stderr
+    assert done.returncode == 1 and "--target" in done.stderr and "'.[server]'" in done.stderr
 
 
 def test_demo_against_a_server_from_this_environment(clipd_server):

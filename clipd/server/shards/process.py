@@ -559,6 +559,7 @@ class ShardProcesses:
         self.registry: Registry | None = None
         self._seen: dict[int, host_pb.StatsResponse] = {}  # the last Stats answer of each process
         self._empty: dict[str, PartialState] = {}
+        self._fenced: set[str] = set()  # aggregations whose shards this control claimed at finalize
         self._threads = [threading.Thread(target=self._watch, name="clipd-shards-watch", daemon=True),
                          threading.Thread(target=self._pump, name="clipd-shards-stats", daemon=True)]
 
@@ -707,7 +708,7 @@ class ShardProcesses:
     def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
         """Closes the aggregation in every shard process, fences them out and reads back every final checkpoint."""
         deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
-        if not getattr(aggregation, "fenced", False):  # a retry after the fence reads the checkpoints again
+        if aggregation.id not in self._fenced:  # a retry after the fence reads the checkpoints again
             self.store.set_state(aggregation.id, CLOSING)
             owners = sorted({owner_of(k, self.count) for k in range(aggregation.shards)})
             with concurrent.futures.ThreadPoolExecutor(len(owners), thread_name_prefix="clipd-finish") as pool:
@@ -719,7 +720,7 @@ class ShardProcesses:
                     raise
             for k in range(aggregation.shards):  # from here on, no shard process's checkpoint can land
                 self.store.claim_shard(aggregation.id, k)
-            aggregation.fenced = True
+            self._fenced.add(aggregation.id)
         totals = [self.store.load_checkpoint(aggregation.id, shard=k, newest_only=True)
                   for k in range(aggregation.shards)]
         if None in totals:
@@ -745,6 +746,7 @@ class ShardProcesses:
         for index in range(self.count):
             self._call(index, "Forget", host_pb.ForgetRequest(aggregation_id=aggregation.id), timeout=10.0, quiet=True)
         self._empty.pop(aggregation.id, None)
+        self._fenced.discard(aggregation.id)
 
     def finished(self, aggregation: Aggregation) -> None:
         """Finalized (the store says so): the shard processes drop their copies (a late Submit is refused)."""

@@ -1,7 +1,7 @@
 """Shard hosts on a Ray cluster (``clipd serve --ray HOST:PORT``): the shard processes of ``--processes``,
 each a Ray actor on a node of the cluster, receiving and summing their own shards.
 
-``pip install 'clipd[server,postgres,ray]'`` (Ray 2.60+): the hosts checkpoint into the shared PostgreSQL
+``pip install '.[server,postgres,ray]'`` (Ray 2.60+): the hosts checkpoint into the shared PostgreSQL
 store. The clipd server is the control plane (Create, GetStats, Finalize, ledgers, the admin API) and never
 sees a payload byte: clients stream to ``ray_ingest_port`` on any node (the hosts of a node share it) or,
 routed by ``GetPlacement``, to the host of their shard. A host is a
@@ -23,7 +23,7 @@ try:
     import ray.util
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "clipd.server.shards.ray_hosts needs Ray: pip install 'clipd[ray]' (ray>=2.60,<3)"
+        "clipd.server.shards.ray_hosts needs Ray: pip install '.[ray]' (ray>=2.60,<3)"
     ) from e
 
 import grpc
@@ -117,6 +117,7 @@ class RayShardHosts(ShardProcesses):
         self.registry = None
         self._seen: dict = {}
         self._empty: dict = {}
+        self._fenced: set[str] = set()
         self._threads = [threading.Thread(target=self._watch, name="clipd-hosts-watch", daemon=True),
                          threading.Thread(target=self._pump, name="clipd-hosts-stats", daemon=True)]
         # What a host needs: the store, limits, the admin token (Submit's check), its count and port.

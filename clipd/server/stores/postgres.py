@@ -1,6 +1,6 @@
 """The PostgreSQL dialect of :class:`~clipd.server.stores.sql.SQLStore`: everything in one database.
 
-``PostgresStore("postgresql://user@host:port/db")`` (psycopg 3; ``pip install clipd[postgres]``).
+``PostgresStore("postgresql://user@host:port/db")`` (psycopg 3; ``pip install '.[postgres]'``).
 Several clipd processes may share one database: every write is one
 transaction, and the writers of one aggregation or one ledger queue on its row
 lock (``SELECT ... FOR UPDATE``).
@@ -120,9 +120,9 @@ class PostgresStore(SQLStore):
     def _schema_version(self, tx: Tx) -> int:
         """0 for an empty database; under an advisory lock: one process at a time creates the tables."""
         tx.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
-        if not tx.one("SELECT to_regclass('clipd_schema') IS NOT NULL")[0]:
+        if not tx.row("SELECT to_regclass('clipd_schema') IS NOT NULL")[0]:
             return 0
-        version = tx.one("SELECT max(version) FROM clipd_schema")[0] or 0
+        version = tx.row("SELECT max(version) FROM clipd_schema")[0] or 0
         if version < 1:
             raise RuntimeError(f"store schema version {version} is unknown to this clipd ({SCHEMA_VERSION})")
         return version
@@ -136,7 +136,7 @@ class PostgresStore(SQLStore):
         with self._transaction() as tx:
             tx.execute("INSERT INTO secrets (name, value) VALUES ('submit-token-key', ?)"
                        " ON CONFLICT (name) DO NOTHING", (secrets.token_bytes(32),))
-            (key,) = tx.one("SELECT value FROM secrets WHERE name = 'submit-token-key'")
+            (key,) = tx.row("SELECT value FROM secrets WHERE name = 'submit-token-key'")
         return bytes(key)
 
     def close(self) -> None:
