@@ -4,7 +4,7 @@
 it needs nothing else running.
 
 ``clipd serve`` and the embedded server of ``clipd demo`` need the server extra
-(``pip install 'clipd[server]'``); ``clipd demo --target HOST:PORT`` needs only
+(``pip install '.[server]'``); ``clipd demo --target HOST:PORT`` needs only
 the client side (numpy, grpcio, protobuf). Nothing of the server is imported
 before a command that needs it runs.
 """
@@ -222,12 +222,12 @@ def _reference(updates: dict[str, np.ndarray], args) -> tuple[list, list[int]]:
 
         from clipd import engine
 
-        grads = [jnp.asarray(updates[n]) for n in names]
+        arrays = [jnp.asarray(updates[n]) for n in names]
         if args.policy == "global":
-            ref_sums, count = engine.per_example_global_norm_clip(grads, args.clip)
-            return ref_sums, [int(count)] * len(names)
-        ref_sums, counts = engine.per_example_layer_norm_clip(grads, args.clip, uniform=uniform)
-        return ref_sums, [int(c) for c in counts]
+            clipped_sums, clipped = engine.per_example_global_norm_clip(arrays, args.clip)
+            return clipped_sums, [int(clipped)] * len(names)
+        clipped_sums, counts = engine.per_example_layer_norm_clip(arrays, args.clip, uniform=uniform)
+        return clipped_sums, [int(c) for c in counts]
     grads = [updates[n].astype(np.float64).reshape(len(updates[n]), -1) for n in names]
 
     def clip(group: list[np.ndarray], bound: float) -> tuple[list[np.ndarray], int]:
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(setting_names=_add_settings_flags(serve))
         serve.set_defaults(run=_serve)
     else:  # the client side only: `clipd serve ...` says what to install, whatever its flags
-        serve = sub.add_parser("serve", help="run the service (needs: pip install 'clipd[server]')", add_help=False)
+        serve = sub.add_parser("serve", help="run the service (needs: pip install '.[server]')", add_help=False)
         serve.set_defaults(run=_serve_unavailable(missing), any_arguments=True)
     demo = sub.add_parser("demo", help="stream synthetic updates and check the aggregate")
     demo.add_argument("--target", default=None, help="HOST:PORT of a server (default: start one in-process)")

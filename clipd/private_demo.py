@@ -30,7 +30,7 @@ def run(client, layers: dict, updates: dict[str, np.ndarray], args) -> int:
         ledger_id=ledger, delta=args.delta, noise_multiplier=args.noise_multiplier,
         sampling="poisson" if claimed else "none", sampling_rate=rate if claimed else 0.0,
         max_epsilon=args.max_epsilon or 0.0, public_denominator=rate * args.examples,
-        **({"noise": "secure", "accountant": "zcdp"} if args.secure_noise else {}),
+        noise="secure" if args.secure_noise else "gaussian", accountant="zcdp" if args.secure_noise else "rdp",
     )
     rng = np.random.default_rng(args.seed if args.seed_sampling else None)
     examples = len(next(iter(updates.values())))
@@ -49,9 +49,11 @@ def run(client, layers: dict, updates: dict[str, np.ndarray], args) -> int:
         if chosen.size:
             client.submit(aggregation, {name: u[chosen] for name, u in updates.items()})
         release = client.finalize(aggregation).release
+        assert release is not None  # a private aggregation's result carries its release
         client.cancel(aggregation)  # drops the kept result; the ledger keeps the release's event
         print(f"round {round_}: {chosen.size} examples sampled, noise stddev {release.noise_stddev:.4g},"
               f" epsilon so far {release.ledger_epsilon:.4f}")
+    assert release is not None  # --rounds R: at least one round ran
     print(f"epsilon={release.ledger_epsilon:.6g} delta={args.delta:g} rounds={args.rounds}"
           f" noise_stddev={release.noise_stddev:.6g}")
     return 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -56,22 +56,25 @@ def retry_after(metadata) -> float | None:
 
 
 # Dtypes and enums -------------------------------------------------------------------------------
-def _by_name(enum) -> dict[str, int]:
-    """A proto enum's values by their names in lower case, ``*_UNSPECIFIED`` left out."""
+def _by_name(enum) -> dict[str, Any]:
+    """A proto enum's values by their names in lower case, ``*_UNSPECIFIED`` left out (typed where assigned)."""
     return {name.lower(): value for name, value in enum.items() if not name.endswith("_UNSPECIFIED")}
 
 
-DTYPES = _by_name(pb.DType)  # float32, float16, bfloat16, float64: numpy's names
-DTYPE_NAMES = {code: name for name, code in DTYPES.items()}
-CLIP_KINDS = _by_name(pb.ClipPolicy.Kind)  # global, per_layer_uniform, ...
-NON_FINITE = _by_name(pb.ClipPolicy.NonFinite)  # zero_example, zero_entries, propagate, reject
-SAMPLING = _by_name(pb.Sampling.Kind)  # none, poisson, fixed_size
-NEIGHBOURING = _by_name(pb.PrivacyPolicy.Neighbouring)  # add_remove_one, replace_one
-ACCOUNTANTS = _by_name(pb.PrivacyPolicy.Accountant)  # rdp, pld, zcdp
-NOISES = _by_name(pb.PrivacyPolicy.Noise)  # gaussian, secure
+DTYPES: dict[str, pb.DType] = _by_name(pb.DType)  # float32, float16, bfloat16, float64: numpy's names
+DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPES.items()}
+CLIP_KINDS: dict[str, pb.ClipPolicy.Kind] = _by_name(pb.ClipPolicy.Kind)  # global, per_layer_uniform, ...
+# zero_example, zero_entries, propagate, reject
+NON_FINITE: dict[str, pb.ClipPolicy.NonFinite] = _by_name(pb.ClipPolicy.NonFinite)
+SAMPLING: dict[str, pb.Sampling.Kind] = _by_name(pb.Sampling.Kind)  # none, poisson, fixed_size
+# add_remove_one, replace_one
+NEIGHBOURING: dict[str, pb.PrivacyPolicy.Neighbouring] = _by_name(pb.PrivacyPolicy.Neighbouring)
+ACCOUNTANTS: dict[str, pb.PrivacyPolicy.Accountant] = _by_name(pb.PrivacyPolicy.Accountant)  # rdp, pld, zcdp
+NOISES: dict[str, pb.PrivacyPolicy.Noise] = _by_name(pb.PrivacyPolicy.Noise)  # gaussian, secure
+_Enum = TypeVar("_Enum", bound=int)  # one of those proto enums
 
 
-def code_of(names: dict[str, int], name: str, what: str) -> int:
+def code_of(names: dict[str, _Enum], name: str, what: str) -> _Enum:
     """``names[name]``, or a ValueError saying what ``what`` may be."""
     if name not in names:
         raise ValueError(f"{what} must be one of {sorted(names)}, got {name!r}")
@@ -87,7 +90,7 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name).newbyteorder("<")
 
 
-def dtype_code(dtype) -> int:
+def dtype_code(dtype) -> pb.DType:
     """The ``DType`` of a numpy dtype (KeyError for one the wire has not)."""
     return DTYPES[np.dtype(dtype).name]
 
@@ -427,6 +430,7 @@ def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
 
 def _fields(buf: memoryview, pos: int, end: int):
     """Yields ``(field, wire_type, value)``: an int (varint), a ``(start, stop)`` span, or None."""
+    value: int | tuple[int, int] | None
     while pos < end:
         key, pos = _varint(buf, pos, min(end, pos + 5))  # a tag is a varint of 32 bits at most, as protobuf reads it
         field, wire_type = key >> 3, key & 7

@@ -6,8 +6,9 @@
 #   run a throwaway cluster for the PostgresStore tests).
 #   Python: torch 2.13.0 (CPU build), then this project in editable mode with its [server] and [test] extras
 #   (the service; the reference libraries that serve as oracles: optax, jax-privacy, declearn, opacus; the
-#   DP-SGD examples' scikit-learn and matplotlib; pytest, hypothesis, import-linter, ruff, mkdocs), then the import
-#   contracts (lint-imports), the lint rules (ruff), the documentation site (mkdocs build --strict)
+#   DP-SGD examples' scikit-learn and matplotlib; pytest, hypothesis, import-linter, ruff, mypy, mkdocs), then the import
+#   contracts (lint-imports), the lint rules (ruff), the type checker (mypy over clipd/), the documentation site
+#   (mkdocs build --strict)
 #   and the suite.
 #
 #   Then the Flower tests (tests/flower), in environments of their own under .cache/ (git-ignored, kept
@@ -60,6 +61,8 @@ if [ "$flower_only" -eq 0 ]; then
   lint-imports
   # The lint rules of [tool.ruff.lint] in pyproject.toml (pyflakes, pycodestyle, isort, bugbear, pyupgrade).
   ruff check --quiet clipd/ tests/ benchmarks/ examples/
+  # The type checker over clipd/ ([tool.mypy] in pyproject.toml; the generated clipd/v1 code is left out).
+  mypy --no-error-summary
   # The docs site (mkdocs.yml, docs/) in strict mode: a broken link or anchor, or a page not in nav, fails.
   python -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
   python -m pytest "$@"

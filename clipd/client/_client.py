@@ -63,12 +63,13 @@ class SubmitProgress:
     _stream: Any = dataclasses.field(repr=False, compare=False)
 
 
-def _with_progress(error: Exception, stream: _BatchStream) -> Exception:
+def _with_progress(error: Exception, stream: _BatchStream | _Spread) -> Exception:
     """``error`` with where the submission stands: ``client_id``, ``acknowledged_examples``, ``progress``."""
-    error.progress = SubmitProgress(stream.aggregation_id, stream.client_id, stream.batches_acked,
-                                    stream.examples_acked, stream.unacknowledged, stream)
-    error.client_id = stream.client_id
-    error.acknowledged_examples = stream.examples_acked
+    tagged: Any = error  # any exception (a bad update's too): the attributes are added to it
+    tagged.progress = SubmitProgress(stream.aggregation_id, stream.client_id, stream.batches_acked,
+                                     stream.examples_acked, stream.unacknowledged, stream)
+    tagged.client_id = stream.client_id
+    tagged.acknowledged_examples = stream.examples_acked
     return error
 
 
@@ -336,7 +337,8 @@ class Client:
                                   wire_dtype)
             return self._stream(stream, progress)
         source = _SharedSource(batches)
-        firsts = source.take(streams)  # one batch for each stream to start with (fewer batches: fewer streams)
+        # one batch for each stream to start with (fewer batches: fewer streams)
+        firsts: Sequence[list[np.ndarray] | None] = source.take(streams)
         if not firsts:
             firsts = [None]  # nothing to send: one stream says hello and reports where the client stands
         window = max(self.message_bytes, self.window_bytes // len(firsts))
@@ -381,9 +383,10 @@ class Client:
 
         The report counts the whole submission, this call and the failed one together.
         """
-        if getattr(error, "progress", None) is None:
+        where: SubmitProgress | None = getattr(error, "progress", None)
+        if where is None:
             raise ValueError("resume takes an error raised by Client.submit or Client.resume")
-        stream = error.progress._stream
+        stream = where._stream
         if isinstance(stream, _Spread):
             for part in stream.streams:
                 part.source_error = None
@@ -497,7 +500,9 @@ class Client:
         chunk_bytes = max(wire.FINALIZE_MIN_CHUNK_BYTES, self.message_bytes)
         responses = self._stub.Finalize(pb.FinalizeRequest(aggregation_id=aggregation_id, max_chunk_bytes=chunk_bytes),
                                         timeout=self.timeout, metadata=self._metadata)
-        stats, buffers, layouts = None, {}, {}
+        stats: pb.AggregationStats | None = None
+        buffers: dict[int, bytearray] = {}
+        layouts: dict[int, tuple[str, tuple[int, ...]]] = {}
         for response in responses:
             if response.HasField("stats"):
                 stats = response.stats
@@ -505,6 +510,7 @@ class Client:
                 chunk = response.sum
                 layouts[chunk.layer] = (wire.DTYPE_NAMES[chunk.dtype], tuple(chunk.shape))
                 buffers.setdefault(chunk.layer, bytearray()).extend(chunk.data)
+        assert stats is not None  # the server's first response carries them
         # Views of the received bytes (no copy), writable: a trainer may update them in place.
         sums = {layer.name: wire.as_array(buffers[k], *layouts[k]) for k, layer in enumerate(stats.layers)}
         return AggregateResult(
@@ -820,12 +826,13 @@ class _BatchStream:
             sent = self.acked
         while True:
             with self._cond:
-                self._cond.wait_for(
-                    lambda sent=sent: generation != self._generation
-                    or self._next_to_send(sent) is not None
-                    or self._exhausted
-                    or self._unacked_bytes < self.window_bytes
-                )
+                def ready(sent: int = sent) -> bool:
+                    return (generation != self._generation
+                            or self._next_to_send(sent) is not None
+                            or self._exhausted
+                            or self._unacked_bytes < self.window_bytes)
+
+                self._cond.wait_for(ready)
                 if generation != self._generation:
                     return
                 entry = self._next_to_send(sent)
@@ -870,6 +877,7 @@ class _BatchStream:
                     self._exhausted = True
                     self._cond.notify_all()
                     return None
+                assert self._next_sequence is not None  # greet set it: requests() pulls only after the answer
                 entry = _Sent(self._next_sequence, batch[0].shape[0], sum(a.nbytes for a in batch), batch,
                               wire.wire_nbytes(batch, self.wire_dtype))
                 self._next_sequence += 1

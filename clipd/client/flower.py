@@ -55,7 +55,7 @@ fraction), so the strategy needs no state for it; ``strategy.clipping_norm``
 follows it for display. Without a privacy policy the aggregate is clipped but
 not noised: not differentially private (a warning says so).
 
-Needs Flower's Message API (``pip install 'clipd[flower]'``: flwr 1.41); the
+Needs Flower's Message API (``pip install '.[flower]'``: flwr 1.41); the
 clipd client itself needs only numpy, grpcio and protobuf.
 """
 
@@ -74,7 +74,7 @@ try:
     from flwr.serverapp import Grid
     from flwr.serverapp.strategy import Strategy
 except ImportError as e:  # pragma: no cover - exercised where flwr is missing
-    raise ImportError("clipd.client.flower needs Flower's Message API: pip install 'clipd[flower]' (flwr 1.41)") from e
+    raise ImportError("clipd.client.flower needs Flower's Message API: pip install '.[flower]' (flwr 1.41)") from e
 
 from clipd.v1 import clipd_pb2 as pb
 

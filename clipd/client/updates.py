@@ -159,7 +159,7 @@ def _suggestion(key: str, candidates: Sequence[str]) -> str:
     >>> _suggestion("W", ["w", "b"]), _suggestion("kernel", ["w", "b"])
     (" (did you mean 'w'?)", '')
     """
-    by_lower = {}
+    by_lower: dict[str, str] = {}
     for name in candidates:
         by_lower.setdefault(name.lower(), name)
     close = difflib.get_close_matches(key.lower(), list(by_lower), n=1)

@@ -373,6 +373,8 @@ def merge(a: AccumulatorState, b: AccumulatorState) -> AccumulatorState:
     Partial sums from several workers or replicas merge into the state that one
     worker would have reached on all their batches (up to float rounding).
     """
+    if a.sum_chunks is None or b.sum_chunks is None:
+        raise TypeError("merge: a statistics-only state (statistics_only()) holds no sums to add")
     return dataclasses.replace(
         a,  # (fixed point: limbs add as they are; the host decodes them in int64)
         sum_chunks=tuple(x + y for x, y in zip(a.sum_chunks, b.sum_chunks)),
@@ -416,6 +418,8 @@ class AccumulatorState:
     @property
     def sums(self) -> tuple:
         """Per layer: the clipped sum, in its layer's shape and sum dtype (fixed point: float64 numpy, exact)."""
+        if self.sum_chunks is None:
+            raise TypeError("sums: a statistics-only state (statistics_only()) holds none")
         if self.fixed_point_step:
             return tuple(fixed_point_values(np.asarray(chunk), self.fixed_point_step).reshape(shape)
                          for chunk, (shape, _) in zip(self.sum_chunks, self.layers))
@@ -531,7 +535,7 @@ class ClipAccumulator:
         self.compute_dtype = jnp.result_type(*self.sum_dtypes)
         self.bounds = tuple(policy.layer_bounds(self.layers))
         groups = self.bounds if policy.is_per_layer else self.bounds[:1]
-        limits = [*groups, policy.example_bound(self.layers)]
+        limits: list[float | np.float32] = [*groups, policy.example_bound(self.layers)]
         if fixed_point_step:  # the bound the fixed-point multiplier uses, last
             limits.append(conservative_bound(policy.l2_norm_clip, [layer.size for layer in self.layers]))
         self._limits = jnp.asarray(limits, self.compute_dtype)
@@ -567,7 +571,8 @@ class ClipAccumulator:
         return _zeroed(state)
 
     def update(
-        self, state: AccumulatorState, batch: Sequence[jax.Array], valid: jax.Array, fresh: bool = False
+        self, state: AccumulatorState, batch: Sequence[jax.Array | np.ndarray], valid: jax.Array | np.ndarray,
+        fresh: bool = False,
     ) -> AccumulatorState:
         """Adds one batch: ``batch[k]`` has shape ``(B, *layers[k].shape)``, ``valid`` shape ``(B,)``.
 
@@ -579,8 +584,8 @@ class ClipAccumulator:
         """
         return _accumulate_jit(state, tuple(batch), valid, self._limits, self._config, fresh)
 
-    def measure(self, state: AccumulatorState, example: Sequence[jax.Array],
-                valid: jax.Array) -> tuple[AccumulatorState, ExampleScales]:
+    def measure(self, state: AccumulatorState, example: Sequence[jax.Array | np.ndarray],
+                valid: jax.Array | np.ndarray) -> tuple[AccumulatorState, ExampleScales]:
         """One example (``example[k]`` of shape ``(1, *layers[k].shape)``) measured but not summed: its
         statistics go into ``state`` (donated; its sums, if it has any, are left as they are) and its
         per-layer scales come back, for :func:`add_example` to add its clipped contribution into host totals.
@@ -610,4 +615,4 @@ class ClipAccumulator:
     @staticmethod
     def compiled_programs() -> int:
         """How many step programs have been compiled so far in this process."""
-        return _accumulate_jit._cache_size()
+        return _accumulate_jit._cache_size()  # type: ignore[attr-defined]  # jax's own, not in its JitWrapped stub

@@ -30,13 +30,21 @@ import struct
 import sys
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 
 _HEAD = struct.Struct("<8sQ")  # magic, header length
 _CRC = struct.Struct("<I")
 _IO_PIECE = 16 << 20  # bytes an array is written or read in at a time (the CRC runs over each piece)
+
+
+class BinaryReader(Protocol):
+    """A binary file :func:`read` reads from (an ``open(..., "rb")`` file, an ``io.BytesIO``)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
 
 
 class CorruptStateError(ValueError):
@@ -79,7 +87,7 @@ def write(file: BinaryIO, magic: bytes, fields: dict, arrays: Sequence[tuple[str
     return len(head) + len(header) + array_bytes + _CRC.size, zlib.crc32(trailer, crc)
 
 
-def read(file: BinaryIO, nbytes: int, magic: bytes, what: str,
+def read(file: BinaryReader, nbytes: int, magic: bytes, what: str,
          crc32: int | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """Reads a container of ``nbytes`` bytes: its fields (the header less ``"arrays"``) and its arrays by name.
 
@@ -106,7 +114,7 @@ def read(file: BinaryIO, nbytes: int, magic: bytes, what: str,
             if size * dtype.itemsize > left:
                 raise CorruptStateError(f"{what}: checksum mismatch (truncated or corrupted)")
             array = np.empty(size, dtype)
-            crc = _read_into(file, memoryview(array).cast("B"), crc, what)
+            crc = _read_into(file, array.data.cast("B"), crc, what)
             left -= size * dtype.itemsize
             arrays[name] = array.astype(dtype.newbyteorder("="), copy=False).reshape(shape)
     except (KeyError, TypeError, ValueError) as e:
@@ -146,17 +154,17 @@ def _pieces(arrays: Sequence[tuple[str, np.ndarray]]) -> Iterator[memoryview]:
             piece = flat[start : start + step]
             if sys.byteorder != "little" and piece.dtype.byteorder != "|":
                 piece = piece.astype(piece.dtype.newbyteorder("<"))
-            yield memoryview(piece).cast("B")
+            yield piece.data.cast("B")
 
 
-def _read_exactly(file: BinaryIO, n: int, what: str) -> bytes:
+def _read_exactly(file: BinaryReader, n: int, what: str) -> bytes:
     data = file.read(n)
     if len(data) != n:
         raise CorruptStateError(f"{what}: checksum mismatch (truncated or corrupted)")
     return data
 
 
-def _read_into(file: BinaryIO, view: memoryview, crc: int, what: str) -> int:
+def _read_into(file: BinaryReader, view: memoryview, crc: int, what: str) -> int:
     """Fills ``view`` from ``file`` a piece at a time; returns the CRC-32 continued over what was read."""
     for start in range(0, len(view), _IO_PIECE):
         piece = view[start : start + _IO_PIECE]

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -226,12 +227,12 @@ class PartialState:
             "clients": {c: [s, w] for c, (s, w) in sorted(self.clients.items())},
         }
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> builtins.bytes:  # builtins: the field `bytes` shadows the type in this class
         """:meth:`write_to`'s format in one ``bytes`` (a store that keeps blobs in a database row)."""
         return _container.to_bytes(MAGIC, self._fields(), self._arrays())
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview) -> PartialState:
+    def from_bytes(cls, data: builtins.bytes | memoryview) -> PartialState:
         """Reads :meth:`to_bytes`'s blob; ``CorruptStateError`` if it is truncated or altered.
 
         >>> blob = PartialState.empty([LayerSpec("w", (2,))]).to_bytes()
@@ -243,7 +244,7 @@ class PartialState:
         return cls._from_container(*_container.from_bytes(data, MAGIC, "partial state"))
 
     @classmethod
-    def read_from(cls, file: BinaryIO, nbytes: int, crc32: int | None = None) -> PartialState:
+    def read_from(cls, file: _container.BinaryReader, nbytes: int, crc32: int | None = None) -> PartialState:
         """Reads :meth:`write_to`'s ``nbytes`` bytes from ``file`` into new arrays, a piece at a time.
 
         ``CorruptStateError`` if they are truncated, altered or of another format:
@@ -282,7 +283,7 @@ class PartialState:
                     for (_, a), (_, b) in zip(mine, theirs))
         )
 
-    __hash__ = None  # mutable arrays inside
+    __hash__ = None  # type: ignore[assignment]  # mutable arrays inside: unhashable (typeshed's idiom too)
 
 
 def _add_sums(totals: tuple[np.ndarray, ...], sums, in_place: bool) -> tuple[np.ndarray, ...]:

@@ -329,7 +329,8 @@ def _named(value):
 def fresh_key(seed: int | None = None) -> jax.Array:
     """A threefry key from 64 bits of the OS's CSPRNG (``secrets``), or from ``seed`` (tests only)."""
     bits = secrets.randbits(64) if seed is None else int(seed) % (1 << 64)
-    return jax.random.wrap_key_data(np.array([bits >> 32, bits & 0xFFFFFFFF], dtype=np.uint32))
+    # jax takes any uint32 array-like here (it converts); its annotation says jax.Array.
+    return jax.random.wrap_key_data(np.array([bits >> 32, bits & 0xFFFFFFFF], dtype=np.uint32))  # type: ignore[arg-type]
 
 
 def add_gaussian_noise(sums: Sequence[np.ndarray], stddev: float, key: jax.Array,
@@ -472,6 +473,7 @@ class PrivacyPolicy:
         """``z``: the given one, or the one calibrated to ``target_epsilon`` over the planned releases."""
         if self.noise_multiplier is not None:
             return self.noise_multiplier
+        assert self.target_epsilon is not None  # __post_init__: exactly one of the two is set
         return calibrate_noise_multiplier(self.target_epsilon, self.delta, self.planned_releases, self.sampling,
                                           self.accountant, self.neighbouring)
 

@@ -1,7 +1,7 @@
 """clipd.server: the gRPC service, its device worker, store and admin API.
 
-It needs the ``server`` extra (``pip install 'clipd[server]'``): a plain
-``pip install clipd`` is the client side only (numpy, grpcio, protobuf), so that
+It needs the ``server`` extra (``pip install '.[server]'``): a plain
+``pip install .`` is the client side only (numpy, grpcio, protobuf), so that
 it installs beside Flower. Importing this package without the extra fails at
 once with an ImportError that says so, rather than deep inside a submodule.
 """
@@ -38,7 +38,7 @@ def _missing() -> list[str]:
 
 if _missing():
     raise ImportError(
-        "clipd.server needs the server extra: pip install 'clipd[server]' "
+        "clipd.server needs the server extra: pip install '.[server]' "
         f"(missing: {', '.join(_missing())})",
         name=__name__,
     )

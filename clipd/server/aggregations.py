@@ -14,7 +14,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -369,7 +369,7 @@ class Aggregation:
             if not listeners:
                 self._listeners.pop(client_id, None)
 
-    def _wake_locked(self, marks: dict[str, tuple[int, str]] | None = None) -> None:
+    def _wake_locked(self, marks: Mapping[str, tuple[int, str]] | None = None) -> None:
         """Tells these clients' listeners their durable sequence; every listener the state when None."""
         if marks is None:
             for listeners in self._listeners.values():
@@ -443,7 +443,7 @@ class Aggregation:
                 self._rates.append((now, self._examples))
             self.cond.notify_all()
 
-    def mark_durable(self, clients: dict[str, tuple[int, str]]) -> None:
+    def mark_durable(self, clients: Mapping[str, tuple[int, str]]) -> None:
         """A checkpoint holding these client marks was committed: acknowledge up to them."""
         with self.cond:
             self._sequences.mark_durable(clients)
@@ -718,7 +718,7 @@ class Registry:
     def _check_memory(self, aggregation: Aggregation, held: int) -> None:
         """Refuses an aggregation whose sums and one update in flight do not fit the memory budget now."""
         needed = aggregation.state_bytes + aggregation.example_bytes
-        if held + needed > self.memory:
+        if self.memory is not None and held + needed > self.memory:
             raise ResourceExhausted(
                 f"aggregation of {aggregation.parameters} parameters: its sums take {aggregation.state_bytes} bytes"
                 f" ({aggregation.shards} shard(s) x {aggregation.state_bytes_per_parameter} bytes a parameter) and"

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +36,10 @@ from clipd.server.shards.forward import reserve_port
 from clipd.server.shards.local import Devices
 from clipd.server.stores import open_store
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
+
+if TYPE_CHECKING:  # imported where they are used: FastAPI, the shard processes (and Ray) load only when asked for
+    from clipd.server.admin.app import AdminServer
+    from clipd.server.shards.process import ShardProcesses
 
 log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +85,7 @@ class ClipdServer:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations, settings.max_total_parameters or None, settings.memory)
+        self.devices: Devices | ShardProcesses  # ShardProcesses: Ray shard hosts too (data_plane_elsewhere)
         if settings.processes:  # the port is held here, bound (not listening) until the shard processes take it
             from clipd.server.shards.process import ShardProcesses
 
@@ -117,7 +123,7 @@ class ClipdServer:
         from clipd.server.tls import grpc_server_credentials
 
         if settings.processes:  # the shard processes listen on the port (and terminate TLS)
-            self.grpc.add_insecure_port(f"unix:{os.path.join(self.devices.private_dir, 'control.sock')}")
+            self.grpc.add_insecure_port(f"unix:{os.path.join(self._shard_processes.private_dir, 'control.sock')}")
         else:
             address = f"{settings.host}:{settings.grpc_port}"
             credentials = grpc_server_credentials(settings)  # TLS, or mutual TLS with tls_client_ca_file
@@ -125,7 +131,7 @@ class ClipdServer:
                 self.port = self.grpc.add_secure_port(address, credentials)
             else:
                 self.port = self.grpc.add_insecure_port(address)
-        self.admin = None
+        self.admin: AdminServer | None = None
         self.stopped = threading.Event()
         self._janitor = threading.Thread(target=self._expire_results, name="clipd-janitor", daemon=True)
         self._trimmer = threading.Thread(target=self._trim_after_release, name="clipd-trim", daemon=True)
@@ -156,13 +162,14 @@ class ClipdServer:
     def start(self) -> ClipdServer:
         self.grpc.start()
         if self.settings.ray_address:  # the hosts reach this server's port for everything but Submit
-            from clipd.server.shards.ray_hosts import cluster_address
+            from clipd.server.shards.ray_hosts import RayShardHosts, cluster_address
 
+            assert isinstance(self.devices, RayShardHosts)  # settings.ray_address: __init__ made them
             self.devices.control = f"{cluster_address(self.settings.host)}:{self.port}"
         if self.data_plane_elsewhere:
             # The processes that forward calls here (the only ones counted so); returns once each is ready.
-            self.guard.ingest_indexes = frozenset(str(i) for i in range(self.devices.count))
-            self.devices.start(self.registry)
+            self.guard.ingest_indexes = frozenset(str(i) for i in range(self._shard_processes.count))
+            self._shard_processes.start(self.registry)
         self._janitor.start()
         self._trimmer.start()
         for name in ("", SERVICE_NAME):
@@ -179,7 +186,7 @@ class ClipdServer:
     def snapshot(self) -> ServerSnapshot:
         """What the admin API shows of this server now."""
         slots, budget, servicer = self.servicer.stream_slots, self.servicer.budget, self.servicer
-        processes = self.devices.describe_processes() if self.data_plane_elsewhere else []
+        processes = self._shard_processes.describe_processes() if self.data_plane_elsewhere else []
         for process in processes:
             process["calls"] = self.guard.forwarded.get(str(process["index"]), 0)
         return ServerSnapshot(
@@ -189,13 +196,19 @@ class ClipdServer:
             queue_depth=self.devices.queue_depth, queued_bytes=self.devices.queued_bytes,
             device_kind=self.devices.device_kind, devices=self.devices.describe(), shard_processes=processes,
             payload_bytes_received=servicer.payload_bytes,
-            shard_payload_bytes=self.devices.payload_bytes if self.data_plane_elsewhere else None)
+            shard_payload_bytes=self._shard_processes.payload_bytes if self.data_plane_elsewhere else None)
 
     @property
     def data_plane_elsewhere(self) -> bool:
         """Shard processes (``--processes``) or Ray shard hosts (``--ray``) receive and sum; this process is the
         control plane."""
         return bool(self.settings.processes or self.settings.ray_address)
+
+    @property
+    def _shard_processes(self) -> ShardProcesses:
+        """The shard processes or Ray shard hosts that receive and sum (``data_plane_elsewhere``)."""
+        assert not isinstance(self.devices, Devices), "this process's own devices sum: no shard processes"
+        return self.devices
 
     @property
     def serving(self) -> bool:
@@ -230,7 +243,8 @@ def recover(store: Store, registry: Registry, shards: Shards, settings: Settings
         spec = AggregationSpec.from_json(record.spec)
         shard_count, privacy = spec.shards, spec.privacy
         finalized = record.state == FINALIZED
-        release, epochs = None, None
+        release: Release | None = None
+        epochs: list[int | None] | None = None
         if privacy is not None and finalized:
             blob = store.load_release(record.aggregation_id)
             release = Release.from_bytes(blob) if blob is not None else None
@@ -254,6 +268,7 @@ def recover(store: Store, registry: Registry, shards: Shards, settings: Settings
             aggregation.fail(record.reason, finished=record.finished)
         else:
             if privacy is not None:
+                assert aggregation.plan is not None  # a private aggregation's release plan
                 ledgers.reserve(aggregation, privacy, aggregation.plan)
             shards.warm_up(aggregation)
             if record.state == CLOSING:  # a finalize was under way: it takes no more batches

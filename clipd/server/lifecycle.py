@@ -148,6 +148,7 @@ class Lifecycle:
             if privacy is None:
                 create_record()
             else:
+                assert plan is not None  # (a private spec has its release plan)
                 aggregation.admitted(self.ledgers.admit(aggregation, privacy, plan, create_record))
             self._claim_shards(aggregation)
             self.shards.warm_up(aggregation)

@@ -135,6 +135,7 @@ class Ledgers:
         for entry in reversed(self.store.ledger_entries(policy.ledger_id)):
             if entry.next_bound is not None:
                 return entry.next_bound
+        assert policy.adaptive is not None  # called for adaptive clipping only
         return policy.adaptive.initial_bound
 
     def describe(self, ledger_id: str) -> dict | None:

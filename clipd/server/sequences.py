@@ -25,6 +25,7 @@ every call.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 
 from clipd.server.errors import FailedPrecondition, ResourceExhausted
 from clipd.wire import SPREAD_MARK
@@ -38,7 +39,7 @@ def client_of(client_id: str) -> str:
 class ClientSequences:
     """Each client's accepted, summed and durable marks, last writer and open streams (see the module)."""
 
-    def __init__(self, marks: dict[str, tuple[int, str]] | None = None, max_clients: int | None = None) -> None:
+    def __init__(self, marks: Mapping[str, tuple[int, str]] | None = None, max_clients: int | None = None) -> None:
         """``marks``: ``{client: (sequence, writer)}`` of a recovered checkpoint (all three marks start there)."""
         marks = marks or {}
         self.max_clients = max_clients
@@ -125,7 +126,7 @@ class ClientSequences:
         if sequence > self._summed.get(client_id, 0):
             self._summed[client_id] = sequence
 
-    def mark_durable(self, marks: dict[str, tuple[int, str]]) -> None:
+    def mark_durable(self, marks: Mapping[str, tuple[int, str]]) -> None:
         """A checkpoint holding these ``{client: (sequence, writer)}`` marks was committed."""
         for client, (sequence, _) in marks.items():
             if sequence > self._durable.get(client, 0):

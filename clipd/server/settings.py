@@ -10,6 +10,7 @@ import functools
 import ipaddress
 import os
 import pathlib
+from collections.abc import Mapping
 
 MiB = 1 << 20
 
@@ -169,7 +170,7 @@ class Settings:
         return self.max_parameters or self.memory // BYTES_PER_PARAMETER_IN_FLIGHT
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> Settings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> Settings:
         """Settings from ``CLIPD_*`` variables, then ``overrides`` (those that are not None).
 
         A variable that does not parse raises :class:`SettingsError` naming it.
@@ -180,7 +181,7 @@ class Settings:
         return _build(cls, values)
 
     @classmethod
-    def load(cls, flags: dict | None = None, environ: dict[str, str] | None = None,
+    def load(cls, flags: dict | None = None, environ: Mapping[str, str] | None = None,
              config_file: str | os.PathLike | None = None) -> Settings:
         """Settings from every source, in this precedence: ``flags`` > ``CLIPD_*`` variables > file > defaults.
 

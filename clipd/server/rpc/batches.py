@@ -120,12 +120,14 @@ class BatchAssembler:
         if all(b is not None and r == p.wire_bytes(k, spec)
                for k, (b, r, spec) in enumerate(zip(p.buffers, p.received, self.layers))):
             self._partial = None
+            assert p.rows is not None  # set by the batch's first chunk
             layers = [self._as_array(k, p) for k in range(len(self.layers))]
             return Batch(sequence, p.rows, layers, sum(p.expected), p.reservation)
         return None
 
     def _admit(self, p: _Partial) -> None:
         """The batch's size is known (its first chunk): refused if it can never fit, else its bytes reserved."""
+        assert p.rows is not None  # _add_chunk sets it before it admits the batch
         nbytes = sum(p.expected)
         what = f"batch {p.sequence}: " + (f"one example of {nbytes} bytes" if p.rows == 1 else f"{nbytes} bytes")
         advice = ("; send smaller batches" if p.rows > 1 else
@@ -204,6 +206,7 @@ class BatchAssembler:
 
     def _as_array(self, k: int, p: _Partial) -> np.ndarray:
         spec = self.layers[k]
+        assert p.rows is not None  # a complete batch's (set by its first chunk)
         return wire.as_array(p.buffers[k], spec.dtype, (p.rows, *spec.shape))
 
 

@@ -69,7 +69,7 @@ def layers_from_proto(layers) -> tuple[LayerSpec, ...]:
 def _x64_enabled() -> bool:
     import jax
 
-    return bool(jax.config.jax_enable_x64)
+    return bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]  # a flag jax sets at runtime; not in its stub
 
 
 def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:

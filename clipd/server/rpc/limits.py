@@ -38,7 +38,7 @@ class Reservation:
     __slots__ = ("_budget", "buffers", "nbytes")
 
     def __init__(self, budget: ByteBudget, nbytes: int) -> None:
-        self._budget = budget
+        self._budget: ByteBudget | None = budget  # None once given back
         self.nbytes = nbytes
         self.buffers: list[np.ndarray] = []
 
@@ -248,7 +248,7 @@ class StreamSlots:
     def _evict_for(self, owner) -> bool:
         """Evicts the longest-idle stream of the largest holder if ``owner`` holds 2+ fewer; True if one went."""
         mine = self._counts.get(owner, 0)
-        for holder in sorted(self._counts, key=self._counts.get, reverse=True):
+        for holder in sorted(self._counts, key=self._counts.__getitem__, reverse=True):
             if holder == owner or self._counts[holder] < mine + 2:
                 return False
             candidates = [s for s in self._held.get(holder, ()) if not getattr(s, "evicted", False)]

@@ -24,6 +24,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Generator, Iterator
 
 import grpc
 
@@ -452,6 +453,7 @@ class _SubmitSession:
                     raise InvalidArgument("a stream carries one aggregation and one client_id")
                 if message.sequence < 1:
                     raise InvalidArgument(f"sequence must be >= 1, got {message.sequence}")
+                assert assembler is not None  # (made with the aggregation, at the first message)
                 self._set_receiving(aggregation, True)
                 self.received_bytes += sum(len(chunk.data) for chunk in message.chunks)
                 batch = assembler.add(message.sequence, message.chunks)
@@ -542,7 +544,7 @@ class _SubmitSession:
         return Unavailable(f"nothing received for {timeout:g} s: the stream is closed;"
                            " reconnect to go on (unacknowledged batches must be sent again)")
 
-    def acknowledgements(self, context):
+    def acknowledgements(self, context) -> Iterator[pb.SubmitResponse]:
         """Yields the hello's answer, then an acknowledgement whenever this client's durable sequence moves;
         ends with the stream's error, if any."""
         error: Exception | None = None
@@ -580,7 +582,8 @@ class _SubmitSession:
         """The aggregation's listener (called under its lock: a put never blocks)."""
         self.events.put(_Acknowledged(durable))
 
-    def _acknowledge(self, aggregation: Aggregation, sent: int, context):
+    def _acknowledge(self, aggregation: Aggregation, sent: int,
+                     context) -> Generator[pb.SubmitResponse, None, Exception | None]:
         """Acknowledges each move of the client's durable sequence until the stream's batches are all durable
         or it ended otherwise; returns the error to end with (None, or ``_GONE`` if the client went away).
         While the server holds batches of this stream not yet acknowledged, a progress message goes out every

@@ -18,6 +18,7 @@ second way to split the work for one host only.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +66,7 @@ class Devices:
     def _failed(self, aggregation: Aggregation) -> None:
         """A worker failed an aggregation: every worker drops its shards of it (on its own thread)."""
         for worker in self.workers:
-            worker.call_soon(lambda worker=worker: worker.drop_failed(aggregation))
+            worker.call_soon(functools.partial(worker.drop_failed, aggregation))
 
     def __len__(self) -> int:
         return len(self.workers)

@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -89,7 +90,7 @@ from clipd.v1 import shard_host_pb2_grpc as host_grpc
 log = logging.getLogger(__name__)
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
 # The control's calls to a shard host (proto/clipd/v1/shard_host.proto), by name: request and answer types.
-CALLS = {
+CALLS: dict[str, tuple[Any, Any]] = {
     "Open": (host_pb.OpenRequest, host_pb.OpenResponse),
     "Finish": (host_pb.FinishRequest, host_pb.FinishResponse),
     "Stats": (host_pb.StatsRequest, host_pb.StatsResponse),
@@ -114,15 +115,17 @@ def host_error(host: str, code: grpc.StatusCode, message: str) -> ClipdError:
 
 def stats_to_proto(state: PartialState) -> host_pb.ShardStats:
     """A shard's statistics (no sums, no client marks) for the control process."""
-    return host_pb.ShardStats(**{f: int(getattr(state, f)) for f in _STAT_COUNTS},
-                              **{f: getattr(state, f).ravel().tolist() for f in _STAT_ARRAYS})
+    fields: dict[str, Any] = {f: int(getattr(state, f)) for f in _STAT_COUNTS}
+    fields.update({f: getattr(state, f).ravel().tolist() for f in _STAT_ARRAYS})
+    return host_pb.ShardStats(**fields)
 
 
 def stats_from_proto(empty: PartialState, stats: host_pb.ShardStats) -> PartialState:
     """:func:`stats_to_proto`'s shard as a partial state whose sums stay zero (read from checkpoints at finalize)."""
-    arrays = {f: np.asarray(getattr(stats, f), getattr(empty, f).dtype).reshape(getattr(empty, f).shape)
-              for f in _STAT_ARRAYS}
-    return dataclasses.replace(empty, **{f: int(getattr(stats, f)) for f in _STAT_COUNTS}, **arrays)
+    fields: dict[str, Any] = {f: int(getattr(stats, f)) for f in _STAT_COUNTS}
+    fields.update({f: np.asarray(getattr(stats, f), getattr(empty, f).dtype).reshape(getattr(empty, f).shape)
+                   for f in _STAT_ARRAYS})
+    return dataclasses.replace(empty, **fields)
 
 
 class _ShardHostService(host_grpc.ShardHostServicer):
@@ -161,7 +164,8 @@ class _FirstMessage:
     NOTHING = object()  # nothing came in time, or the stream's slot went to another client
 
     def __init__(self, requests) -> None:
-        self._requests, self._got, self._done = requests, [], threading.Event()
+        self._requests, self._done = requests, threading.Event()
+        self._got: list = []
         self._since = time.monotonic()
 
     def _read(self) -> None:
@@ -253,7 +257,10 @@ class ShardProcess:
         limit = settings.max_message_bytes + (1 << 16)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         self._options = options
-        self.control = peer_channel(settings, control or f"unix:{os.path.join(private_dir, 'control.sock')}", options)
+        if control is None:
+            assert private_dir is not None  # (a shard process of --processes: the control's unix socket)
+            control = f"unix:{os.path.join(private_dir, 'control.sock')}"
+        self.control = peer_channel(settings, control, options)
         self._to_sibling: dict = {}
         if private_dir is not None:
             self.set_siblings({i: f"unix:{socket_path(private_dir, i)}" for i in range(self.count) if i != index})
@@ -460,6 +467,7 @@ class ShardProcess:
                 raise NotFound(f"no aggregation {message.aggregation_id!r}")
         except ClipdError as e:
             self.servicer.refuse(context, e, "GetPlacement")
+            raise  # (refuse aborts the call)
         shards = AggregationSpec.from_json(record.spec).shards
         placement = clipd_pb2.Placement(aggregation_id=record.aggregation_id, shards=shards,
                                         endpoints=[endpoints[owner_of(k, self.count)] for k in range(shards)])
@@ -573,11 +581,13 @@ class ShardProcesses:
                                    stdout=subprocess.PIPE, text=True, env=child_environment(index, self.count))
         orders = {"settings": dataclasses.asdict(self.settings), "port": self.port, "index": index,
                   "data_port": self.data_ports[index], "private_dir": self.private_dir}
+        stdin, stdout = process.stdin, process.stdout
+        assert stdin is not None and stdout is not None  # (PIPE both)
         with contextlib.suppress(OSError):
-            process.stdin.write(json.dumps(orders) + "\n")
-            process.stdin.close()
+            stdin.write(json.dumps(orders) + "\n")
+            stdin.close()
         answer: list[str] = []
-        reader = threading.Thread(target=lambda: answer.append(process.stdout.readline()), name="clipd-shard-ready",
+        reader = threading.Thread(target=lambda: answer.append(stdout.readline()), name="clipd-shard-ready",
                                   daemon=True)
         reader.start()
         reader.join(timeout)
@@ -593,7 +603,7 @@ class ShardProcesses:
             if self.data_ports[index] and not self.settings.shard_ports:
                 self.data_ports[index] = 0  # its old port may be taken: any free one (clients ask again)
             return False
-        process.stdout.close()
+        stdout.close()
         self.data_ports[index] = int(answer[0].split()[1])
         return True
 
@@ -665,7 +675,7 @@ class ShardProcesses:
                     if dead:
                         self._served[index] = False
                         self.restarts[index] += 1
-                if dead and not self._stopping.is_set():
+                if dead and process is not None and not self._stopping.is_set():
                     log.warning("shard process %d (pid %d) exited with %s; starting another", index, process.pid,
                                 process.returncode, extra={"event": "shard_process.restarted"})
                     threading.Thread(target=self._bring_up, args=(index,), name="clipd-shard-start",
@@ -723,11 +733,12 @@ class ShardProcesses:
             self._fenced.add(aggregation.id)
         totals = [self.store.load_checkpoint(aggregation.id, shard=k, newest_only=True)
                   for k in range(aggregation.shards)]
-        if None in totals:
+        read = [t for t in totals if t is not None]
+        if len(read) < len(totals):
             missing = totals.index(None)
             raise FailedPrecondition(f"aggregation {aggregation.id}: the final checkpoint of shard {missing}"
                                      " can't be read back")
-        return totals
+        return read
 
     def _finish(self, index: int, aggregation: Aggregation, deadline: float) -> None:
         while True:
@@ -765,6 +776,8 @@ class ShardProcesses:
 
     def poll(self) -> None:
         """Reads every shard process's statistics of the open aggregations into the control's aggregations."""
+        if self.registry is None:  # not started
+            return
         live = [a for a in self.registry.all() if a.state in (*TAKES_BATCHES, State.FINALIZING)]
         ids = [a.id for a in live]
         answers = {}

@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -322,8 +323,11 @@ class DeviceWorker:
             self._slots.pop((aggregation, shard), None)
             self._commits.put((aggregation, shard, totals, finished, slot))  # the committer decides: write or not
 
-        self._enqueue_call(flush_and_commit).add_done_callback(
-            lambda call: call.exception() is not None and finished.set_exception(call.exception()))
+        def failed(call: concurrent.futures.Future) -> None:
+            if (error := call.exception()) is not None:
+                finished.set_exception(error)
+
+        self._enqueue_call(flush_and_commit).add_done_callback(failed)
         return finished
 
     def forget(self, aggregation: Aggregation) -> None:
@@ -590,7 +594,9 @@ class DeviceWorker:
         while slot.unadded and self._slots.get((aggregation, shard)) is slot:
             inflight = slot.unadded.pop(0)
             try:
-                add_example(aggregation.shard_totals[shard].sums, inflight.example, inflight.scales)
+                sums, example = aggregation.shard_totals[shard].sums, inflight.example
+                assert sums is not None and example is not None  # (an open shard's totals; a measured example)
+                add_example(sums, example, inflight.scales)
             except Exception as e:
                 inflight.give_back()
                 self._fail(aggregation, f"adding an example failed: {type(e).__name__}: {e}")
@@ -703,7 +709,7 @@ class DeviceWorker:
                     final.set_exception(e)
                 reason = f"checkpoint failed: {type(e).__name__}: {e}"
                 # (bound now: the loop's next item must not change whom this fails)
-                self.call_soon(lambda aggregation=aggregation, reason=reason: self._fail(aggregation, reason))
+                self.call_soon(functools.partial(self._fail, aggregation, reason))
             else:
                 aggregation.mark_durable(totals.clients)
                 if final is not None:

@@ -185,7 +185,7 @@ class MemoryStore(Store):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[str, AggregationRecord] = {}
-        self._checkpoints: dict[str, PartialState] = {}
+        self._checkpoints: dict[tuple[str, int], PartialState] = {}
         self._ledgers: dict[str, LedgerRecord] = {}
         self._entries: dict[str, list[LedgerEntry]] = {}
         self._releases: dict[str, bytes] = {}

@@ -97,6 +97,12 @@ class Tx:
     def one(self, sql: str, params: tuple = ()) -> tuple | None:
         return self.execute(sql, params).fetchone()
 
+    def row(self, sql: str, params: tuple = ()) -> tuple:
+        """The row of a query that always returns one (an aggregate, a row this transaction wrote or found)."""
+        row = self.one(sql, params)
+        assert row is not None, sql
+        return row
+
     def all(self, sql: str, params: tuple = ()) -> list[tuple]:
         return self.execute(sql, params).fetchall()
 
@@ -118,7 +124,7 @@ class SQLStore(Store):
     FOR_UPDATE = FOR_SHARE = ""  # row locks, where the dialect has them (appended to a SELECT)
     LEDGER_ORDER = "created, id"
     CHECKPOINT_PAYLOAD = "blob"  # the column that holds a checkpoint's blob (or where it is)
-    RELEASE_COLUMNS = ("nbytes", "crc32", "blob")  # what a release's row holds besides its aggregation
+    RELEASE_COLUMNS: tuple[str, ...] = ("nbytes", "crc32", "blob")  # what a release's row holds besides its aggregation
     UNIQUE_VIOLATION: tuple[type[Exception], ...] = ()  # raised where a ledger position was taken
     UNREADABLE: tuple[type[Exception], ...] = (CorruptStateError,)  # raised reading a damaged checkpoint
     FENCED = "aggregation {aggregation_id!r} shard {shard}: epoch {epoch} was replaced by {current}"
@@ -206,7 +212,7 @@ class SQLStore(Store):
         """
         if tx.one(f"SELECT 1 FROM ledgers WHERE id = ?{self.FOR_UPDATE}", (ledger_id,)) is None:
             raise KeyError(ledger_id)
-        (count,) = tx.one("SELECT COUNT(*) FROM ledger_entries WHERE ledger = ?", (ledger_id,))
+        (count,) = tx.row("SELECT COUNT(*) FROM ledger_entries WHERE ledger = ?", (ledger_id,))
         if position is not None and count != position:
             raise LedgerConflict(f"ledger {ledger_id!r} has {count} entries, not {position}")
         tx.execute("INSERT INTO ledger_entries (ledger, position, aggregation_id, event, time, epsilon_after,"
@@ -286,7 +292,7 @@ class SQLStore(Store):
                 raise FencedOut(self.FENCED.format(aggregation_id=aggregation_id, shard=shard,
                                                    epoch=epoch, current=current))
         if generation is None:
-            (generation,) = tx.one(NEXT_GENERATION, (key,))
+            (generation,) = tx.row(NEXT_GENERATION, (key,))
         tx.execute("INSERT INTO checkpoints (aggregation, generation, shard, nbytes, crc32,"
                    f" {self.CHECKPOINT_PAYLOAD}) VALUES (?, ?, ?, ?, ?, ?)",
                    (key, generation, shard, nbytes, crc, payload))
@@ -344,7 +350,7 @@ class SQLStore(Store):
         with self._transaction() as tx:
             tx.execute("INSERT INTO ledgers (id, config, created) VALUES (?, ?, ?)"
                        " ON CONFLICT (id) DO NOTHING", (record.ledger_id, record.config, record.created))
-            return LedgerRecord(*tx.one("SELECT id, config, created FROM ledgers WHERE id = ?",
+            return LedgerRecord(*tx.row("SELECT id, config, created FROM ledgers WHERE id = ?",
                                         (record.ledger_id,)))
 
     def ledgers(self) -> list[LedgerRecord]:

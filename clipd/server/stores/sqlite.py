@@ -194,7 +194,7 @@ class SQLiteStore(SQLStore):
             raise
 
     def _schema_version(self, tx: Tx) -> int:
-        return tx.one("PRAGMA user_version")[0]
+        return tx.row("PRAGMA user_version")[0]
 
     def _set_schema_version(self, tx: Tx) -> None:
         tx.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
