@@ -1,0 +1,144 @@
+"""Correlated noise across releases (DP-FTRL by matrix factorization): strategies, their noise streams and
+their sensitivity under participation with a minimum separation.
+
+A ledger's releases x_0, x_1, ... are summed into a model: the workload is their prefix sums, A = tri(n).
+Factor A = B C. The mechanism adds to release t the t-th row of
+
+    w = sigma * C^{-1} Z,        Z: n rows of iid N(0, 1), each the model's size,
+
+so the model (the prefix sums) carries B (C x + sigma Z): noise of one Gaussian mechanism on C x, whose rows
+partly cancel in the sum. The noise stream's covariance across releases is sigma^2 C^{-1} C^{-T}.
+
+**BLT** (buffered linear Toeplitz; Dvijotham et al. 2024, McKenna 2024): C is lower-triangular Toeplitz with
+
+    c_0 = 1,   c_t = sum_i omega_i * theta_i^(t-1)   (t >= 1),
+
+``theta`` the buffers' decays and ``omega`` their output scales. Its noise stream keeps one buffer of the
+model's size per theta (:func:`blt_noise_step`)::
+
+    x_t = z_t - sum_i omega_i * buf_i          (= (C^{-1} z)_t)
+    buf_i <- theta_i * buf_i + x_t
+
+**Sensitivity.** A contributor takes part in at most k releases, any two at least b apart (min separation).
+Its clipped update (norm <= clip) then moves C x by at most clip * sens, with ``sens`` the largest norm of a
+sum of k columns of C at least b apart; for a Toeplitz C with non-negative, non-increasing coefficients the
+largest is the earliest, columns 0, b, 2b, ... (:func:`toeplitz_min_sep_sensitivity`). The whole stream is
+one Gaussian mechanism with noise multiplier z = sigma / (clip * sens): its epsilon is one Gaussian event's,
+composed once, whatever n.
+
+Worked example (jax_privacy 2.0's numbers for the same strategy, ``tests/test_correlated.py``):
+
+>>> blt = Blt(theta=(0.9, 0.5), omega=(0.2, 0.1))
+>>> blt.coefs(4).round(4).tolist()
+[1.0, 0.3, 0.23, 0.187]
+>>> blt.inverse_coefs(4).round(4).tolist()
+[1.0, -0.3, -0.14, -0.076]
+>>> round(toeplitz_min_sep_sensitivity(blt.coefs(8), min_sep=2, max_participations=4), 6)
+2.823537
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def participations(n: int, min_sep: int, max_participations: int) -> int:
+    """The most releases of n one contributor can take part in, at least ``min_sep`` apart and at most
+    ``max_participations``: min(k, ceil(n / b))."""
+    return min(max_participations, -(-n // min_sep))
+
+
+@dataclasses.dataclass(frozen=True)
+class Blt:
+    """A BLT strategy: C's Toeplitz coefficients are 1, then sum_i omega_i theta_i^(t-1) (see the module).
+
+    ``theta`` in [0, 1) keeps C's coefficients bounded; the noise stream holds ``len(theta)`` buffers.
+    """
+
+    theta: tuple[float, ...]
+    omega: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "theta", tuple(float(t) for t in self.theta))
+        object.__setattr__(self, "omega", tuple(float(w) for w in self.omega))
+        if len(self.theta) != len(self.omega) or not self.theta:
+            raise ValueError(f"a BLT has as many output scales as buffer decays (at least one), got"
+                             f" {len(self.theta)} and {len(self.omega)}")
+        if not all(0.0 <= t < 1.0 for t in self.theta):
+            raise ValueError(f"BLT buffer decays must be in [0, 1), got {self.theta}")
+        if not all(math.isfinite(w) for w in self.omega):
+            raise ValueError(f"BLT output scales must be finite, got {self.omega}")
+
+    @property
+    def buffers(self) -> int:
+        return len(self.theta)
+
+    def coefs(self, n: int) -> np.ndarray:
+        """c_0 .. c_{n-1}, float64."""
+        t = np.arange(max(n - 1, 0), dtype=np.float64)
+        tail = (np.asarray(self.omega)[:, None] * np.asarray(self.theta)[:, None] ** t).sum(axis=0)
+        return np.concatenate([[1.0], tail])[:n]
+
+    def inverse_coefs(self, n: int) -> np.ndarray:
+        """C^{-1}'s Toeplitz coefficients d_0 .. d_{n-1} (d_0 = 1; d_t = -sum_{j=1..t} c_j d_{t-j})."""
+        c = self.coefs(n)
+        d = np.zeros(n)
+        if n:
+            d[0] = 1.0
+        for t in range(1, n):
+            d[t] = -np.dot(c[1 : t + 1], d[t - 1 :: -1][:t])
+        return d
+
+    def matrix(self, n: int) -> np.ndarray:
+        """C, n x n (small n: tests and accounting)."""
+        return toeplitz_matrix(self.coefs(n))
+
+
+def toeplitz_matrix(coefs: Sequence[float]) -> np.ndarray:
+    """The lower-triangular Toeplitz matrix whose first column is ``coefs``."""
+    coefs = np.asarray(coefs, np.float64)
+    n = len(coefs)
+    i, j = np.indices((n, n))
+    return np.where(i >= j, coefs[np.clip(i - j, 0, None)], 0.0)
+
+
+def blt_noise_step(z: np.ndarray, buffers: np.ndarray, blt: Blt) -> np.ndarray:
+    """The next row of C^{-1} Z for a BLT: ``z`` is this release's iid draw (any shape), ``buffers`` the
+    stream's state, ``(blt.buffers, *z.shape)`` float64, zero before the first release, updated in place.
+
+    >>> blt = Blt(theta=(0.5,), omega=(1.0,))
+    >>> buffers = np.zeros((1, 2))
+    >>> [blt_noise_step(np.array([1.0, 2.0]), buffers, blt).tolist() for _ in range(3)]
+    [[1.0, 2.0], [0.0, 0.0], [0.5, 1.0]]
+    """
+    if buffers.shape != (blt.buffers, *np.shape(z)):
+        raise ValueError(f"BLT buffers of shape {buffers.shape}, expected {(blt.buffers, *np.shape(z))}")
+    x = np.asarray(z, np.float64).copy()
+    for scale, buffer in zip(blt.omega, buffers):
+        x -= scale * buffer
+    for decay, buffer in zip(blt.theta, buffers):
+        buffer *= decay
+        buffer += x
+    return x
+
+
+def toeplitz_min_sep_sensitivity(coefs: Sequence[float], min_sep: int, max_participations: int) -> float:
+    """The sensitivity of the lower-triangular Toeplitz strategy with these coefficients (n = their count)
+    under participation in at most k releases at least b apart: the norm of the sum of columns 0, b, ...,
+    (k'-1) b, k' = :func:`participations`. Exact for non-negative, non-increasing coefficients (refused
+    otherwise: the earliest columns are then not always the worst)."""
+    c = np.asarray(coefs, np.float64)
+    n = len(c)
+    if min_sep < 1 or max_participations < 1:
+        raise ValueError(f"min_sep and max_participations must be >= 1, got {min_sep} and {max_participations}")
+    if np.any(c < 0) or np.any(np.diff(c) > 0):
+        raise ValueError("the min-separation sensitivity is exact for non-negative, non-increasing coefficients"
+                         " only")
+    column_sum = np.zeros(n)
+    for j in range(participations(n, min_sep, max_participations)):
+        column_sum[j * min_sep :] += c[: n - j * min_sep]
+    return float(np.linalg.norm(column_sum))

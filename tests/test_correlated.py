@@ -1,0 +1,125 @@
+"""Correlated noise (clipd.engine._correlated) against jax_privacy 2.0's matrix factorization: a BLT's
+coefficients, its inverse, its streaming noise, its min-separation sensitivity, and the noise stream's
+covariance across releases (with independent noise as the negative control)."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from jax_privacy.matrix_factorization import buffered_toeplitz, sensitivity, toeplitz
+
+from clipd.engine import _correlated
+from clipd.engine._correlated import Blt, blt_noise_step, participations, toeplitz_min_sep_sensitivity
+
+# A hand-picked BLT, and the one jax_privacy's optimizer returns for n=8, b=2, k=4 with 2 buffers.
+STRATEGIES = [
+    Blt(theta=(0.9, 0.5), omega=(0.2, 0.1)),
+    Blt(theta=(0.9999999196461978, 0.3687276890822278), omega=(0.1091019753008654, 0.3284986898343375)),
+    Blt(theta=(0.98886, 0.772988), omega=(0.146028, 0.323541)),
+    Blt(theta=(0.7,), omega=(0.4,)),
+]
+
+
+def _oracle(blt: Blt):
+    return buffered_toeplitz.BufferedToeplitz.build(buf_decay=list(blt.theta), output_scale=list(blt.omega))
+
+
+def test_the_module_doctests():
+    assert doctest.testmod(_correlated).failed == 0
+
+
+@pytest.mark.parametrize("blt", STRATEGIES)
+def test_coefficients_and_inverse_equal_jax_privacys(blt):
+    with jax.enable_x64():
+        oracle = _oracle(blt)
+        coefs = np.asarray(oracle.toeplitz_coefs(40))
+        inverse = np.asarray(oracle.inverse().toeplitz_coefs(40))
+        matrix = np.asarray(oracle.materialize(12))
+    np.testing.assert_allclose(blt.coefs(40), coefs, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(blt.inverse_coefs(40), inverse, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(blt.matrix(12), matrix, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("blt", STRATEGIES)
+def test_the_streaming_noise_is_jax_privacys_and_c_inverse_z(blt):
+    n, d = 16, 5
+    z = np.random.default_rng(7).standard_normal((n, d))
+    buffers = np.zeros((blt.buffers, d))
+    ours = np.stack([blt_noise_step(z[t], buffers, blt) for t in range(n)])
+    with jax.enable_x64():
+        stream = _oracle(blt).inverse_as_streaming_matrix()
+        state = stream.init_multiply(jax.numpy.asarray(z[0]))
+        theirs = []
+        for t in range(n):
+            row, state = stream.multiply_next(jax.numpy.asarray(z[t]), state)
+            theirs.append(np.asarray(row))
+    np.testing.assert_allclose(ours, np.stack(theirs), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(ours, np.linalg.solve(blt.matrix(n), z), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("blt", STRATEGIES)
+@pytest.mark.parametrize(("n", "b", "k"), [(8, 2, 4), (8, 1, 1), (20, 3, 4), (20, 7, 10), (64, 16, 2)])
+def test_min_sep_sensitivity_equals_jax_privacys(blt, n, b, k):
+    ours = toeplitz_min_sep_sensitivity(blt.coefs(n), min_sep=b, max_participations=k)
+    with jax.enable_x64():
+        exact = float(np.sqrt(toeplitz.minsep_sensitivity_squared(
+            _oracle(blt).toeplitz_coefs(n), min_sep=b, max_participations=k)))
+        bound = sensitivity.get_min_sep_sensitivity_upper_bound(np.asarray(_oracle(blt).materialize(n)), b, k)
+    assert ours == pytest.approx(exact, rel=1e-10)
+    assert ours <= bound * (1 + 1e-9)  # (jax_privacy's bound for any C: not always tight)
+
+
+def test_the_worked_example():
+    """jax_privacy's numbers for the hand-picked BLT at n=8, b=2, k=4 (and brute force over all patterns)."""
+    blt = STRATEGIES[0]
+    assert toeplitz_min_sep_sensitivity(blt.coefs(8), 2, 4) == pytest.approx(2.8235371374, abs=1e-10)
+    c = blt.matrix(8)
+    patterns = [p for p in itertools.product([0, 1], repeat=8)
+                if sum(p) <= 4 and all(j - i >= 2 for i, j in itertools.pairwise(np.flatnonzero(p)))]
+    assert max(np.linalg.norm(c @ np.asarray(p, float)) for p in patterns) == pytest.approx(2.8235371374, abs=1e-10)
+    assert participations(8, 2, 4) == 4 and participations(8, 3, 4) == 3 and participations(10, 1, 2) == 2
+
+
+def _stream_covariance(noise_of_draw, n: int, draws: int) -> np.ndarray:
+    rows = np.stack([noise_of_draw(seed) for seed in range(draws)])  # (draws, n, d)
+    flat = rows.transpose(0, 2, 1).reshape(-1, n)  # every coordinate of every draw: one sample of the stream
+    return flat.T @ flat / len(flat)
+
+
+def test_the_noise_streams_covariance_is_sigma_squared_c_inverse_c_inverse_transposed():
+    """Many seeded draws of a small model: the empirical covariance across releases matches
+    sigma^2 C^{-1} C^{-T} within its sampling error; independent noise of the same stddev fails the check."""
+    blt, n, d, sigma, draws = STRATEGIES[0], 8, 64, 2.0, 400
+    c_inverse = np.linalg.inv(blt.matrix(n))
+    expected = sigma**2 * c_inverse @ c_inverse.T
+    samples = draws * d
+    # The standard error of an empirical covariance entry of Gaussians: sqrt((S_ij^2 + S_ii S_jj) / samples).
+    tolerance = 5 * np.sqrt((expected**2 + np.outer(np.diag(expected), np.diag(expected))) / samples)
+
+    def correlated(seed):
+        z = sigma * np.random.default_rng(seed).standard_normal((n, d))
+        buffers = np.zeros((blt.buffers, d))
+        return np.stack([blt_noise_step(z[t], buffers, blt) for t in range(n)])
+
+    def independent(seed):  # each release's variance as the stream's, no correlation across releases
+        return np.random.default_rng(seed).standard_normal((n, d)) * np.sqrt(np.diag(expected))[:, None]
+
+    assert np.all(np.abs(_stream_covariance(correlated, n, draws) - expected) <= tolerance)
+    assert not np.all(np.abs(_stream_covariance(independent, n, draws) - expected) <= tolerance)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match=r"buffer decays must be in \[0, 1\)"):
+        Blt(theta=(1.0,), omega=(0.1,))
+    with pytest.raises(ValueError, match="as many output scales as buffer decays"):
+        Blt(theta=(0.5, 0.2), omega=(0.1,))
+    with pytest.raises(ValueError, match="non-negative, non-increasing"):
+        toeplitz_min_sep_sensitivity([1.0, 0.5, 0.7], 1, 2)
+    with pytest.raises(ValueError, match="non-negative, non-increasing"):
+        toeplitz_min_sep_sensitivity(Blt(theta=(0.5,), omega=(-0.3,)).coefs(6), 1, 2)
+    with pytest.raises(ValueError, match="BLT buffers of shape"):
+        blt_noise_step(np.zeros(3), np.zeros((2, 4)), Blt(theta=(0.5, 0.1), omega=(0.1, 0.1)))
