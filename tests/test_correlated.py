@@ -123,3 +123,40 @@ def test_refusals():
         toeplitz_min_sep_sensitivity(Blt(theta=(0.5,), omega=(-0.3,)).coefs(6), 1, 2)
     with pytest.raises(ValueError, match="BLT buffers of shape"):
         blt_noise_step(np.zeros(3), np.zeros((2, 4)), Blt(theta=(0.5, 0.1), omega=(0.1, 0.1)))
+
+
+def test_the_optimized_blt_is_jax_privacys_and_beats_independent_noise():
+    """n=8, b=2, k=4 with 2 buffers: jax_privacy's optimum (its numbers), whose loss (squared sensitivity
+    times the largest prefix-sum error) is below independent noise's (k_eff x n = 32)."""
+    blt = _correlated.optimize_blt(8, 2, 4, buffers=2)
+    np.testing.assert_allclose(blt.theta, STRATEGIES[1].theta, rtol=1e-6)
+    np.testing.assert_allclose(blt.omega, STRATEGIES[1].omega, rtol=1e-5)
+    sens = toeplitz_min_sep_sensitivity(blt.coefs(8), 2, 4)
+    b = np.tri(8) @ np.linalg.inv(blt.matrix(8))
+    loss = sens**2 * np.max(np.sum(b**2, axis=1))
+    assert loss == pytest.approx(20.5476, rel=1e-4) and loss < 4 * 8
+
+
+def test_the_prefix_of_a_stream_is_one_gaussian_mechanism():
+    """Epsilon after t of n releases: dp_accounting's for one Gaussian event of multiplier z sens(n)/sens(t);
+    the whole stream's is one event of z (not n composed events)."""
+    import dp_accounting
+
+    blt, z = STRATEGIES[0], 1.0
+
+    def epsilon(multiplier):
+        accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+        accountant.compose(dp_accounting.GaussianDpEvent(multiplier), 1)
+        return accountant.get_epsilon(1e-5)
+
+    assert _correlated.prefix_noise_multiplier(z, blt, 8, 8, 2, 4) == pytest.approx(z)
+    assert epsilon(z) == pytest.approx(4.377178, abs=1e-5)  # jax_privacy's SingleReleaseTrainingAccountant's
+    multipliers = [_correlated.prefix_noise_multiplier(z, blt, 8, t, 2, 4) for t in range(1, 9)]
+    assert multipliers == sorted(multipliers, reverse=True)  # epsilon grows with each release, up to epsilon(z)
+    assert multipliers[0] == pytest.approx(2.8235371374 / 1.0)  # one release: sensitivity 1 (c_0 = 1)
+    with pytest.raises(ValueError, match=r"min_separation must be in \[1, releases=8\]"):
+        _correlated.check_stream(8, 9, 1)
+    with pytest.raises(ValueError, match="max_participations must be >= 1"):
+        _correlated.check_stream(8, 2, 0)
+    with pytest.raises(ValueError, match=r"buffers must be in \[1, min\(releases=4, 10\)\]"):
+        _correlated.check_stream(4, 2, 2, buffers=5)

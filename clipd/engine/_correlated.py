@@ -142,3 +142,44 @@ def toeplitz_min_sep_sensitivity(coefs: Sequence[float], min_sep: int, max_parti
     for j in range(participations(n, min_sep, max_participations)):
         column_sum[j * min_sep :] += c[: n - j * min_sep]
     return float(np.linalg.norm(column_sum))
+
+
+def check_stream(releases: int, min_sep: int, max_participations: int, buffers: int | None = None) -> None:
+    """Refuses (ValueError, with the reason) a stream no strategy serves."""
+    if releases < 1:
+        raise ValueError(f"releases must be >= 1, got {releases}")
+    if not 1 <= min_sep <= releases:
+        raise ValueError(f"min_separation must be in [1, releases={releases}], got {min_sep}")
+    if max_participations < 1:
+        raise ValueError(f"max_participations must be >= 1, got {max_participations}")
+    if buffers is not None and not 1 <= buffers <= min(releases, 10):
+        raise ValueError(f"buffers must be in [1, min(releases={releases}, 10)], got {buffers}")
+
+
+def optimize_blt(releases: int, min_sep: int, max_participations: int, buffers: int | None = None) -> Blt:
+    """The BLT that jax_privacy's optimizer finds for ``releases`` releases under (b, k) participation,
+    minimizing the largest error of a prefix sum times the squared sensitivity (its ``error='max'``); with
+    ``buffers`` that many buffers, else as many as still help (1 to 10). Slow: 10 to 60 s of compilation
+    and optimization on a CPU; run it once per stream."""
+    check_stream(releases, min_sep, max_participations, buffers)
+    import jax
+    from jax_privacy.matrix_factorization import buffered_toeplitz
+
+    low, high = (buffers, buffers) if buffers is not None else (1, min(releases, 10))
+    with jax.enable_x64():
+        found = buffered_toeplitz.optimize(n=releases, min_sep=min_sep, max_participations=max_participations,
+                                           error="max", min_buffers=low, max_buffers=high)
+        return Blt(tuple(np.asarray(found.buf_decay, np.float64)), tuple(np.asarray(found.output_scale, np.float64)))
+
+
+def prefix_noise_multiplier(z: float, blt: Blt, releases: int, made: int, min_sep: int,
+                            max_participations: int) -> float:
+    """The noise multiplier of the first ``made`` releases of a stream planned for ``releases``, whose noise
+    stddev is ``z * clip * sens(releases)``: they are one Gaussian mechanism on C_made x with sensitivity
+    ``clip * sens(made)``, so ``z * sens(releases) / sens(made)`` (>= z; equal once the stream is spent).
+    Its epsilon is one Gaussian event's (not composed per release)."""
+    if not 1 <= made <= releases:
+        raise ValueError(f"made must be in [1, {releases}], got {made}")
+    full = toeplitz_min_sep_sensitivity(blt.coefs(releases), min_sep, max_participations)
+    prefix = toeplitz_min_sep_sensitivity(blt.coefs(made), min_sep, max_participations)
+    return z * full / prefix
