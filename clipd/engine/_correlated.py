@@ -98,12 +98,12 @@ class Blt:
         return toeplitz_matrix(self.coefs(n))
 
 
-def toeplitz_matrix(coefs: Sequence[float]) -> np.ndarray:
+def toeplitz_matrix(coefs: Sequence[float] | np.ndarray) -> np.ndarray:
     """The lower-triangular Toeplitz matrix whose first column is ``coefs``."""
-    coefs = np.asarray(coefs, np.float64)
-    n = len(coefs)
+    c = np.asarray(coefs, np.float64)
+    n = len(c)
     i, j = np.indices((n, n))
-    return np.where(i >= j, coefs[np.clip(i - j, 0, None)], 0.0)
+    return np.where(i >= j, c[np.clip(i - j, 0, None)], 0.0)
 
 
 def blt_noise_step(z: np.ndarray, buffers: np.ndarray, blt: Blt) -> np.ndarray:
@@ -126,7 +126,7 @@ def blt_noise_step(z: np.ndarray, buffers: np.ndarray, blt: Blt) -> np.ndarray:
     return x
 
 
-def toeplitz_min_sep_sensitivity(coefs: Sequence[float], min_sep: int, max_participations: int) -> float:
+def toeplitz_min_sep_sensitivity(coefs: Sequence[float] | np.ndarray, min_sep: int, max_participations: int) -> float:
     """The sensitivity of the lower-triangular Toeplitz strategy with these coefficients (n = their count)
     under participation in at most k releases at least b apart: the norm of the sum of columns 0, b, ...,
     (k'-1) b, k' = :func:`participations`. Exact for non-negative, non-increasing coefficients (refused
