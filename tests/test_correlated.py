@@ -13,7 +13,14 @@ import pytest
 from jax_privacy.matrix_factorization import buffered_toeplitz, sensitivity, toeplitz
 
 from clipd.engine import _correlated
-from clipd.engine._correlated import Blt, blt_noise_step, participations, toeplitz_min_sep_sensitivity
+from clipd.engine._correlated import (
+    BandedToeplitz,
+    Blt,
+    banded_noise_step,
+    blt_noise_step,
+    participations,
+    toeplitz_min_sep_sensitivity,
+)
 
 # A hand-picked BLT, and the one jax_privacy's optimizer returns for n=8, b=2, k=4 with 2 buffers.
 STRATEGIES = [
@@ -160,3 +167,39 @@ def test_the_prefix_of_a_stream_is_one_gaussian_mechanism():
         _correlated.check_stream(8, 2, 0)
     with pytest.raises(ValueError, match=r"buffers must be in \[1, min\(releases=4, 10\)\]"):
         _correlated.check_stream(4, 2, 2, buffers=5)
+
+
+BANDED = [BandedToeplitz((0.682983, 0.482802, 0.414458, 0.358695)), BandedToeplitz((1.0, 0.5)),
+          BandedToeplitz((1.0,))]
+
+
+@pytest.mark.parametrize("strategy", BANDED)
+def test_the_banded_noise_is_jax_privacys_and_c_inverse_z(strategy):
+    n, d = 12, 3
+    z = np.random.default_rng(3).standard_normal((n, d))
+    history = np.zeros((strategy.buffers, d))
+    ours = np.stack([banded_noise_step(z[t], history, strategy) for t in range(n)])
+    with jax.enable_x64():
+        stream = toeplitz.inverse_as_streaming_matrix(jax.numpy.asarray(strategy.coefs_))
+        theirs = np.asarray(stream @ jax.numpy.asarray(z))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(ours, np.linalg.solve(strategy.matrix(n), z), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", BANDED)
+@pytest.mark.parametrize(("n", "b", "k"), [(12, 4, 3), (12, 6, 2), (30, 5, 6)])
+def test_banded_sensitivity_equals_jax_privacys(strategy, n, b, k):
+    ours = toeplitz_min_sep_sensitivity(strategy.coefs(n), min_sep=b, max_participations=k)
+    with jax.enable_x64():
+        theirs = float(np.sqrt(toeplitz.minsep_sensitivity_squared(
+            jax.numpy.asarray(strategy.coefs_), min_sep=b, max_participations=k, n=n)))
+    assert ours == pytest.approx(theirs, rel=1e-10)
+    # bands <= b: the k' participations' columns do not overlap: sqrt(k') times a column's norm
+    assert ours == pytest.approx(np.sqrt(participations(n, b, k)) * np.linalg.norm(strategy.coefs_), rel=1e-10)
+
+
+def test_the_optimized_banded_strategy_is_jax_privacys():
+    strategy = _correlated.optimize_banded(100, 4, min_sep=4, max_participations=25)
+    np.testing.assert_allclose(strategy.coefs_, BANDED[0].coefs_, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"bands must be in \[1, min_separation=2\]"):
+        _correlated.optimize_banded(100, 4, min_sep=2, max_participations=25)

@@ -98,6 +98,58 @@ class Blt:
         return toeplitz_matrix(self.coefs(n))
 
 
+@dataclasses.dataclass(frozen=True)
+class BandedToeplitz:
+    """A banded Toeplitz strategy: C's first column is ``coefs`` (c_0 > 0, as many as bands), then zeros.
+    Its noise stream keeps the last ``bands - 1`` noise rows (:func:`banded_noise_step`)::
+
+        x_t = (z_t - sum_{j=1..bands-1} c_j x_{t-j}) / c_0
+    """
+
+    coefs_: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coefs_", tuple(float(c) for c in self.coefs_))
+        if not self.coefs_ or not self.coefs_[0] > 0 or not all(math.isfinite(c) for c in self.coefs_):
+            raise ValueError(f"a banded strategy needs finite coefficients with c_0 > 0, got {self.coefs_}")
+
+    @property
+    def bands(self) -> int:
+        return len(self.coefs_)
+
+    @property
+    def buffers(self) -> int:
+        """Noise rows its stream keeps."""
+        return self.bands - 1
+
+    def coefs(self, n: int) -> np.ndarray:
+        return np.concatenate([self.coefs_, np.zeros(max(0, n - self.bands))])[:n]
+
+    def matrix(self, n: int) -> np.ndarray:
+        return toeplitz_matrix(self.coefs(n))
+
+
+def banded_noise_step(z: np.ndarray, history: np.ndarray, strategy: BandedToeplitz) -> np.ndarray:
+    """The next row of C^{-1} Z for a banded Toeplitz strategy: ``history`` holds the last ``bands - 1`` rows,
+    newest first, ``(bands - 1, *z.shape)`` float64 (zero before the first release), updated in place.
+
+    >>> strategy = BandedToeplitz((2.0, 1.0))
+    >>> history = np.zeros((1, 1))
+    >>> [banded_noise_step(np.array([4.0]), history, strategy).tolist() for _ in range(3)]
+    [[2.0], [1.0], [1.5]]
+    """
+    if history.shape != (strategy.buffers, *np.shape(z)):
+        raise ValueError(f"banded history of shape {history.shape}, expected {(strategy.buffers, *np.shape(z))}")
+    x = np.asarray(z, np.float64).copy()
+    for coef, earlier in zip(strategy.coefs_[1:], history):
+        x -= coef * earlier
+    x /= strategy.coefs_[0]
+    if strategy.buffers:
+        history[1:] = history[:-1].copy()
+        history[0] = x
+    return x
+
+
 def toeplitz_matrix(coefs: Sequence[float] | np.ndarray) -> np.ndarray:
     """The lower-triangular Toeplitz matrix whose first column is ``coefs``."""
     c = np.asarray(coefs, np.float64)
@@ -183,3 +235,17 @@ def prefix_noise_multiplier(z: float, blt: Blt, releases: int, made: int, min_se
     full = toeplitz_min_sep_sensitivity(blt.coefs(releases), min_sep, max_participations)
     prefix = toeplitz_min_sep_sensitivity(blt.coefs(made), min_sep, max_participations)
     return z * full / prefix
+
+
+def optimize_banded(releases: int, bands: int, min_sep: int, max_participations: int) -> BandedToeplitz:
+    """The banded Toeplitz strategy of ``bands`` bands that jax_privacy's optimizer finds for ``releases``
+    releases (its ``optimize_banded_toeplitz``: mean error of the prefix sums, coefficients of norm 1).
+    ``bands`` must not pass the min separation (its sensitivity is then that of ``k'`` disjoint columns)."""
+    check_stream(releases, min_sep, max_participations)
+    if not 1 <= bands <= min_sep:
+        raise ValueError(f"bands must be in [1, min_separation={min_sep}], got {bands}")
+    import jax
+    from jax_privacy.matrix_factorization import toeplitz
+
+    with jax.enable_x64():
+        return BandedToeplitz(tuple(np.asarray(toeplitz.optimize_banded_toeplitz(releases, bands), np.float64)))
