@@ -71,6 +71,8 @@ SAMPLING: dict[str, pb.Sampling.Kind] = _by_name(pb.Sampling.Kind)  # none, pois
 NEIGHBOURING: dict[str, pb.PrivacyPolicy.Neighbouring] = _by_name(pb.PrivacyPolicy.Neighbouring)
 ACCOUNTANTS: dict[str, pb.PrivacyPolicy.Accountant] = _by_name(pb.PrivacyPolicy.Accountant)  # rdp, pld, zcdp
 NOISES: dict[str, pb.PrivacyPolicy.Noise] = _by_name(pb.PrivacyPolicy.Noise)  # gaussian, secure
+MECHANISMS: dict[str, pb.CorrelatedNoise.Mechanism] = _by_name(pb.CorrelatedNoise.Mechanism)  # blt, banded
+INDEPENDENT = "independent"  # a privacy policy's mechanism without a correlated stream
 _Enum = TypeVar("_Enum", bound=int)  # one of those proto enums
 
 
@@ -108,9 +110,16 @@ def clip_policy(kind: str, non_finite: str, **fields) -> pb.ClipPolicy:
 
 def privacy_policy(*, sampling: str = "none", sampling_rate: float = 0.0, population: int = 0, sample_size: int = 0,
                    neighbouring: str = "add_remove_one", accountant: str = "rdp", noise: str = "gaussian",
-                   noise_multiplier: float | None = None, seed: int | None = None, **fields) -> pb.PrivacyPolicy:
+                   noise_multiplier: float | None = None, seed: int | None = None, mechanism: str = INDEPENDENT,
+                   releases: int = 0, min_separation: int = 1, max_participations: int = 1, buffers: int = 0,
+                   declared_participation: bool = False, **fields) -> pb.PrivacyPolicy:
     """A PrivacyPolicy message from the flat fields of ``clipd.client.Privacy``: enums by name (ValueError
-    naming a wrong one), ``noise_multiplier`` and ``seed`` None unset; ``fields`` are the message's others."""
+    naming a wrong one), ``noise_multiplier`` and ``seed`` None unset; ``fields`` are the message's others.
+    ``mechanism`` other than ``independent``: the correlated stream (``CorrelatedNoise``) of those fields."""
+    if mechanism != INDEPENDENT:
+        fields["correlated"] = pb.CorrelatedNoise(
+            mechanism=code_of(MECHANISMS, mechanism, "mechanism"), releases=releases, min_separation=min_separation,
+            max_participations=max_participations, buffers=buffers, declared=declared_participation)
     message = pb.PrivacyPolicy(
         sampling=pb.Sampling(kind=code_of(SAMPLING, sampling, "sampling"), rate=sampling_rate,
                              population=population, sample_size=sample_size),

@@ -41,6 +41,7 @@ from clipd.server.stores.base import (
     LedgerEntry,
     LedgerRecord,
     MemoryStore,
+    NoiseStream,
     Store,
 )
 from clipd.server.stores.sqlite import SCHEMA_VERSION, SQLiteStore
@@ -306,6 +307,26 @@ class StoreContract:
         assert [e.aggregation_id for e in store.ledger_entries("L")] == ["a"]  # privacy spent stays spent
 
 
+    def test_a_release_keeps_the_ledgers_noise_stream_and_participations_in_its_commit(self, store):
+        """The stream's state replaces the one before with each release; participations stay; a conflicting
+        position writes neither."""
+        store.ensure_ledger(LedgerRecord("L", "{}"))
+        assert store.noise_stream("L") is None and store.participations("L", "alice") == []
+        for k in range(3):
+            store.create(AggregationRecord(f"r{k}", "{}"))
+            store.commit_release(f"r{k}", b"r", "L", LedgerEntry(f"r{k}", "{}", 0.0, 1.0), k, finished=1.0,
+                                 stream=NoiseStream(k + 1, b"state-%d" % k), participants=["alice"] if k != 1 else ["bob"])
+        assert store.noise_stream("L") == NoiseStream(3, b"state-2")
+        assert store.participations("L", "alice") == [0, 2] and store.participations("L", "bob") == [1]
+        store.create(AggregationRecord("late", "{}"))
+        with pytest.raises(LedgerConflict):
+            store.commit_release("late", b"r", "L", LedgerEntry("late", "{}", 0.0, 1.0), 1, finished=1.0,
+                                 stream=NoiseStream(2, b"stale"), participants=["carol"])
+        assert store.noise_stream("L") == NoiseStream(3, b"state-2") and store.participations("L", "carol") == []
+        store.delete("r2")
+        assert store.noise_stream("L") == NoiseStream(3, b"state-2")  # the ledger's, not the aggregation's
+
+
 class TestMemoryStore(StoreContract):
     def make_store(self, tmp_path):
         return MemoryStore()
@@ -457,7 +478,7 @@ class TestSQLiteStore(DurableStoreContract):
         finally:
             store.close()
         with sqlite3.connect(data / "clipd.sqlite3") as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
 
     def test_only_two_generations_are_kept(self, tmp_path):
         data = tmp_path / "data"

@@ -49,6 +49,10 @@ class Privacy:
     ``noise="secure"`` (with ``accountant="zcdp"``): the sum on an integer grid plus a
     discrete Gaussian from a CSPRNG (OpenDP), every released value a whole number of
     ``Release.grid_step``; see docs/privacy.md, "Secure noise".
+    ``mechanism="blt"`` or ``"banded"``: the ledger's releases share one correlated noise stream (DP-FTRL)
+    planned for ``releases`` releases, each contributor in at most ``max_participations`` of them, at least
+    ``min_separation`` apart (enforced per client id unless ``declared_participation``); ``buffers``: a BLT's
+    buffers or a banded strategy's bands (0: chosen). See docs/privacy.md, "Correlated noise".
     """
 
     ledger_id: str
@@ -70,6 +74,12 @@ class Privacy:
     seed: int | None = None
     debug_raw_statistics: bool = False
     noise: str = "gaussian"
+    mechanism: str = "independent"
+    releases: int = 0
+    min_separation: int = 1
+    max_participations: int = 1
+    buffers: int = 0
+    declared_participation: bool = False
 
     def to_proto(self) -> pb.PrivacyPolicy:
         """The message; ValueError naming a ``sampling``, ``neighbouring`` or ``accountant`` it has not."""

@@ -40,6 +40,7 @@ Worked example (jax_privacy 2.0's numbers for the same strategy, ``tests/test_co
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Sequence
 
@@ -224,7 +225,7 @@ def optimize_blt(releases: int, min_sep: int, max_participations: int, buffers: 
         return Blt(tuple(np.asarray(found.buf_decay, np.float64)), tuple(np.asarray(found.output_scale, np.float64)))
 
 
-def prefix_noise_multiplier(z: float, blt: Blt, releases: int, made: int, min_sep: int,
+def prefix_noise_multiplier(z: float, strategy: Blt | BandedToeplitz, releases: int, made: int, min_sep: int,
                             max_participations: int) -> float:
     """The noise multiplier of the first ``made`` releases of a stream planned for ``releases``, whose noise
     stddev is ``z * clip * sens(releases)``: they are one Gaussian mechanism on C_made x with sensitivity
@@ -232,8 +233,8 @@ def prefix_noise_multiplier(z: float, blt: Blt, releases: int, made: int, min_se
     Its epsilon is one Gaussian event's (not composed per release)."""
     if not 1 <= made <= releases:
         raise ValueError(f"made must be in [1, {releases}], got {made}")
-    full = toeplitz_min_sep_sensitivity(blt.coefs(releases), min_sep, max_participations)
-    prefix = toeplitz_min_sep_sensitivity(blt.coefs(made), min_sep, max_participations)
+    full = toeplitz_min_sep_sensitivity(strategy.coefs(releases), min_sep, max_participations)
+    prefix = toeplitz_min_sep_sensitivity(strategy.coefs(made), min_sep, max_participations)
     return z * full / prefix
 
 
@@ -249,3 +250,94 @@ def optimize_banded(releases: int, bands: int, min_sep: int, max_participations:
 
     with jax.enable_x64():
         return BandedToeplitz(tuple(np.asarray(toeplitz.optimize_banded_toeplitz(releases, bands), np.float64)))
+
+
+class Mechanism(str, enum.Enum):
+    """How a ledger's releases are noised: independent Gaussians, or a correlated stream."""
+
+    INDEPENDENT = "independent"
+    BLT = "blt"
+    BANDED = "banded"
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrelatedNoise:
+    """A ledger's correlated noise stream (DP-FTRL), fixed with its first private aggregation.
+
+    Attributes:
+      mechanism: ``blt`` or ``banded``.
+      releases: n, the releases the stream is planned (and accounted) for; the (n+1)-th is refused.
+      min_separation: b, the fewest releases between two in which one contributor takes part (1: any).
+      max_participations: k, the most releases one contributor takes part in.
+      buffers: a BLT's buffers (0: as many as still help, up to 10), or a banded strategy's bands (0: b, at
+        most 8).
+      declared: the participation is declared by the caller (DP-SGD's fixed epochs) and trusted, not
+        enforced per client id by the server.
+      strategy: the optimized strategy, filled in by the server from the ledger: a BLT's decays then its
+        output scales, or a banded strategy's coefficients.
+    """
+
+    mechanism: Mechanism
+    releases: int
+    min_separation: int = 1
+    max_participations: int = 1
+    buffers: int = 0
+    declared: bool = False
+    strategy: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mechanism", Mechanism(self.mechanism))
+        object.__setattr__(self, "strategy", tuple(float(v) for v in self.strategy))
+        if self.mechanism is Mechanism.INDEPENDENT:
+            raise ValueError("correlated noise is 'blt' or 'banded' (independent noise needs no stream)")
+        check_stream(self.releases, self.min_separation, self.max_participations,
+                     self.buffers if self.mechanism is Mechanism.BLT and self.buffers else None)
+        if self.mechanism is Mechanism.BANDED and not 0 <= self.buffers <= self.min_separation:
+            raise ValueError(f"a banded strategy has at most min_separation={self.min_separation} bands (then its"
+                             f" sensitivity is k' columns'), got {self.buffers}")
+        if self.strategy:
+            self.strategy_matrix()  # checks it
+
+    @property
+    def bands(self) -> int:
+        """A banded strategy's bands (its ``buffers``, or b up to 8)."""
+        return self.buffers or min(self.min_separation, 8)
+
+    def optimized(self) -> CorrelatedNoise:
+        """This stream with its strategy: jax_privacy's optimum for (n, b, k) (10 to 60 s; once per ledger)."""
+        if self.mechanism is Mechanism.BLT:
+            blt = optimize_blt(self.releases, self.min_separation, self.max_participations, self.buffers or None)
+            return dataclasses.replace(self, strategy=blt.theta + blt.omega)
+        banded = optimize_banded(self.releases, self.bands, self.min_separation, self.max_participations)
+        return dataclasses.replace(self, strategy=banded.coefs_)
+
+    def strategy_matrix(self) -> Blt | BandedToeplitz:
+        """The strategy as an object (ValueError if it is not filled in)."""
+        if not self.strategy:
+            raise ValueError("the stream's strategy is not known yet (the server fills it in from its ledger)")
+        if self.mechanism is Mechanism.BLT:
+            half = len(self.strategy) // 2
+            return Blt(self.strategy[:half], self.strategy[half:])
+        return BandedToeplitz(self.strategy)
+
+    def sensitivity(self, made: int | None = None) -> float:
+        """The strategy's sensitivity under (b, k) over its first ``made`` releases (default all n)."""
+        return toeplitz_min_sep_sensitivity(self.strategy_matrix().coefs(made or self.releases),
+                                            self.min_separation, self.max_participations)
+
+    def prefix_noise_multiplier(self, z: float, made: int) -> float:
+        """The noise multiplier of its first ``made`` releases (:func:`prefix_noise_multiplier`)."""
+        return prefix_noise_multiplier(z, self.strategy_matrix(), self.releases, made, self.min_separation,
+                                       self.max_participations)
+
+    @property
+    def state_rows(self) -> int:
+        """Rows of the model's size the stream keeps: a BLT's buffers, a banded strategy's bands - 1."""
+        return self.strategy_matrix().buffers
+
+    def step(self, z: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """The next noise row (unit stddev) from the iid draw ``z``; ``state`` updated in place."""
+        strategy = self.strategy_matrix()
+        if isinstance(strategy, Blt):
+            return blt_noise_step(z, state, strategy)
+        return banded_noise_step(z, state, strategy)

@@ -47,6 +47,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from . import _secure_noise as secure
+from ._correlated import CorrelatedNoise
 
 PLD_DISCRETIZATION = 1e-4  # value_discretization_interval of the PLD accountant
 
@@ -404,6 +405,9 @@ class PrivacyPolicy:
       debug_raw_statistics: raw statistics visible while it runs; the ledger's epsilon becomes infinite.
       noise: ``gaussian`` (JAX's float normal) or ``secure`` (a discrete Gaussian on an integer grid,
         accounted by the ``zcdp`` accountant; no sampling, adaptive clipping, released statistics or seed).
+      correlated: the ledger's releases share one correlated noise stream (DP-FTRL, ``engine._correlated``):
+        the whole stream is one Gaussian mechanism of multiplier ``z`` (``target_epsilon`` calibrates it
+        for that one event); None: each release has independent noise.
     """
 
     ledger_id: str
@@ -422,6 +426,7 @@ class PrivacyPolicy:
     seed: int | None = None
     debug_raw_statistics: bool = False
     noise: Noise = Noise.GAUSSIAN
+    correlated: CorrelatedNoise | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "neighbouring", Neighbouring(self.neighbouring))
@@ -436,7 +441,7 @@ class PrivacyPolicy:
         z = self.noise_multiplier
         if z is not None and not (z >= 0 and math.isfinite(z)):
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}")
-        if self.target_epsilon is not None and self.planned_releases < 1:
+        if self.target_epsilon is not None and self.planned_releases < 1 and self.correlated is None:
             raise ValueError("target_epsilon needs planned_releases >= 1")
         if not self.max_epsilon > 0:
             raise ValueError(f"max_epsilon must be > 0 (inf: no budget), got {self.max_epsilon}")
@@ -452,6 +457,23 @@ class PrivacyPolicy:
             raise ValueError(f"metrics_noise_multiplier must be finite and >= 0, got {self.metrics_noise_multiplier}")
         check_supported(self.accountant, self.neighbouring, self.sampling)
         self._check_noise()
+        self._check_correlated()
+
+    def _check_correlated(self) -> None:
+        if self.correlated is None:
+            return
+        refused = [what for what, given in (
+            ("secure noise", self.noise is Noise.SECURE),
+            ("adaptive clipping (the bound would change the stream's sensitivity from release to release)",
+             self.adaptive is not None),
+            ("released statistics (metrics_noise_multiplier)", self.metrics_noise_multiplier > 0),
+            ("debug_raw_statistics (its ledger entries would break the stream's accounting)",
+             self.debug_raw_statistics),
+            ("sampling amplification (the participation is (b, k): min_separation, max_participations)",
+             self.sampling.kind is not SamplingKind.NONE)) if given]
+        if refused:
+            raise ValueError(f"correlated noise ({self.correlated.mechanism.value}) does not take"
+                             f" {'; '.join(refused)}")
 
     def _check_noise(self) -> None:
         secure_noise = self.noise is Noise.SECURE
@@ -474,6 +496,9 @@ class PrivacyPolicy:
         if self.noise_multiplier is not None:
             return self.noise_multiplier
         assert self.target_epsilon is not None  # __post_init__: exactly one of the two is set
+        if self.correlated is not None:  # the whole stream is one Gaussian mechanism
+            return calibrate_noise_multiplier(self.target_epsilon, self.delta, 1, Sampling(), self.accountant,
+                                              self.neighbouring)
         return calibrate_noise_multiplier(self.target_epsilon, self.delta, self.planned_releases, self.sampling,
                                           self.accountant, self.neighbouring)
 
@@ -482,6 +507,11 @@ class PrivacyPolicy:
         ``example_bound``."""
         z = self.total_noise_multiplier
         s = sensitivity(example_bound, self.neighbouring)
+        if self.correlated is not None:  # sigma = z * clip * sens(C): the whole stream is one event of z
+            event = dpe.GaussianDpEvent(z) if z > 0 else dpe.NonPrivateDpEvent()
+            return ReleasePlan(noise_multiplier=z, value_noise_multiplier=z, sensitivity=s,
+                               noise_stddev=z * s * self.correlated.sensitivity(), count_noise_stddev=0.0,
+                               metrics_noise_stddev=0.0, event=event, event_json=event_to_json(event))
         if self.noise is Noise.SECURE:
             dimension = sum(layer.size for layer in layers)
             contributions = int(sensitivity(1.0, self.neighbouring))  # examples one neighbour changes: 1 or 2

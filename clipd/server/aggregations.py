@@ -21,6 +21,7 @@ import numpy as np
 
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine import _privacy as dp
+from clipd.engine._correlated import CorrelatedNoise
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
 from clipd.server.sequences import ClientSequences
 from clipd.server.settings import DELTA_BYTES_PER_PARAMETER, TOTALS_BYTES_PER_PARAMETER
@@ -142,6 +143,8 @@ class AggregationSpec:
             fields["sampling"] = dp.Sampling(**fields["sampling"])
             if fields["adaptive"] is not None:
                 fields["adaptive"] = dp.AdaptiveClipping(**fields["adaptive"])
+            if fields.get("correlated") is not None:
+                fields["correlated"] = CorrelatedNoise(**fields["correlated"])
             privacy = dp.PrivacyPolicy(**fields)
         return cls(layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy,
                    int(spec.get("shards", 1)))

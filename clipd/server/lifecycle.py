@@ -131,6 +131,7 @@ class Lifecycle:
         for a request that repeats it; ``AlreadyExists`` for another spec under that id."""
         plan = None
         if privacy is not None:
+            privacy = self.ledgers.with_strategy(privacy)  # a correlated stream's, from its ledger (or made)
             policy, plan = self._private_policy(policy, privacy, layers)
         spec = AggregationSpec(layers, policy, reject, privacy, self.settings.shards or len(self.shards))
 
@@ -197,6 +198,12 @@ class Lifecycle:
             aggregation.claimed([self.store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)])
 
     # submit -------------------------------------------------------------------------------------
+    def check_participation(self, aggregation: Aggregation, client: str) -> None:
+        """Refuses a client that its ledger's correlated noise stream does not let take part in this release
+        (``Ledgers.check_participation``): before any of its bytes are summed."""
+        if aggregation.privacy is not None:
+            self.ledgers.check_participation(aggregation.privacy, client)
+
     def submit(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
         """Hands a whole batch to its shard, or lets go of it (a duplicate, or refused)."""
         try:

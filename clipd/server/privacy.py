@@ -30,6 +30,7 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,23 +40,46 @@ from clipd.engine import PartialState
 from clipd.engine import _container as container
 from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
+from clipd.engine._correlated import CorrelatedNoise, Mechanism
 from clipd.server.aggregations import TAKES_BATCHES, Aggregation, State
 from clipd.server.errors import FailedPrecondition
-from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, Store
+from clipd.server.sequences import client_of
+from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, NoiseStream, Store
 
 RELEASE_MAGIC = b"CLIPDRL2"  # a private release in clipd's container format (engine._container)
 _LEGACY_RELEASE_MAGIC = b"CLIPDREL1\n"  # the format of releases stored before it (still read)
 NON_PRIVATE = dp.event_to_json(dpe.NonPrivateDpEvent())  # a debug aggregation's entry: epsilon infinite
 
 
-def ledger_config(policy: dp.PrivacyPolicy) -> dict:
-    """What every aggregation of one ledger must agree on."""
-    return {"accountant": policy.accountant.value, "neighbouring": policy.neighbouring.value,
-            "delta": policy.delta, "max_epsilon": policy.max_epsilon}
+def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None) -> dict:
+    """What every aggregation of one ledger must agree on: its accounting; with correlated noise also the
+    stream (mechanism, n, b, k, buffers, the optimized strategy) and the noise stddev of every release."""
+    config: dict[str, Any] = {"accountant": policy.accountant.value, "neighbouring": policy.neighbouring.value,
+              "delta": policy.delta, "max_epsilon": policy.max_epsilon, "mechanism": Mechanism.INDEPENDENT.value}
+    stream = policy.correlated
+    if stream is not None:
+        config["mechanism"] = stream.mechanism.value
+        config["stream"] = {"releases": stream.releases, "min_separation": stream.min_separation,
+                            "max_participations": stream.max_participations, "buffers": stream.buffers,
+                            "declared": stream.declared, "strategy": list(stream.strategy)}
+        if plan is not None:
+            config["noise_stddev"] = plan.noise_stddev
+    return config
+
+
+_CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value}  # (ledgers stored before correlated noise)
 
 
 def _same_config(stored: dict, wanted: dict) -> bool:
-    return all(stored.get(k) == v for k, v in wanted.items())
+    return all(stored.get(k, _CONFIG_DEFAULTS.get(k)) == v for k, v in wanted.items())
+
+
+def ledger_epsilon(config: dict, events: Sequence[str]) -> float:
+    """A ledger's epsilon: its entries' events composed; for a correlated stream, the last entry's alone (the
+    first t releases are one Gaussian mechanism: ``CorrelatedNoise.prefix_noise_multiplier``)."""
+    if config.get("mechanism", Mechanism.INDEPENDENT.value) != Mechanism.INDEPENDENT.value:
+        events = [] if not events else (list(events) if NON_PRIVATE in events else list(events)[-1:])
+    return dp.epsilon_of_json(list(events), config["delta"], config["accountant"], config["neighbouring"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +168,16 @@ class Ledgers:
         if record is None:
             return None
         config = json.loads(record.config)
+        config.setdefault("mechanism", Mechanism.INDEPENDENT.value)
         entries = self.store.ledger_entries(ledger_id)
-        eps = dp.epsilon_of_json([e.event for e in entries], config["delta"], config["accountant"],
-                                 config["neighbouring"])
+        eps = ledger_epsilon(config, [e.event for e in entries])
         bounds = [e.next_bound for e in entries if e.next_bound is not None]
+        stream = config.pop("stream", None)
+        if stream is not None:  # the stream's plan and where it stands
+            stream = {**stream, "made": len(entries), "left": stream["releases"] - len(entries),
+                      "state_rows": _stream_of(config, stream).state_rows}
         return {
-            "ledger_id": ledger_id, **config, "epsilon": eps,
+            "ledger_id": ledger_id, **config, "stream": stream, "epsilon": eps,
             "budget_left": config["max_epsilon"] - eps,
             "next_bound": bounds[-1] if bounds else 0.0,
             "debug_raw_statistics": any(e.event == NON_PRIVATE for e in entries),
@@ -159,6 +187,44 @@ class Ledgers:
     def ledger_ids(self) -> list[str]:
         return [r.ledger_id for r in self.store.ledgers()]
 
+    # Correlated noise ------------------------------------------------------------------
+    def with_strategy(self, policy: dp.PrivacyPolicy) -> dp.PrivacyPolicy:
+        """``policy`` with its correlated stream's strategy: the ledger's (stored with its first aggregation),
+        or, for a new ledger, jax_privacy's optimum for (n, b, k) (slow: 10 to 60 s, once per ledger)."""
+        stream = policy.correlated
+        if stream is None or stream.strategy:
+            return policy
+        record = next((r for r in self.store.ledgers() if r.ledger_id == policy.ledger_id), None)
+        stored = json.loads(record.config).get("stream") if record is not None else None
+        if stored is not None and stored.get("strategy"):
+            stream = dataclasses.replace(stream, strategy=tuple(stored["strategy"]))
+        else:
+            stream = stream.optimized()
+        return dataclasses.replace(policy, correlated=stream)
+
+    def check_participation(self, policy: dp.PrivacyPolicy, client_id: str) -> None:
+        """Refuses (FAILED_PRECONDITION) a client of a correlated ledger whose participation the server enforces,
+        if it took part in one of the last b - 1 releases or in k already. The next release is the ledger's
+        (one aggregation at a time is open on such a ledger)."""
+        stream = policy.correlated
+        if stream is None or stream.declared:
+            return
+        client = client_of(client_id)
+        taken = self.store.participations(policy.ledger_id, client)
+        if not taken:
+            return
+        with self._locked(policy.ledger_id):
+            release = len(self.events(policy.ledger_id))
+        if len(taken) >= stream.max_participations:
+            raise FailedPrecondition(
+                f"client {client!r} took part in {len(taken)} releases of ledger {policy.ledger_id!r} (releases"
+                f" {taken}); its stream allows at most {stream.max_participations} (max_participations)")
+        if release - taken[-1] < stream.min_separation:
+            raise FailedPrecondition(
+                f"client {client!r} took part in release {taken[-1]} of ledger {policy.ledger_id!r}; this is"
+                f" release {release} and its stream needs {stream.min_separation} between two (min_separation):"
+                f" it may take part again from release {taken[-1] + stream.min_separation}")
+
     # Creation --------------------------------------------------------------------------
     def admit(self, aggregation, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, create) -> float:
         """Checks the budget, then ``create(ledger_entry)`` stores the aggregation; returns the planned epsilon.
@@ -167,7 +233,7 @@ class Ledgers:
         relation, delta or budget, or if this release (with the reserved ones)
         would pass ``max_epsilon``.
         """
-        wanted = ledger_config(policy)
+        wanted = ledger_config(policy, plan)
         with self._locked(policy.ledger_id):
             stored = self.store.ensure_ledger(LedgerRecord(policy.ledger_id, json.dumps(wanted), time.time()))
             if not _same_config(json.loads(stored.config), wanted):
@@ -176,6 +242,11 @@ class Ledgers:
             debug = [NON_PRIVATE] if policy.debug_raw_statistics else []
             reserved = [r.event for r in self._reserved[policy.ledger_id].values() if _counts(r.aggregation)]
             committed = self.events(policy.ledger_id)
+            if policy.correlated is not None:
+                planned = self._admit_to_stream(policy, plan, committed, reserved)
+                create(None)
+                self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event_json)
+                return planned
             planned = _epsilon(policy, committed + reserved + debug + [plan.event_json])
             if planned > policy.max_epsilon:
                 now = _epsilon(policy, committed)
@@ -190,6 +261,83 @@ class Ledgers:
             create(entry)
             self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event_json)
             return planned
+
+    def _admit_to_stream(self, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, committed: list[str],
+                         reserved: list[str]) -> float:
+        """A correlated ledger's next aggregation: one open at a time, the stream not spent, its whole plan
+        within the budget; the ledger's epsilon once this release is made."""
+        stream = policy.correlated
+        assert stream is not None
+        if reserved:
+            open_ids = [i for i, r in self._reserved[policy.ledger_id].items() if _counts(r.aggregation)]
+            raise FailedPrecondition(
+                f"ledger {policy.ledger_id!r} releases one correlated noise stream in order: one aggregation at a"
+                f" time; finalize or cancel {', '.join(open_ids)} first")
+        made = len(committed)
+        if made >= stream.releases:
+            raise FailedPrecondition(
+                f"the noise stream of ledger {policy.ledger_id!r} is spent: {made} of its {stream.releases} planned"
+                f" releases are made (a stream is accounted for its planned releases only; start a new ledger)")
+        whole = _epsilon(policy, [plan.event_json])
+        if whole > policy.max_epsilon:
+            raise FailedPrecondition(
+                f"privacy budget of ledger {policy.ledger_id!r}: its stream of {stream.releases} releases (noise"
+                f" multiplier {plan.noise_multiplier:.6g}) spends epsilon {whole:.6g}, past max_epsilon"
+                f" {policy.max_epsilon:g} (delta {policy.delta:g}); raise the noise or the budget")
+        return _epsilon(policy, [stream_event_json(policy, plan, made + 1)])
+
+    def _release_from_stream(self, aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype],
+                             committed: list[str]) -> Release:
+        """A correlated ledger's release (under its lock): the stream's next noise row added to the sums, its
+        state, the ledger entry, the participants and the release committed together."""
+        policy: dp.PrivacyPolicy = aggregation.privacy
+        plan: dp.ReleasePlan = aggregation.plan
+        stream = policy.correlated
+        assert stream is not None
+        made = len(committed)
+        if made >= stream.releases:
+            self._refuse_release(aggregation, policy, f"the noise stream of ledger {policy.ledger_id!r} is spent:"
+                                                      f" {made} of its {stream.releases} releases are made")
+        event_json = stream_event_json(policy, plan, made + 1)
+        after = _epsilon(policy, [event_json])
+        parameters = sum(int(np.prod(s.shape)) for s in totals.sums)
+        stored = self.store.noise_stream(policy.ledger_id)
+        if stored is None:
+            state, position = np.zeros((stream.state_rows, parameters)), 0
+        else:
+            state, position = stream_state_from_bytes(stored.state)
+        if position != made or state.shape != (stream.state_rows, parameters):
+            raise FailedPrecondition(f"the noise stream of ledger {policy.ledger_id!r} stands at release {position}"
+                                     f" ({state.shape}), its ledger at {made} ({(stream.state_rows, parameters)})")
+        key = dp.fresh_key(policy.seed)
+        if policy.seed is not None:  # reproducible (a restart continues the same stream), no release alike
+            key = jax.random.fold_in(key, made + 1)
+        noise = stream.step(dp.gaussian_noise(parameters, 1.0, key), state) * plan.noise_stddev
+        noised, at = [], 0
+        for total, dtype in zip(totals.sums, sum_dtypes):
+            size = int(np.prod(total.shape))
+            value = np.asarray(total, np.float64) + noise[at:at + size].reshape(total.shape)
+            noised.append(value.astype(np.promote_types(dtype, np.float32)))
+            at += size
+        release = draw_release(aggregation, totals, sum_dtypes, after, after, made + 1, tuple(noised))
+        release.fields.update({"mechanism": stream.mechanism.value, "stream_release": made,
+                               "stream_releases": stream.releases, "dp_event_json": event_json})
+        participants = [] if stream.declared else sorted({client_of(c) for c in totals.clients})
+        entry = LedgerEntry(aggregation.id, event_json, time.time(), after, None)
+        try:
+            self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry, made, entry.time,
+                                      stream=NoiseStream(made + 1, stream_state_to_bytes(state, made + 1)),
+                                      participants=participants)
+        except LedgerConflict as e:
+            raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
+        self._reserved[policy.ledger_id].pop(aggregation.id, None)
+        return release
+
+    def _refuse_release(self, aggregation, policy: dp.PrivacyPolicy, reason: str) -> None:
+        """The aggregation is never released: FAILED with ``reason`` (raised)."""
+        self.store.set_state(aggregation.id, FAILED, reason=reason, finished=time.time())
+        self._reserved[policy.ledger_id].pop(aggregation.id, None)
+        raise FailedPrecondition(reason)
 
     def reserve(self, aggregation, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan) -> None:
         """Counts a recovered open aggregation's release against its ledger."""
@@ -209,6 +357,8 @@ class Ledgers:
         plan: dp.ReleasePlan = aggregation.plan
         with self._locked(policy.ledger_id):
             committed = self.events(policy.ledger_id)
+            if policy.correlated is not None:
+                return self._release_from_stream(aggregation, totals, sum_dtypes, committed)
             after = _epsilon(policy, committed + [plan.event_json])
             if after > policy.max_epsilon:
                 before = _epsilon(policy, committed)
@@ -230,6 +380,36 @@ class Ledgers:
             return release
 
 
+STREAM_MAGIC = b"CLIPDNS1"  # a ledger's noise stream state in clipd's container format (engine._container)
+
+
+def stream_state_to_bytes(state: np.ndarray, releases: int) -> bytes:
+    """A noise stream's state (its rows of the model's size, float64) after ``releases`` releases."""
+    return container.to_bytes(STREAM_MAGIC, {"releases": releases}, [("state", state)])
+
+
+def stream_state_from_bytes(blob: bytes) -> tuple[np.ndarray, int]:
+    header, arrays = container.from_bytes(blob, STREAM_MAGIC, "noise stream")
+    return arrays["state"], int(header["releases"])
+
+
+def stream_event_json(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, made: int) -> str:
+    """The ledger entry of a correlated stream's ``made``-th release: the Gaussian event of its first ``made``
+    releases together (the ledger's epsilon is that entry's alone, :func:`ledger_epsilon`)."""
+    assert policy.correlated is not None
+    if plan.noise_multiplier == 0:
+        return NON_PRIVATE
+    return dp.event_to_json(dpe.GaussianDpEvent(policy.correlated.prefix_noise_multiplier(plan.noise_multiplier,
+                                                                                           made)))
+
+
+def _stream_of(config: dict, stream: dict) -> CorrelatedNoise:
+    """A stored correlated ledger's stream."""
+    return CorrelatedNoise(config["mechanism"], stream["releases"], stream["min_separation"],
+                           stream["max_participations"], stream["buffers"], stream["declared"],
+                           tuple(stream["strategy"]))
+
+
 def _counts(aggregation: Aggregation) -> bool:
     """Whether an aggregation's reservation still counts: it may still be released."""
     return aggregation.state in (*TAKES_BATCHES, State.FINALIZING)
@@ -240,8 +420,9 @@ def _epsilon(policy: dp.PrivacyPolicy, events: list[str]) -> float:
 
 
 def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype], ledger_epsilon: float,
-                 epsilon: float, releases: int) -> Release:
-    """The noised sums, noised statistics and next bound of one release (fresh key each call)."""
+                 epsilon: float, releases: int, noised_sums: tuple[np.ndarray, ...] | None = None) -> Release:
+    """The noised sums, noised statistics and next bound of one release (fresh key each call); ``noised_sums``:
+    the sums already noised (a correlated stream's release)."""
     policy: dp.PrivacyPolicy = aggregation.privacy
     plan: dp.ReleasePlan = aggregation.plan
     key = dp.fresh_key(policy.seed)
@@ -249,7 +430,9 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         key = jax.random.fold_in(key, releases)
     key_sum, key_count, key_stats = jax.random.split(key, 3)
     grid = {}
-    if policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
+    if noised_sums is not None:
+        sums = noised_sums
+    elif policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
         on_grid = secure.release(totals.sums, plan.grid_step, plan.grid_scale)
         sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
     else:

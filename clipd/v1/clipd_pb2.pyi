@@ -106,7 +106,7 @@ class AdaptiveClipping(_message.Message):
     def __init__(self, target_unclipped_quantile: _Optional[float] = ..., learning_rate: _Optional[float] = ..., count_stddev: _Optional[float] = ..., initial_bound: _Optional[float] = ..., min_bound: _Optional[float] = ..., max_bound: _Optional[float] = ..., arithmetic_update: bool = ...) -> None: ...
 
 class PrivacyPolicy(_message.Message):
-    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics", "noise")
+    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics", "noise", "correlated")
     class Neighbouring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ADD_REMOVE_ONE: _ClassVar[PrivacyPolicy.Neighbouring]
@@ -143,6 +143,7 @@ class PrivacyPolicy(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     DEBUG_RAW_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     NOISE_FIELD_NUMBER: _ClassVar[int]
+    CORRELATED_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     delta: float
     noise_multiplier: float
@@ -159,7 +160,32 @@ class PrivacyPolicy(_message.Message):
     seed: int
     debug_raw_statistics: bool
     noise: PrivacyPolicy.Noise
-    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ..., noise: _Optional[_Union[PrivacyPolicy.Noise, str]] = ...) -> None: ...
+    correlated: CorrelatedNoise
+    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ..., noise: _Optional[_Union[PrivacyPolicy.Noise, str]] = ..., correlated: _Optional[_Union[CorrelatedNoise, _Mapping]] = ...) -> None: ...
+
+class CorrelatedNoise(_message.Message):
+    __slots__ = ("mechanism", "releases", "min_separation", "max_participations", "buffers", "declared")
+    class Mechanism(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MECHANISM_UNSPECIFIED: _ClassVar[CorrelatedNoise.Mechanism]
+        BLT: _ClassVar[CorrelatedNoise.Mechanism]
+        BANDED: _ClassVar[CorrelatedNoise.Mechanism]
+    MECHANISM_UNSPECIFIED: CorrelatedNoise.Mechanism
+    BLT: CorrelatedNoise.Mechanism
+    BANDED: CorrelatedNoise.Mechanism
+    MECHANISM_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    MIN_SEPARATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_PARTICIPATIONS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_FIELD_NUMBER: _ClassVar[int]
+    mechanism: CorrelatedNoise.Mechanism
+    releases: int
+    min_separation: int
+    max_participations: int
+    buffers: int
+    declared: bool
+    def __init__(self, mechanism: _Optional[_Union[CorrelatedNoise.Mechanism, str]] = ..., releases: _Optional[int] = ..., min_separation: _Optional[int] = ..., max_participations: _Optional[int] = ..., buffers: _Optional[int] = ..., declared: bool = ...) -> None: ...
 
 class CreateAggregationRequest(_message.Message):
     __slots__ = ("layers", "policy", "aggregation_id", "privacy")
@@ -344,7 +370,7 @@ class AggregationStats(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., failure_reason: _Optional[str] = ..., privacy_notice: _Optional[str] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale")
+    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale", "mechanism", "stream_release", "stream_releases")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     VALUE_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +395,9 @@ class Release(_message.Message):
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     GRID_STEP_FIELD_NUMBER: _ClassVar[int]
     GRID_NOISE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    MECHANISM_FIELD_NUMBER: _ClassVar[int]
+    STREAM_RELEASE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_RELEASES_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     noise_multiplier: float
     value_noise_multiplier: float
@@ -393,7 +422,10 @@ class Release(_message.Message):
     examples: float
     grid_step: float
     grid_noise_scale: float
-    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ...) -> None: ...
+    mechanism: str
+    stream_release: int
+    stream_releases: int
+    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ..., mechanism: _Optional[str] = ..., stream_release: _Optional[int] = ..., stream_releases: _Optional[int] = ...) -> None: ...
 
 class GetLedgerRequest(_message.Message):
     __slots__ = ("ledger_id",)
@@ -416,7 +448,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., dp_event_json: _Optional[str] = ..., epsilon_after: _Optional[float] = ..., unix_seconds: _Optional[float] = ..., next_bound: _Optional[float] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics")
+    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +459,10 @@ class Ledger(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NEXT_BOUND_FIELD_NUMBER: _ClassVar[int]
     DEBUG_RAW_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    MECHANISM_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STREAM_MADE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_STATE_ROWS_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     accountant: str
     neighbouring: str
@@ -437,7 +473,11 @@ class Ledger(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     next_bound: float
     debug_raw_statistics: bool
-    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ...) -> None: ...
+    mechanism: str
+    stream: CorrelatedNoise
+    stream_made: int
+    stream_state_rows: int
+    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")

@@ -15,6 +15,7 @@ import numpy as np
 from clipd import wire
 from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite
 from clipd.engine import _privacy as dp
+from clipd.engine._correlated import CorrelatedNoise, Mechanism
 from clipd.server.aggregations import State, Stats
 from clipd.server.errors import InvalidArgument
 from clipd.v1 import clipd_pb2 as pb
@@ -28,6 +29,7 @@ SAMPLING = {code: dp.SamplingKind(name) for name, code in wire.SAMPLING.items()}
 NEIGHBOURING = {code: dp.Neighbouring(name) for name, code in wire.NEIGHBOURING.items()}
 ACCOUNTANTS = {code: dp.Accountant(name) for name, code in wire.ACCOUNTANTS.items()}
 NOISES = {code: dp.Noise(name) for name, code in wire.NOISES.items()}
+MECHANISMS = {code: Mechanism(name) for name, code in wire.MECHANISMS.items()}
 STATES = {  # FINALIZING has no proto state: it still reports OPEN
     State.WARMING_UP: pb.Aggregation.WARMING_UP,
     State.OPEN: pb.Aggregation.OPEN,
@@ -90,6 +92,13 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
                                        geometric_update=not a.arithmetic_update)
     s = message.sampling
     try:
+        correlated = None
+        if message.HasField("correlated"):
+            c = message.correlated
+            if c.mechanism not in MECHANISMS:
+                raise InvalidArgument(f"privacy.correlated.mechanism: unknown value {c.mechanism} (blt or banded)")
+            correlated = CorrelatedNoise(MECHANISMS[c.mechanism], c.releases, c.min_separation, c.max_participations,
+                                         c.buffers, c.declared)
         return dp.PrivacyPolicy(
             ledger_id=message.ledger_id, delta=message.delta,
             noise_multiplier=message.noise_multiplier if message.HasField("noise_multiplier") else None,
@@ -100,7 +109,7 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
             adaptive=adaptive, public_denominator=message.public_denominator, release_mean=message.release_mean,
             metrics_noise_multiplier=message.metrics_noise_multiplier,
             seed=message.seed if message.HasField("seed") else None,
-            debug_raw_statistics=message.debug_raw_statistics, noise=NOISES[message.noise],
+            debug_raw_statistics=message.debug_raw_statistics, noise=NOISES[message.noise], correlated=correlated,
         )
     except ValueError as e:
         raise InvalidArgument(f"privacy: {e}") from None
@@ -108,7 +117,12 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
 
 def privacy_to_proto(policy: dp.PrivacyPolicy) -> pb.PrivacyPolicy:
     fields = dataclasses.asdict(policy)  # named as the client's Privacy (the enums' values: the wire's names), but:
-    sampling, adaptive = fields.pop("sampling"), fields["adaptive"]
+    sampling, adaptive, correlated = fields.pop("sampling"), fields["adaptive"], fields.pop("correlated")
+    if correlated is not None:  # flat, as the client's Privacy has it (the strategy is the ledger's)
+        fields.update(mechanism=correlated["mechanism"], releases=correlated["releases"],
+                      min_separation=correlated["min_separation"],
+                      max_participations=correlated["max_participations"], buffers=correlated["buffers"],
+                      declared_participation=correlated["declared"])
     if adaptive is not None:
         adaptive.update(max_bound=_inf_as_zero(adaptive["max_bound"]),
                         arithmetic_update=not adaptive.pop("geometric_update"))
@@ -132,13 +146,25 @@ def ledger_to_proto(ledger: dict) -> pb.Ledger:
         ledger_id=ledger["ledger_id"], accountant=ledger["accountant"], neighbouring=ledger["neighbouring"],
         delta=ledger["delta"], max_epsilon=_inf_as_zero(ledger["max_epsilon"]),
         epsilon=ledger["epsilon"], budget_left=ledger["budget_left"], next_bound=ledger["next_bound"],
-        debug_raw_statistics=ledger["debug_raw_statistics"],
+        debug_raw_statistics=ledger["debug_raw_statistics"], mechanism=ledger["mechanism"],
+        stream=_stream_to_proto(ledger["mechanism"], ledger["stream"]),
+        stream_made=ledger["stream"]["made"] if ledger["stream"] else 0,
+        stream_state_rows=ledger["stream"]["state_rows"] if ledger["stream"] else 0,
         entries=[pb.LedgerEntry(aggregation_id=e["aggregation_id"], dp_event_json=e["event"],
                                 epsilon_after=e["epsilon_after"], unix_seconds=e["time"],
                                 next_bound=e["next_bound"] or 0.0) for e in ledger["entries"]],
     )
 
 
+
+
+def _stream_to_proto(mechanism: str, stream: dict | None) -> pb.CorrelatedNoise | None:
+    if stream is None:
+        return None
+    return pb.CorrelatedNoise(mechanism=wire.MECHANISMS[mechanism], releases=stream["releases"],
+                              min_separation=stream["min_separation"],
+                              max_participations=stream["max_participations"], buffers=stream["buffers"],
+                              declared=stream["declared"])
 
 
 def policy_from_proto(policy: pb.ClipPolicy, num_layers: int) -> tuple[ClipPolicy, bool]:

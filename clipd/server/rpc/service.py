@@ -502,6 +502,7 @@ class _SubmitSession:
         """The stream's first message names its aggregation (checked: who may submit) and client: attach."""
         self.client = check_client_id(message.client_id)
         self.writer = message.writer_id
+        self.servicer.lifecycle.check_participation(aggregation, self.client)
         durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
         greeting = pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=accepted,
                                      aggregation_examples=aggregation.examples, writer_id=last_writer)

@@ -22,6 +22,7 @@ import abc
 import dataclasses
 import secrets
 import threading
+from collections.abc import Sequence
 
 from clipd.engine import PartialState
 
@@ -60,6 +61,15 @@ class LedgerEntry:
     time: float  # unix seconds
     epsilon_after: float  # the ledger's epsilon once this entry is in (at its delta)
     next_bound: float | None = None  # adaptive clipping: the bound after this release
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseStream:
+    """A ledger's correlated noise stream as of its last release: how many releases it noised and the
+    mechanism's state after them (its buffers, in the engine's container format; opaque to the store)."""
+
+    releases: int
+    state: bytes
 
 
 class LedgerConflict(Exception):
@@ -160,14 +170,25 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
-                       position: int, finished: float) -> None:
+                       position: int, finished: float, *, stream: NoiseStream | None = None,
+                       participants: Sequence[str] = ()) -> None:
         """One transaction: the release kept, ``entry`` appended, the aggregation FINALIZED.
 
         ``position``: the number of entries the caller saw; ``LedgerConflict``
         (and nothing written) if the ledger has another number. The raw
         checkpoints go: only the release is kept. ``KeyError`` if the
-        aggregation or the ledger does not exist.
+        aggregation or the ledger does not exist. ``stream``: the ledger's noise
+        stream after this release (it replaces the one before); ``participants``:
+        the clients that took part in it, recorded at ``position``.
         """
+
+    @abc.abstractmethod
+    def noise_stream(self, ledger_id: str) -> NoiseStream | None:
+        """The ledger's noise stream as of its last release (None: no release made one yet)."""
+
+    @abc.abstractmethod
+    def participations(self, ledger_id: str, client: str) -> list[int]:
+        """The ledger positions of the releases ``client`` took part in, in order."""
 
     @abc.abstractmethod
     def load_release(self, aggregation_id: str) -> bytes | None:
@@ -188,6 +209,8 @@ class MemoryStore(Store):
         self._checkpoints: dict[tuple[str, int], PartialState] = {}
         self._ledgers: dict[str, LedgerRecord] = {}
         self._entries: dict[str, list[LedgerEntry]] = {}
+        self._streams: dict[str, NoiseStream] = {}
+        self._participations: dict[tuple[str, str], list[int]] = {}
         self._releases: dict[str, bytes] = {}
         self._epochs: dict[tuple[str, int], int] = {}
         self._key = secrets.token_bytes(32)
@@ -268,13 +291,18 @@ class MemoryStore(Store):
             return list(self._entries.get(ledger_id, [])[start:])
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
-                       position: int, finished: float) -> None:
+                       position: int, finished: float, *, stream: NoiseStream | None = None,
+                       participants: Sequence[str] = ()) -> None:
         with self._lock:
             record = self._records[aggregation_id]
             entries = self._entries[ledger_id]
             if len(entries) != position:
                 raise LedgerConflict(f"ledger {ledger_id!r} has {len(entries)} entries, not {position}")
             entries.append(entry)
+            if stream is not None:
+                self._streams[ledger_id] = stream
+            for client in participants:
+                self._participations.setdefault((ledger_id, client), []).append(position)
             self._releases[aggregation_id] = release
             for key in [k for k in self._checkpoints if k[0] == aggregation_id]:
                 del self._checkpoints[key]
@@ -283,4 +311,12 @@ class MemoryStore(Store):
     def load_release(self, aggregation_id: str) -> bytes | None:
         with self._lock:
             return self._releases.get(aggregation_id)
+
+    def noise_stream(self, ledger_id: str) -> NoiseStream | None:
+        with self._lock:
+            return self._streams.get(ledger_id)
+
+    def participations(self, ledger_id: str, client: str) -> list[int]:
+        with self._lock:
+            return list(self._participations.get((ledger_id, client), []))
 

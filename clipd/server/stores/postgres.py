@@ -14,6 +14,8 @@ Tables (created on open; ``clipd_schema`` holds the schema version)::
     releases        aggregation key -> release blob (bytea), its size and CRC-32
     ledgers         id, config, created
     ledger_entries  (ledger, position) -> entry; never deleted (privacy spent stays spent)
+    ledger_streams  ledger -> its correlated noise stream after its last release (releases, state blob)
+    ledger_participations  (ledger, client, position): the releases each client took part in; never deleted
 
 What is kept and checked is :class:`~clipd.server.stores.sql.SQLStore`'s; this
 module owns the connection (``synchronous_commit = on``: a commit waits for the
@@ -29,9 +31,9 @@ import secrets
 import psycopg
 from psycopg import errors as pg_errors
 
-from clipd.server.stores.sql import SQLStore, Tx, ledger_tables
+from clipd.server.stores.sql import SQLStore, Tx, ledger_tables, stream_tables
 
-SCHEMA_VERSION = 2  # clipd_schema.version; no table is an empty database; 1 had no shards
+SCHEMA_VERSION = 3  # clipd_schema.version; no table is an empty database; 1 had no shards, 2 no noise streams
 _SCHEMA_LOCK = 0x636C6970  # pg_advisory_xact_lock key: one process creates the schema at a time
 
 _SCHEMA = (
@@ -83,7 +85,7 @@ class PostgresStore(SQLStore):
     shared = True  # several servers, Ray actors: every shard owner claims an epoch
     log = logging.getLogger(__name__)
     SCHEMA_VERSION = SCHEMA_VERSION
-    MIGRATIONS = (_SCHEMA, _SCHEMA_V2)
+    MIGRATIONS = (_SCHEMA, _SCHEMA_V2, stream_tables(text="text", integer="bigint", blob="bytea"))
     PLACEHOLDER = "%s"
     FOR_UPDATE, FOR_SHARE = " FOR UPDATE", " FOR SHARE"
     UNIQUE_VIOLATION = (pg_errors.UniqueViolation,)

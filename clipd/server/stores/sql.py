@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from clipd.engine import CorruptStateError, PartialState
@@ -35,6 +35,7 @@ from clipd.server.stores.base import (
     LedgerConflict,
     LedgerEntry,
     LedgerRecord,
+    NoiseStream,
     Store,
     check_state,
 )
@@ -69,6 +70,28 @@ _LEDGER_TABLES = (
 def ledger_tables(*, text: str, integer: str, real: str) -> tuple[str, ...]:
     """``CREATE TABLE`` of the ledgers and their entries (the same in both dialects, but for column types)."""
     return tuple(statement.format(text=text, integer=integer, real=real) for statement in _LEDGER_TABLES)
+
+
+_STREAM_TABLES = (
+    """CREATE TABLE ledger_streams (  -- a ledger's correlated noise stream after its last release
+        ledger {text} PRIMARY KEY REFERENCES ledgers (id),
+        releases {integer} NOT NULL,
+        nbytes {integer} NOT NULL,
+        crc32 {integer} NOT NULL,
+        state {blob} NOT NULL
+    )""",
+    """CREATE TABLE ledger_participations (  -- never deleted: which releases each client took part in
+        ledger {text} NOT NULL REFERENCES ledgers (id),
+        client {text} NOT NULL,
+        position {integer} NOT NULL,
+        PRIMARY KEY (ledger, client, position)
+    )""",
+)
+
+
+def stream_tables(*, text: str, integer: str, blob: str) -> tuple[str, ...]:
+    """``CREATE TABLE`` of the ledgers' noise streams and participations (both dialects)."""
+    return tuple(statement.format(text=text, integer=integer, blob=blob) for statement in _STREAM_TABLES)
 
 
 def checked(blob: bytes, nbytes: int, crc: int, what: str) -> bytes:
@@ -363,21 +386,33 @@ class SQLStore(Store):
             " WHERE ledger = ? AND position >= ? ORDER BY position", (ledger_id, start))]
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
-                       position: int, finished: float) -> None:
-        """One commit: the release in its row, the entry at ``position``, FINALIZED, raw checkpoints gone."""
+                       position: int, finished: float, *, stream: NoiseStream | None = None,
+                       participants: Sequence[str] = ()) -> None:
+        """One commit: the release in its row, the entry at ``position``, FINALIZED, raw checkpoints gone,
+        the noise stream and the participations."""
         release = bytes(release)
         try:
             with self._transaction() as tx:
                 key = self._key(tx, aggregation_id)
-                self._add_release(tx, key, release, ledger_id, entry, position, finished)
+                self._add_release(tx, key, release, ledger_id, entry, position, finished, stream, participants)
         except self.UNIQUE_VIOLATION as e:  # another process took the position (belt and braces)
             raise LedgerConflict(f"ledger {ledger_id!r} gained an entry at {position}") from e
 
     def _add_release(self, tx: Tx, key: int, release: bytes, ledger_id: str, entry: LedgerEntry,
-                     position: int, finished: float) -> list:
+                     position: int, finished: float, stream: NoiseStream | None = None,
+                     participants: Sequence[str] = ()) -> list:
         """In ``tx``: the entry at ``position``, the release's row, FINALIZED, every checkpoint row dropped
-        (returns :meth:`_drop_checkpoints`)."""
+        (returns :meth:`_drop_checkpoints`); the ledger's noise stream replaced, the participants recorded."""
         self._append_entry(tx, ledger_id, entry, position)
+        if stream is not None:
+            state = bytes(stream.state)
+            tx.execute("INSERT INTO ledger_streams (ledger, releases, nbytes, crc32, state) VALUES (?, ?, ?, ?, ?)"
+                       " ON CONFLICT (ledger) DO UPDATE SET releases = excluded.releases, nbytes = excluded.nbytes,"
+                       " crc32 = excluded.crc32, state = excluded.state",
+                       (ledger_id, stream.releases, len(state), zlib.crc32(state), state))
+        for client in participants:
+            tx.execute("INSERT INTO ledger_participations (ledger, client, position) VALUES (?, ?, ?)",
+                       (ledger_id, client, position))
         columns = self.RELEASE_COLUMNS
         upsert = (f"INSERT INTO releases (aggregation, {', '.join(columns)}) VALUES (?{', ?' * len(columns)})"
                   " ON CONFLICT (aggregation) DO UPDATE SET "
@@ -387,6 +422,18 @@ class SQLStore(Store):
         tx.execute("UPDATE aggregations SET state = ?, finished = ? WHERE key = ?",
                    (FINALIZED, finished, key))
         return self._drop_checkpoints(tx, "aggregation = ?", (key,))
+
+    def noise_stream(self, ledger_id: str) -> NoiseStream | None:
+        rows = self._query("SELECT releases, nbytes, crc32, state FROM ledger_streams WHERE ledger = ?", (ledger_id,))
+        if not rows:
+            return None
+        releases, nbytes, crc, state = rows[0]
+        return NoiseStream(releases, checked(bytes(state), nbytes, crc, f"the noise stream of ledger {ledger_id!r}"))
+
+    def participations(self, ledger_id: str, client: str) -> list[int]:
+        return [position for (position,) in self._query(
+            "SELECT position FROM ledger_participations WHERE ledger = ? AND client = ? ORDER BY position",
+            (ledger_id, client))]
 
     def load_release(self, aggregation_id: str) -> bytes | None:
         with self._files_lock:

@@ -47,14 +47,14 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from clipd.engine import CorruptStateError, PartialState
 from clipd.server.credentials import load_key
-from clipd.server.stores.base import FencedOut, LedgerEntry
-from clipd.server.stores.sql import NEXT_GENERATION, SQLStore, Tx, checked, ledger_tables
+from clipd.server.stores.base import FencedOut, LedgerEntry, NoiseStream
+from clipd.server.stores.sql import NEXT_GENERATION, SQLStore, Tx, checked, ledger_tables, stream_tables
 
-SCHEMA_VERSION = 3  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards
+SCHEMA_VERSION = 4  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards; 3 no noise streams
 DB_NAME = "clipd.sqlite3"
 RELEASE_FILE = "release"
 STATES_DIR = "states"
@@ -116,7 +116,7 @@ class SQLiteStore(SQLStore):
 
     log = logging.getLogger(__name__)
     SCHEMA_VERSION = SCHEMA_VERSION
-    MIGRATIONS = (_SCHEMA, _SCHEMA_V2, _SCHEMA_V3)
+    MIGRATIONS = (_SCHEMA, _SCHEMA_V2, _SCHEMA_V3, stream_tables(text="TEXT", integer="INTEGER", blob="BLOB"))
     PLACE = "data dir"
     LEDGER_ORDER = "created"
     CHECKPOINT_PAYLOAD = "file"  # the blob is in states/<key>/<file>
@@ -296,13 +296,16 @@ class SQLiteStore(SQLStore):
         return load_key(self.data_dir)
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
-                       position: int, finished: float) -> None:
-        """The release file durable first, then one commit: its row, the entry, FINALIZED, raw rows gone."""
+                       position: int, finished: float, *, stream: NoiseStream | None = None,
+                       participants: Sequence[str] = ()) -> None:
+        """The release file durable first, then one commit: its row, the entry, FINALIZED, raw rows gone, the
+        noise stream and the participations."""
         with self._files_lock:
             key, directory = self._made_state_dir(aggregation_id)
             _write_durably(directory, RELEASE_FILE, lambda f: f.write(release))
             with self._transaction() as tx:
-                raw = self._add_release(tx, key, release, ledger_id, entry, position, finished)
+                raw = self._add_release(tx, key, release, ledger_id, entry, position, finished, stream,
+                                        participants)
             _remove_files(directory, raw)
             _fsync_dir(directory)
 

@@ -1,0 +1,180 @@
+"""Correlated noise through the real server: the noise stream of a ledger's releases against jax_privacy's
+streaming C^-1 on the same draws, its epsilon against dp_accounting, a restart that continues the stream,
+participation enforced per client, and every refusal with its numbers.
+
+The oracle builds the expected releases itself: jax_privacy 2.0's BLT optimizer for (n, b, k), its streaming
+inverse of C on the unit draws the server's seeded key gives (jax.random, float32 normals), its
+min-separation sensitivity, and dp_accounting's PLD accountant on one Gaussian event.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import dp_accounting
+import jax
+import numpy as np
+import pytest
+from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
+
+from clipd.client import Client, FailedPreconditionError, InvalidArgumentError, Privacy
+from clipd.server.app import create_server
+from clipd.server.settings import Settings
+
+N, B, K, BUFFERS, Z, SEED = 6, 2, 3, 2, 1.0, 1234
+LAYERS = {"w": (4,), "b": (3,)}  # 7 parameters
+PARAMETERS = 7
+
+
+def _settings(**overrides) -> Settings:
+    from conftest import TEST_SETTINGS
+
+    return Settings(**{**TEST_SETTINGS, **overrides})
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """jax_privacy's BLT for (N, B, K) with BUFFERS buffers: its C^-1 rows on the server's seeded draws, and
+    its sensitivity."""
+    with jax.enable_x64():
+        blt = buffered_toeplitz.optimize(n=N, min_sep=B, max_participations=K, min_buffers=BUFFERS,
+                                         max_buffers=BUFFERS)
+        coefs = blt.toeplitz_coefs(N)
+        sens = float(np.sqrt(toeplitz.minsep_sensitivity_squared(coefs, min_sep=B, max_participations=K)))
+        prefix = [float(np.sqrt(toeplitz.minsep_sensitivity_squared(coefs[:t], min_sep=B, max_participations=K)))
+                  for t in range(1, N + 1)]
+        draws = np.stack([np.asarray(jax.random.normal(jax.random.fold_in(jax.random.key(SEED), t + 1),
+                                                       (PARAMETERS,), dtype=np.float32), np.float64)
+                          for t in range(N)])
+        stream = blt.inverse_as_streaming_matrix()
+        rows = np.asarray(stream @ jax.numpy.asarray(draws))
+    return {"sens": sens, "prefix": prefix, "rows": rows}
+
+
+def _privacy(ledger: str, **overrides) -> Privacy:
+    fields = dict(ledger_id=ledger, delta=1e-5, noise_multiplier=Z, accountant="pld", seed=SEED, mechanism="blt",
+                  releases=N, min_separation=B, max_participations=K, buffers=BUFFERS)
+    return Privacy(**{**fields, **overrides})
+
+
+def _pld_epsilon(multiplier: float) -> float:
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.GaussianDpEvent(multiplier), 1)
+    return accountant.get_epsilon(1e-5)
+
+
+def _round(client: Client, privacy: Privacy, clients: list[str], rng) -> tuple:
+    """One aggregation of ``privacy``'s ledger: one small example (norm < 1, never clipped) per client; the
+    exact sum and the release."""
+    aggregation = client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=privacy)
+    exact = np.zeros(PARAMETERS)
+    for name in clients:
+        example = {"w": rng.uniform(-0.2, 0.2, 4).astype(np.float32), "b": rng.uniform(-0.2, 0.2, 3).astype(np.float32)}
+        exact += np.concatenate([example["w"], example["b"]]).astype(np.float64)
+        client.submit(aggregation, example, client_id=name)
+    result = client.finalize(aggregation)
+    released = np.concatenate([result.sums["w"], result.sums["b"]]).astype(np.float64)
+    return exact, released, result.release
+
+
+def test_a_stream_is_jax_privacys_noise_and_a_restart_carries_it_on(tmp_path, oracle):
+    """Releases 0-2 on one server, 3-5 on a second one on the same store: each release's noise is row t of
+    sigma C^-1 Z (sigma = z clip sens), its epsilon dp_accounting's for the first t+1 releases as one Gaussian
+    event; then the stream is spent."""
+    ledger, rng = f"blt-{uuid.uuid4().hex[:8]}", np.random.default_rng(5)
+    sigma = Z * 1.0 * oracle["sens"]
+    groups = [["a0", "b0"], ["a1"], ["c2", "d2"], ["a3"], ["e4"], ["b5"]]  # b=2, k=3 kept
+    for first, last in ((0, 3), (3, N)):
+        server, port = create_server(_settings(data_dir=str(tmp_path)))
+        try:
+            with Client(f"127.0.0.1:{port}") as client:
+                for t in range(first, last):
+                    exact, released, release = _round(client, _privacy(ledger), groups[t], rng)
+                    np.testing.assert_allclose(released - exact, sigma * oracle["rows"][t], rtol=1e-5, atol=2e-6)
+                    assert (release.mechanism, release.stream_release, release.stream_releases) == ("blt", t, N)
+                    assert release.noise_stddev == pytest.approx(sigma, rel=1e-9)
+                    assert release.ledger_epsilon == pytest.approx(
+                        _pld_epsilon(Z * oracle["sens"] / oracle["prefix"][t]), rel=1e-6)
+                ledger_view = client.ledger(ledger)
+                assert (ledger_view.mechanism, ledger_view.stream_made, ledger_view.stream.releases) == ("blt", last, N)
+                assert ledger_view.stream_state_rows == BUFFERS
+        finally:
+            server.stop(grace=0.5)
+    assert release.ledger_epsilon == pytest.approx(_pld_epsilon(Z), rel=1e-6)  # the whole stream: one event of z
+    server, port = create_server(_settings(data_dir=str(tmp_path)))
+    try:
+        with Client(f"127.0.0.1:{port}") as client, pytest.raises(FailedPreconditionError, match=(
+                rf"the noise stream of ledger '{ledger}' is spent: 6 of its 6 planned releases are made")):
+            client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))
+    finally:
+        server.stop(grace=0.5)
+
+
+def test_participation_is_enforced_per_client_before_its_bytes_are_summed(client):
+    """b=2, k=3: alice in release 0 is refused in release 1 (with when she may come back), taken in release
+    2; after three releases she is refused for good. A refused stream leaves the sum untouched."""
+    ledger, rng = f"blt-{uuid.uuid4().hex[:8]}", np.random.default_rng(1)
+    privacy = _privacy(ledger)
+    _round(client, privacy, ["alice", "bob"], rng)
+    aggregation = client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=privacy)
+    example = {"w": np.full(4, 0.1, np.float32), "b": np.zeros(3, np.float32)}
+    with pytest.raises(FailedPreconditionError, match=(
+            rf"client 'alice' took part in release 0 of ledger '{ledger}'; this is release 1 and its stream needs"
+            r" 2 between two \(min_separation\): it may take part again from release 2")):
+        client.submit(aggregation, example, client_id="alice")
+    with pytest.raises(FailedPreconditionError, match="took part in release 0"):
+        client.submit(aggregation, example, client_id="alice~1")  # a spread stream of alice is alice
+    client.submit(aggregation, example, client_id="carol")
+    assert client.finalize(aggregation).release.stream_release == 1
+    _round(client, privacy, ["alice"], rng)  # release 2
+    _round(client, privacy, ["dave"], rng)  # release 3
+    _round(client, privacy, ["alice"], rng)  # release 4: her third
+    aggregation = client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=privacy)
+    with pytest.raises(FailedPreconditionError, match=(
+            r"client 'alice' took part in 3 releases of ledger .* \(releases \[0, 2, 4\]\); its stream allows at"
+            r" most 3 \(max_participations\)")):
+        client.submit(aggregation, example, client_id="alice")
+    client.cancel(aggregation)
+
+
+def test_declared_participation_is_not_enforced(client):
+    privacy = _privacy(f"blt-{uuid.uuid4().hex[:8]}", declared_participation=True)
+    rng = np.random.default_rng(2)
+    _round(client, privacy, ["trainer"], rng)
+    _, _, release = _round(client, privacy, ["trainer"], rng)
+    assert release.stream_release == 1
+
+
+def test_one_aggregation_of_a_correlated_ledger_is_open_at_a_time_and_the_ledger_keeps_its_stream(client):
+    ledger = f"blt-{uuid.uuid4().hex[:8]}"
+    first = client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))
+    with pytest.raises(FailedPreconditionError, match=(
+            rf"ledger '{ledger}' releases one correlated noise stream in order: one aggregation at a time;"
+            rf" finalize or cancel {first} first")):
+        client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))
+    client.cancel(first)
+    for other in (_privacy(ledger, mechanism="independent"), _privacy(ledger, releases=N + 1)):
+        with pytest.raises(FailedPreconditionError, match=f"ledger '{ledger}' exists with"):
+            client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=other)
+    client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))  # free again
+
+
+def test_a_stream_past_the_budget_is_refused_at_creation(client):
+    with pytest.raises(FailedPreconditionError, match=(
+            r"its stream of 6 releases \(noise multiplier 1\) spends epsilon 4\.37\d+, past max_epsilon 2")):
+        client.create_aggregation(LAYERS, l2_norm_clip=1.0,
+                                  privacy=_privacy(f"blt-{uuid.uuid4().hex[:8]}", max_epsilon=2.0))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(min_separation=7), r"min_separation must be in \[1, releases=6\], got 7"),
+    (dict(max_participations=0), "max_participations must be >= 1, got 0"),
+    (dict(buffers=7), r"buffers must be in \[1, min\(releases=6, 10\)\], got 7"),
+    (dict(releases=0), "releases must be >= 1, got 0"),
+    (dict(mechanism="banded", buffers=3), "a banded strategy has at most min_separation=2 bands"),
+    (dict(noise="secure", accountant="zcdp", seed=None), "correlated noise \\(blt\\) does not take secure noise"),
+    (dict(sampling="poisson", sampling_rate=0.1), "does not take sampling amplification"),
+])
+def test_streams_no_strategy_serves_are_invalid_arguments(client, overrides, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(f"x-{uuid.uuid4().hex[:8]}", **overrides))
