@@ -97,7 +97,7 @@ def test_a_stream_is_jax_privacys_noise_and_a_restart_carries_it_on(tmp_path, or
                         _pld_epsilon(Z * oracle["sens"] / oracle["prefix"][t]), rel=1e-6)
                 ledger_view = client.ledger(ledger)
                 assert (ledger_view.mechanism, ledger_view.stream_made, ledger_view.stream.releases) == ("blt", last, N)
-                assert ledger_view.stream_state_rows == BUFFERS
+                assert (ledger_view.stream_state_rows, ledger_view.stream_state_bytes) == (BUFFERS, BUFFERS * 7 * 8)
         finally:
             server.stop(grace=0.5)
     assert release.ledger_epsilon == pytest.approx(_pld_epsilon(Z), rel=1e-6)  # the whole stream: one event of z
@@ -153,9 +153,11 @@ def test_one_aggregation_of_a_correlated_ledger_is_open_at_a_time_and_the_ledger
             rf" finalize or cancel {first} first")):
         client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))
     client.cancel(first)
-    for other in (_privacy(ledger, mechanism="independent"), _privacy(ledger, releases=N + 1)):
+    for layers, other in ((LAYERS, _privacy(ledger, mechanism="independent")),
+                          (LAYERS, _privacy(ledger, releases=N + 1)),
+                          ({"w": (5,), "b": (3,)}, _privacy(ledger))):  # another model: another state size
         with pytest.raises(FailedPreconditionError, match=f"ledger '{ledger}' exists with"):
-            client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=other)
+            client.create_aggregation(layers, l2_norm_clip=1.0, privacy=other)
     client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))  # free again
 
 

@@ -51,9 +51,10 @@ _LEGACY_RELEASE_MAGIC = b"CLIPDREL1\n"  # the format of releases stored before i
 NON_PRIVATE = dp.event_to_json(dpe.NonPrivateDpEvent())  # a debug aggregation's entry: epsilon infinite
 
 
-def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None) -> dict:
+def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, parameters: int = 0) -> dict:
     """What every aggregation of one ledger must agree on: its accounting; with correlated noise also the
-    stream (mechanism, n, b, k, buffers, the optimized strategy) and the noise stddev of every release."""
+    stream (mechanism, n, b, k, buffers, the optimized strategy, the model's ``parameters``: the size of
+    each row of its state) and the noise stddev of every release."""
     config: dict[str, Any] = {"accountant": policy.accountant.value, "neighbouring": policy.neighbouring.value,
               "delta": policy.delta, "max_epsilon": policy.max_epsilon, "mechanism": Mechanism.INDEPENDENT.value}
     stream = policy.correlated
@@ -61,7 +62,7 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None) 
         config["mechanism"] = stream.mechanism.value
         config["stream"] = {"releases": stream.releases, "min_separation": stream.min_separation,
                             "max_participations": stream.max_participations, "buffers": stream.buffers,
-                            "declared": stream.declared, "strategy": list(stream.strategy)}
+                            "declared": stream.declared, "strategy": list(stream.strategy), "parameters": parameters}
         if plan is not None:
             config["noise_stddev"] = plan.noise_stddev
     return config
@@ -174,8 +175,9 @@ class Ledgers:
         bounds = [e.next_bound for e in entries if e.next_bound is not None]
         stream = config.pop("stream", None)
         if stream is not None:  # the stream's plan and where it stands
-            stream = {**stream, "made": len(entries), "left": stream["releases"] - len(entries),
-                      "state_rows": _stream_of(config, stream).state_rows}
+            rows = _stream_of(config, stream).state_rows
+            stream = {**stream, "made": len(entries), "left": stream["releases"] - len(entries), "state_rows": rows,
+                      "state_bytes": rows * stream["parameters"] * 8}
         return {
             "ledger_id": ledger_id, **config, "stream": stream, "epsilon": eps,
             "budget_left": config["max_epsilon"] - eps,
@@ -233,7 +235,7 @@ class Ledgers:
         relation, delta or budget, or if this release (with the reserved ones)
         would pass ``max_epsilon``.
         """
-        wanted = ledger_config(policy, plan)
+        wanted = ledger_config(policy, plan, aggregation.parameters)
         with self._locked(policy.ledger_id):
             stored = self.store.ensure_ledger(LedgerRecord(policy.ledger_id, json.dumps(wanted), time.time()))
             if not _same_config(json.loads(stored.config), wanted):

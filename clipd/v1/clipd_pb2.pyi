@@ -448,7 +448,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., dp_event_json: _Optional[str] = ..., epsilon_after: _Optional[float] = ..., unix_seconds: _Optional[float] = ..., next_bound: _Optional[float] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows")
+    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows", "stream_state_bytes")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +463,7 @@ class Ledger(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     STREAM_MADE_FIELD_NUMBER: _ClassVar[int]
     STREAM_STATE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     accountant: str
     neighbouring: str
@@ -477,7 +478,8 @@ class Ledger(_message.Message):
     stream: CorrelatedNoise
     stream_made: int
     stream_state_rows: int
-    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ...) -> None: ...
+    stream_state_bytes: int
+    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ..., stream_state_bytes: _Optional[int] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")

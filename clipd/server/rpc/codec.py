@@ -150,6 +150,7 @@ def ledger_to_proto(ledger: dict) -> pb.Ledger:
         stream=_stream_to_proto(ledger["mechanism"], ledger["stream"]),
         stream_made=ledger["stream"]["made"] if ledger["stream"] else 0,
         stream_state_rows=ledger["stream"]["state_rows"] if ledger["stream"] else 0,
+        stream_state_bytes=ledger["stream"]["state_bytes"] if ledger["stream"] else 0,
         entries=[pb.LedgerEntry(aggregation_id=e["aggregation_id"], dp_event_json=e["event"],
                                 epsilon_after=e["epsilon_after"], unix_seconds=e["time"],
                                 next_bound=e["next_bound"] or 0.0) for e in ledger["entries"]],
