@@ -26,6 +26,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from clipd.client.dpsgd import poisson_sample
+
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 
@@ -77,6 +79,12 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="the model's initial weights; the Poisson sampling and the noise stay secret")
     p.add_argument("--seed-sampling", action="store_true",
                    help="draw the Poisson samples from --seed too (reproducible runs; the noise stays secret)")
+    p.add_argument("--mechanism", choices=["independent", "blt", "banded"], default="independent",
+                   help="independent: fresh noise each step, Poisson sampling; blt or banded: DP-FTRL, the"
+                        " steps' noise one correlated stream planned for the run's epochs, each example in one"
+                        " batch of every epoch (shuffled), no sampling amplification, no released clip counts")
+    p.add_argument("--buffers", type=int, default=0,
+                   help="blt: the stream's buffers; banded: its bands (0: chosen by the optimizer)")
     p.add_argument("--out", default="dpsgd-out", help="folder for the plot and the history (JSON)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -169,10 +177,23 @@ def open_dpsgd(args, client, layers: dict[str, tuple[int, ...]], dataset_size: i
     """The run's :class:`~clipd.client.dpsgd.DpSgd` from the flags (its steps kept for the admin API)."""
     from clipd.client.dpsgd import DpSgd
 
+    correlated = args.mechanism != "independent"
+    per_epoch = steps_per_epoch(args, dataset_size)
     return DpSgd(client, layers, l2_norm_clip=args.clip, noise_multiplier=args.noise_multiplier,
                  policy=clipd_policy(args.clipping), sampling_rate=args.batch_size / dataset_size,
                  dataset_size=dataset_size, delta=args.delta, max_epsilon=args.max_epsilon,
-                 metrics_noise_multiplier=args.metrics_noise_multiplier, keep=admin is not None)
+                 metrics_noise_multiplier=0.0 if correlated else args.metrics_noise_multiplier,
+                 keep=admin is not None, mechanism=args.mechanism, steps=per_epoch * args.epochs if correlated else 0,
+                 epochs=args.epochs, buffers=args.buffers)
+
+
+def batch(args, dataset_size: int, dp, rng: np.random.Generator, epoch_order: np.ndarray, done: int) -> np.ndarray:
+    """Step ``done`` (1-based) of an epoch: a Poisson sample (independent noise), or the ``done``-th of the
+    epoch's disjoint batches in ``epoch_order`` (a correlated stream: each example once an epoch)."""
+    if args.mechanism == "independent":
+        return poisson_sample(dataset_size, dp.sampling_rate, rng)
+    per_epoch = steps_per_epoch(args, dataset_size)
+    return np.sort(np.array_split(epoch_order, per_epoch)[done - 1])
 
 
 def end_epoch(args, dp, admin: str | None, epoch: int, accuracy: float, started: float) -> Epoch:
@@ -227,7 +248,9 @@ def finish(args, framework: str, history: list[Epoch], dp, seconds_per_phase: di
         "accuracy": history[-1].accuracy if history else math.nan,
         "epsilon": dp.epsilon, "delta": args.delta, "noise_multiplier": args.noise_multiplier,
         "sampling_rate": dp.sampling_rate, "clip": args.clip, "clipping": args.clipping,
-        "opacus_rdp_epsilon": opacus_epsilon(args.noise_multiplier, dp.sampling_rate, steps, args.delta),
+        "mechanism": args.mechanism,
+        "opacus_rdp_epsilon": (opacus_epsilon(args.noise_multiplier, dp.sampling_rate, steps, args.delta)
+                               if args.mechanism == "independent" else None),
         "median_ms_per_phase": {k: 1e3 * float(np.median(v)) for k, v in seconds_per_phase.items() if v},
         "history": [dataclasses.asdict(h) for h in history],
     }

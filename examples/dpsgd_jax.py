@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from clipd.client import Client, FailedPreconditionError
-from clipd.client.dpsgd import poisson_sample
 
 PAD = 64  # per-example gradients are computed on batches padded to a multiple of this
 
@@ -85,9 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
             common.open_dpsgd(args, client, layers, n, admin) as dp:
         for epoch in range(1, args.epochs + 1):
             started, bar = time.perf_counter(), common.Progress(epoch, args.epochs, per_epoch, args.quiet)
-            refused = False
+            refused, order = False, rng.permutation(n)  # (the epoch's batches under a correlated stream)
             for done in range(1, per_epoch + 1):
-                batch = poisson_sample(n, dp.sampling_rate, rng)
+                batch = common.batch(args, n, dp, rng, order, done)
                 try:
                     step = dp.step(per_example_gradients(params, data.x_train[batch], data.y_train[batch]))
                 except FailedPreconditionError as e:  # --max-epsilon: the ledger refused this step

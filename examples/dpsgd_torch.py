@@ -28,7 +28,6 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from clipd.client import Client, FailedPreconditionError
-from clipd.client.dpsgd import poisson_sample
 
 
 class Mlp(nn.Module):
@@ -76,9 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
             common.open_dpsgd(args, client, layers, n, admin) as dp:
         for epoch in range(1, args.epochs + 1):
             started, bar = time.perf_counter(), common.Progress(epoch, args.epochs, per_epoch, args.quiet)
-            refused = False
+            refused, order = False, rng.permutation(n)  # (the epoch's batches under a correlated stream)
             for done in range(1, per_epoch + 1):
-                batch = torch.from_numpy(poisson_sample(n, dp.sampling_rate, rng))
+                batch = torch.from_numpy(common.batch(args, n, dp, rng, order, done))
                 try:
                     step = dp.step(per_example_gradients(model, x_train[batch], y_train[batch]))
                 except FailedPreconditionError as e:  # --max-epsilon: the ledger refused this step

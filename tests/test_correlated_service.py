@@ -180,3 +180,22 @@ def test_a_stream_past_the_budget_is_refused_at_creation(client):
 def test_streams_no_strategy_serves_are_invalid_arguments(client, overrides, message):
     with pytest.raises(InvalidArgumentError, match=message):
         client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(f"x-{uuid.uuid4().hex[:8]}", **overrides))
+
+
+def test_dpsgd_with_a_blt_stream_declares_its_epochs(client):
+    """DpSgd(mechanism="blt"): 4 steps in 2 epochs (b = 2, k = 2, declared), the same trainer every step;
+    its epsilon after the last step is one Gaussian event of z (dp_accounting); a fifth step is refused."""
+    from clipd.client.dpsgd import DpSgd
+
+    rng = np.random.default_rng(4)
+    with DpSgd(client, {"w": (3,)}, l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.5, dataset_size=8,
+               delta=1e-5, accountant="pld", mechanism="blt", steps=4, epochs=2, buffers=1, seed=7) as trainer:
+        releases = [trainer.step({"w": rng.normal(size=(4, 3)).astype(np.float32)}).release for _ in range(4)]
+        assert [(r.mechanism, r.stream_release) for r in releases] == [("blt", t) for t in range(4)]
+        assert trainer.epsilon == pytest.approx(_pld_epsilon(2.0), rel=1e-6)
+        assert releases[0].ledger_epsilon < releases[-1].ledger_epsilon
+        with pytest.raises(FailedPreconditionError, match="is spent: 4 of its 4 planned releases are made"):
+            trainer.step({"w": rng.normal(size=(4, 3)).astype(np.float32)})
+    with pytest.raises(ValueError, match=r"steps \(5\) a multiple of epochs \(2\)"):
+        DpSgd(client, {"w": (3,)}, l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.5, dataset_size=8,
+              delta=1e-5, mechanism="blt", steps=5, epochs=2)

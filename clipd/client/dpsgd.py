@@ -93,6 +93,13 @@ class DpSgd:
         the helper's own while the trainer computes its next gradients (default); ``False``: each
         step does every call in turn. The next step's creation reserves its release on the ledger
         early: a budget it can't afford is raised by the next :meth:`step`, before anything is sent.
+      mechanism: ``independent`` (default: fresh noise each step, Poisson sampling at ``sampling_rate``),
+        or ``blt`` / ``banded``: DP-FTRL, the steps' noise one correlated stream planned for ``steps``
+        steps in ``epochs`` epochs (each example in one step of each epoch: the declared participation,
+        ``steps / epochs`` steps apart, trusted by the server; no sampling amplification). ``sampling_rate``
+        is then the batch's fraction of the data set (the mean divides by it times ``dataset_size``).
+      steps, epochs: the stream's plan (correlated mechanisms only).
+      buffers: a BLT's buffers or a banded strategy's bands (0: chosen).
 
     Use it as a context manager (or call :meth:`close`): closing cancels the aggregation made ahead.
     """
@@ -100,7 +107,8 @@ class DpSgd:
     def __init__(self, client, layers: Any, *, l2_norm_clip: float, noise_multiplier: float, policy: str = "global",
                  sampling_rate: float, dataset_size: int, delta: float, ledger_id: str | None = None,
                  max_epsilon: float = 0.0, accountant: str = "rdp", metrics_noise_multiplier: float = 0.0,
-                 keep: bool = False, seed: int | None = None, pipeline: bool = True) -> None:
+                 keep: bool = False, seed: int | None = None, pipeline: bool = True, mechanism: str = "independent",
+                 steps: int = 0, epochs: int = 1, buffers: int = 0) -> None:
         if not 0.0 < sampling_rate <= 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
         if dataset_size < 1:
@@ -118,13 +126,20 @@ class DpSgd:
         self._cancels: list[concurrent.futures.Future] = []
         self.steps = 0
         self.epsilon = 0.0
-        poisson = sampling_rate < 1.0
+        correlated = {}
+        if mechanism != "independent":
+            if steps < 1 or epochs < 1 or steps % epochs:
+                raise ValueError(f"a correlated mechanism plans its steps: steps ({steps}) a multiple of epochs"
+                                 f" ({epochs}), both >= 1")
+            correlated = dict(mechanism=mechanism, releases=steps, min_separation=steps // epochs,
+                              max_participations=epochs, buffers=buffers, declared_participation=True)
+        poisson = sampling_rate < 1.0 and not correlated
         self.privacy = Privacy(
             ledger_id=ledger_id or f"dpsgd-{uuid.uuid4().hex[:12]}", delta=delta,
             noise_multiplier=noise_multiplier, sampling="poisson" if poisson else "none",
             sampling_rate=sampling_rate if poisson else 0.0, max_epsilon=max_epsilon, accountant=accountant,
             public_denominator=self.expected_batch_size, release_mean=True,
-            metrics_noise_multiplier=metrics_noise_multiplier, seed=seed,
+            metrics_noise_multiplier=metrics_noise_multiplier, seed=seed, **correlated,
         ).to_proto()
 
     @property
