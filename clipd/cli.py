@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     private.add_argument("--secure-noise", action="store_true",
                          help="a discrete Gaussian on an integer grid from a CSPRNG (OpenDP), accounted by zCDP;"
                               " sampling is then not claimed (a larger, valid epsilon)")
+    private.add_argument("--mechanism", choices=["independent", "blt", "banded"], default="independent",
+                         help="independent: fresh noise each round; blt or banded: one correlated noise stream"
+                              " for the R rounds (DP-FTRL; the ledger keeps its state; sampling not claimed)")
     private.add_argument("--seed-sampling", action="store_true",
                          help="draw each round's sample from --seed (the server's noise stays secure)")
     demo.set_defaults(run=_demo)

@@ -50,3 +50,24 @@ def test_private_demo_with_secure_noise_spends_opendps_zcdp_epsilon(server):
     composed = opendp.c.make_composition([opendp.m.make_gaussian(*space, scale=1.5)] * 3)  # rho = 1 / (2 z^2) each
     assert epsilon == pytest.approx(opendp.c.make_zCDP_to_approxDP(composed).map(1).epsilon(1e-5), rel=1e-5)
     assert rounds == 3 and 1.5 * 0.5 < stddev < 1.5 * 0.5 * 1.002  # the grid widens the noise by under 0.2%
+
+
+def test_private_demo_with_a_blt_stream_spends_one_gaussian_event(server):
+    """--mechanism blt: 3 rounds share one stream; the last epsilon is one Gaussian event of z (dp_accounting's
+    RDP), the stddev z C times the stream's sensitivity (jax_privacy's, for its optimum at n = 3, b = 1, k = 3)."""
+    out = _demo(server, "--noise-multiplier", "1.0", "--rounds", "3", "--mechanism", "blt")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "one blt noise stream for the 3 rounds (sampling not claimed)" in out.stdout
+    epsilon, delta, rounds, stddev = (float(v) for v in LAST_LINE.match(out.stdout.strip().splitlines()[-1]).groups())
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(dpe.GaussianDpEvent(1.0), 1)
+    assert epsilon == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-5) and rounds == 3
+    import jax
+    import numpy as np
+    from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
+
+    with jax.enable_x64():  # jax_privacy's optimum for n = 3, b = 1, k = 3 and its sensitivity
+        blt = buffered_toeplitz.optimize(n=3, min_sep=1, max_participations=3, min_buffers=1, max_buffers=3)
+        sens = float(np.sqrt(toeplitz.minsep_sensitivity_squared(blt.toeplitz_coefs(3), min_sep=1,
+                                                                 max_participations=3)))
+    assert stddev == pytest.approx(1.0 * 1.0 * sens, rel=1e-5)

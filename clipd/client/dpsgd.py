@@ -126,7 +126,7 @@ class DpSgd:
         self._cancels: list[concurrent.futures.Future] = []
         self.steps = 0
         self.epsilon = 0.0
-        correlated = {}
+        correlated: dict[str, Any] = {}
         if mechanism != "independent":
             if steps < 1 or epochs < 1 or steps % epochs:
                 raise ValueError(f"a correlated mechanism plans its steps: steps ({steps}) a multiple of epochs"
