@@ -199,3 +199,40 @@ def test_dpsgd_with_a_blt_stream_declares_its_epochs(client):
     with pytest.raises(ValueError, match=r"steps \(5\) a multiple of epochs \(2\)"):
         DpSgd(client, {"w": (3,)}, l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.5, dataset_size=8,
               delta=1e-5, mechanism="blt", steps=5, epochs=2)
+
+
+def test_the_admin_api_and_metrics_show_the_stream_and_its_refusals(tmp_path):
+    """GET /api/v1/ledgers/{id}: the mechanism, the stream (made, left, state rows and bytes) and the
+    participation refusals; /metrics: the same as clipd_ledger_stream_* series."""
+    import json
+    import urllib.request
+
+    server, port = create_server(_settings(data_dir=str(tmp_path), admin_port=0))
+    try:
+        ledger, rng = f"blt-{uuid.uuid4().hex[:8]}", np.random.default_rng(3)
+        with Client(f"127.0.0.1:{port}") as client:
+            _round(client, _privacy(ledger), ["alice"], rng)
+            aggregation = client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))
+            with pytest.raises(FailedPreconditionError):
+                client.submit(aggregation, {"w": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)},
+                              client_id="alice")
+            view = client.get_aggregation(aggregation)
+            assert view.privacy.correlated.mechanism == view.privacy.correlated.BLT
+
+        def get(path):
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.admin.port}{path}", timeout=30) as response:
+                return response.read().decode()
+
+        described = json.loads(get(f"/api/v1/ledgers/{ledger}"))
+        assert described["mechanism"] == "blt" and described["participation_refusals"] == 1
+        stream = described["stream"]
+        assert (stream["made"], stream["left"], stream["state_rows"], stream["state_bytes"]) == (1, N - 1, BUFFERS,
+                                                                                                 BUFFERS * 7 * 8)
+        assert (stream["releases"], stream["min_separation"], stream["max_participations"]) == (N, B, K)
+        assert json.loads(get(f"/api/v1/aggregations/{aggregation}"))["privacy"]["mechanism"] == "blt"
+        metrics = get("/metrics")
+        assert f'clipd_ledger_stream_releases_left{{ledger="{ledger}",mechanism="blt"}} 5.0' in metrics
+        assert f'clipd_ledger_stream_state_bytes{{ledger="{ledger}",mechanism="blt"}} {BUFFERS * 56}.0' in metrics
+        assert f'clipd_ledger_participation_refusals_total{{ledger="{ledger}"}} 1.0' in metrics
+    finally:
+        server.stop(grace=0.5)

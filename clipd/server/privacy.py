@@ -140,6 +140,7 @@ class Ledgers:
         self._ledger_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._reserved: dict[str, dict[str, _Reservation]] = collections.defaultdict(dict)
         self._events: dict[str, list[str]] = {}  # the committed events read so far, per ledger (see events)
+        self.participation_refusals: collections.Counter[str] = collections.Counter()  # per ledger, this process
 
     def _locked(self, ledger_id: str) -> threading.Lock:
         with self._lock:
@@ -180,6 +181,7 @@ class Ledgers:
                       "state_bytes": rows * stream["parameters"] * 8}
         return {
             "ledger_id": ledger_id, **config, "stream": stream, "epsilon": eps,
+            "participation_refusals": self.participation_refusals[ledger_id],
             "budget_left": config["max_epsilon"] - eps,
             "next_bound": bounds[-1] if bounds else 0.0,
             "debug_raw_statistics": any(e.event == NON_PRIVATE for e in entries),
@@ -217,6 +219,8 @@ class Ledgers:
             return
         with self._locked(policy.ledger_id):
             release = len(self.events(policy.ledger_id))
+        if len(taken) >= stream.max_participations or release - taken[-1] < stream.min_separation:
+            self.participation_refusals[policy.ledger_id] += 1
         if len(taken) >= stream.max_participations:
             raise FailedPrecondition(
                 f"client {client!r} took part in {len(taken)} releases of ledger {policy.ledger_id!r} (releases"

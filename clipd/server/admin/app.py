@@ -66,6 +66,8 @@ def aggregation_view(aggregation: Aggregation) -> dict[str, Any]:
         "debug_raw_statistics": aggregation.privacy.debug_raw_statistics,
         "notice": stats.privacy_notice,
         "planned_ledger_epsilon": _json_float(aggregation.planned_epsilon),
+        "mechanism": (aggregation.privacy.correlated.mechanism.value if aggregation.privacy.correlated is not None
+                      else "independent"),
         "release": {k: _json_float(v) if isinstance(v, float) else v for k, v in stats.release.items()}
         if stats.release else None,
     }
@@ -231,12 +233,25 @@ def _privacy_metrics(server, private):
     left = GaugeMetricFamily("clipd_ledger_budget_left", "max_epsilon minus epsilon spent (+Inf: no budget).",
                              labels=["ledger"])
     releases = GaugeMetricFamily("clipd_ledger_entries", "Accounted events of a privacy ledger.", labels=["ledger"])
+    stream_left = GaugeMetricFamily("clipd_ledger_stream_releases_left",
+                                    "Releases a correlated noise stream has left of those it was planned for.",
+                                    labels=["ledger", "mechanism"])
+    stream_bytes = GaugeMetricFamily("clipd_ledger_stream_state_bytes",
+                                     "What a correlated noise stream's state takes in the store.",
+                                     labels=["ledger", "mechanism"])
+    refused = CounterMetricFamily("clipd_ledger_participation_refusals",
+                                  "Clients this process refused because its ledger's stream does not let them take"
+                                  " part in the release (min_separation, max_participations).", labels=["ledger"])
     for ledger_id in server.ledgers.ledger_ids():
         ledger = server.ledgers.describe(ledger_id)
         epsilon.add_metric([ledger_id], ledger["epsilon"])
         left.add_metric([ledger_id], ledger["budget_left"])
         releases.add_metric([ledger_id], len(ledger["entries"]))
-    yield from (epsilon, left, releases)
+        if ledger["stream"] is not None:
+            stream_left.add_metric([ledger_id, ledger["mechanism"]], ledger["stream"]["left"])
+            stream_bytes.add_metric([ledger_id, ledger["mechanism"]], ledger["stream"]["state_bytes"])
+            refused.add_metric([ledger_id], ledger["participation_refusals"])
+    yield from (epsilon, left, releases, stream_left, stream_bytes, refused)
 
 
 def _cumulative(counts, upper_bounds) -> list[tuple[str, float]]:

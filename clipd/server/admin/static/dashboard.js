@@ -103,6 +103,8 @@ function privateCard(node, agg) {
                     ["noise stddev", fmt(r.noise_stddev), "noise"], ["bound", fmt(r.bound), "bound"],
                     ["next bound", fmt(r.next_bound), "next-bound"]]
                  : [["ε once released", fmt(agg.privacy.planned_ledger_epsilon), "planned-epsilon"]];
+  if (r && r.mechanism) rows.push([`${r.mechanism} stream: release ${r.stream_release + 1} of ${r.stream_releases}`,
+                                   fmt(r.stream_release + 1), "stream-release"]);
   if (r && r.statistics_noise_stddev > 0) rows.push(["examples (noised)", fmt(r.examples), "released-examples"]);
   for (const [name, value, key] of rows) {
     const d = el("div", { "data-number": key });
