@@ -69,7 +69,7 @@ def test_the_streaming_noise_is_jax_privacys_and_c_inverse_z(blt):
 
 
 @pytest.mark.parametrize("blt", STRATEGIES)
-@pytest.mark.parametrize(("n", "b", "k"), [(8, 2, 4), (8, 1, 1), (20, 3, 4), (20, 7, 10), (64, 16, 2)])
+@pytest.mark.parametrize(("n", "b", "k"), [(8, 2, 4), (20, 3, 4), (64, 16, 2)])
 def test_min_sep_sensitivity_equals_jax_privacys(blt, n, b, k):
     ours = toeplitz_min_sep_sensitivity(blt.coefs(n), min_sep=b, max_participations=k)
     with jax.enable_x64():

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Sequence
 
@@ -209,6 +210,7 @@ def check_stream(releases: int, min_sep: int, max_participations: int, buffers: 
         raise ValueError(f"buffers must be in [1, min(releases={releases}, 10)], got {buffers}")
 
 
+@functools.lru_cache(maxsize=64)  # deterministic: ledgers with one plan share it
 def optimize_blt(releases: int, min_sep: int, max_participations: int, buffers: int | None = None) -> Blt:
     """The BLT that jax_privacy's optimizer finds for ``releases`` releases under (b, k) participation,
     minimizing the largest error of a prefix sum times the squared sensitivity (its ``error='max'``); with
@@ -238,6 +240,7 @@ def prefix_noise_multiplier(z: float, strategy: Blt | BandedToeplitz, releases: 
     return z * full / prefix
 
 
+@functools.lru_cache(maxsize=64)
 def optimize_banded(releases: int, bands: int, min_sep: int, max_participations: int) -> BandedToeplitz:
     """The banded Toeplitz strategy of ``bands`` bands that jax_privacy's optimizer finds for ``releases``
     releases (its ``optimize_banded_toeplitz``: mean error of the prefix sums, coefficients of norm 1).
