@@ -261,13 +261,21 @@ class ClipdStrategy(Strategy):
                 return 0
             update[name] = np.subtract(new, old, dtype=np.float64)
         try:
-            self.client.submit(round_.aggregation_id, update, client_id=f"r{round_.server_round}-n{node}-{index}")
+            self.client.submit(round_.aggregation_id, update, client_id=self._client_id(round_, node, index))
         except ClipdError as e:
             if e.retryable:  # the server stayed unreachable: the round can't be released as it should
                 raise
             log.warning("aggregate_train: update of node %s refused (%s): it contributes nothing", node, e)
             return 0
         return 1
+
+    def _client_id(self, round_: _Round, node: int, index: int) -> str:
+        """A reply's client id: its node's under a correlated noise stream (whose participation the server
+        enforces per client across rounds: a node that took part too recently is refused and contributes
+        nothing), else one of its own in the round."""
+        if self.privacy is not None and self.privacy.mechanism != "independent":
+            return f"n{node}"
+        return f"r{round_.server_round}-n{node}-{index}"
 
     def _new_arrays(self, round_: _Round, result: AggregateResult) -> ArrayRecord:
         release = result.release
@@ -298,6 +306,8 @@ class ClipdStrategy(Strategy):
         }
         if math.isfinite(release.budget_left):
             metrics["budget-left"] = release.budget_left
+        if release.mechanism:  # a correlated stream: which of its releases this round is
+            metrics["stream-release"] = release.stream_release
         if self.privacy is not None and self.privacy.adaptive is not None:
             metrics["unclipped-fraction"] = release.unclipped_fraction
         if release.statistics_noise_stddev > 0 or release.debug_raw_statistics:

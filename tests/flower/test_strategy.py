@@ -230,3 +230,27 @@ def test_a_round_with_secure_noise(client):
     assert math.isfinite(metrics["epsilon"]) and metrics["epsilon"] > 0
     noise = np.concatenate([(ours - theirs).ravel() for ours, theirs in zip(arrays.to_numpy_ndarrays(), expected)])
     assert 0.5 < np.std(noise * m / release.noise_stddev) < 1.6  # 40 draws: a loose check of the scale
+
+
+def test_rounds_on_a_blt_stream_enforce_each_nodes_participation(client):
+    """mechanism="blt", n = 3 rounds, b = 2, k = 2, z = 0: round 1 is Flower's noiseless mean; in round 2 the
+    same nodes took part one round ago: each is refused and the model stays as it was; round 3 takes them
+    again. The rounds are the stream's releases 0, 1, 2."""
+    m = 4
+    model, updates = _model(6), _updates(m, seed=7)
+    strategy = _strategy(client, m, privacy=_privacy(mechanism="blt", releases=3, min_separation=2,
+                                                     max_participations=2))
+
+    def replies(nodes):
+        return [reply(n, _plus(model, updates[i])) for i, n in enumerate(nodes)]
+
+    _, (first, metrics) = _round(strategy, model, replies, server_round=1)
+    for ours, theirs in zip(first.to_numpy_ndarrays(), _flower_oracle(model, updates, m)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    _, (second, _) = _round(strategy, model, replies, server_round=2)
+    for ours, before in zip(second.to_numpy_ndarrays(), model):
+        np.testing.assert_array_equal(ours, before)  # every node refused: nothing summed, no noise (z = 0)
+    _, (third, _) = _round(strategy, model, replies, server_round=3)
+    for ours, theirs in zip(third.to_numpy_ndarrays(), _flower_oracle(model, updates, m)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert [r.stream_release for r in strategy.releases] == [0, 1, 2] and metrics["stream-release"] == 0
