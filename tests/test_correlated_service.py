@@ -236,3 +236,14 @@ def test_the_admin_api_and_metrics_show_the_stream_and_its_refusals(tmp_path):
         assert f'clipd_ledger_participation_refusals_total{{ledger="{ledger}"}} 1.0' in metrics
     finally:
         server.stop(grace=0.5)
+
+
+def test_target_epsilon_calibrates_z_for_the_whole_stream_as_one_event(client):
+    """target_epsilon with a stream: z is dp_accounting's calibration of one Gaussian event (PLD), whatever n."""
+    privacy = _privacy(f"blt-{uuid.uuid4().hex[:8]}", noise_multiplier=None, target_epsilon=2.0)
+    _, _, release = _round(client, privacy, ["alice"], np.random.default_rng(8))
+    expected = dp_accounting.calibrate_dp_mechanism(
+        lambda: dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4), dp_accounting.GaussianDpEvent,
+        2.0, 1e-5)
+    assert release.noise_multiplier == pytest.approx(expected, rel=1e-6)
+    assert _pld_epsilon(release.noise_multiplier) == pytest.approx(2.0, abs=1e-3)

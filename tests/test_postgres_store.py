@@ -388,3 +388,44 @@ def test_a_second_server_on_the_same_database_fences_the_first_out(pg_cluster):
     np.testing.assert_allclose(result.sums["w"], np.minimum(1.0, 1.0 / np.linalg.norm(kept, axis=1)) @ kept,
                                rtol=1e-6)
     assert result.examples == 10
+
+
+def test_a_second_server_on_the_same_database_continues_a_correlated_stream(pg_cluster):
+    """Server A makes releases 0 and 1 of a seeded BLT ledger and goes away; server B, on the same database,
+    makes release 2 of the same stream: every release equals bit for bit those of a ledger run on B alone
+    (same seed and data)."""
+    import numpy as np
+    from conftest import TEST_SETTINGS
+
+    from clipd.client import Client, Privacy
+    from clipd.server.app import create_server
+    from clipd.server.settings import Settings
+
+    dsn = pg_cluster.new_database()
+    fields = dict(delta=1e-5, noise_multiplier=1.0, seed=5, mechanism="blt", releases=3, min_separation=1,
+                  max_participations=3, buffers=2)
+    data = [{"w": np.full((2, 6), 0.05 * (t + 1), np.float32)} for t in range(3)]
+
+    def release(client, ledger, t):
+        aggregation = client.create_aggregation({"w": (6,)}, l2_norm_clip=1.0, privacy=Privacy(ledger, **fields))
+        client.submit(aggregation, data[t])
+        return client.finalize(aggregation)
+
+    settings = Settings(**{**TEST_SETTINGS, "data_dir": dsn})
+    first, port = create_server(settings)
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            moved = [release(client, "moved", t) for t in range(2)]
+    finally:
+        first.stop(grace=0.5)
+    second, port = create_server(settings)
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            moved.append(release(client, "moved", 2))
+            calm = [release(client, "calm", t) for t in range(3)]
+            assert [r.release.stream_release for r in moved] == [0, 1, 2]
+            for a, b in zip(moved, calm):
+                np.testing.assert_array_equal(a.sums["w"], b.sums["w"])
+            assert client.ledger("moved").stream_made == 3
+    finally:
+        second.stop(grace=0.5)
