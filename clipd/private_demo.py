@@ -9,8 +9,8 @@ draws a discrete Gaussian on an integer grid instead (accounted by zCDP, without
 amplification by sampling: the sample is still drawn, its epsilon is not claimed). With
 ``--max-epsilon`` the ledger refuses the first round it can't afford: the demo
 then says the budget is exhausted and exits non-zero. ``--mechanism blt`` (or ``banded``) noises the R
-rounds with one correlated stream planned for R releases (DP-FTRL; the demo's one client takes part in every
-round: min separation 1, at most R participations; sampling is not claimed).
+rounds with one correlated stream planned for R releases (DP-FTRL, one buffer or band; the demo's one client
+takes part in every round: min separation 1, at most R participations; sampling is not claimed).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def run(client, layers: dict, updates: dict[str, np.ndarray], args) -> int:
     # The secure noise's accountant and a correlated stream's claim no amplification by sampling.
     claimed = rate < 1.0 and not args.secure_noise and not correlated
     stream: dict[str, Any] = dict(mechanism=args.mechanism, releases=args.rounds, min_separation=1,
-                                  max_participations=args.rounds) if correlated else {}
+                                  max_participations=args.rounds, buffers=1) if correlated else {}
     privacy = Privacy(
         ledger_id=ledger, delta=args.delta, noise_multiplier=args.noise_multiplier,
         sampling="poisson" if claimed else "none", sampling_rate=rate if claimed else 0.0,

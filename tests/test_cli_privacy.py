@@ -54,7 +54,8 @@ def test_private_demo_with_secure_noise_spends_opendps_zcdp_epsilon(server):
 
 def test_private_demo_with_a_blt_stream_spends_one_gaussian_event(server):
     """--mechanism blt: 3 rounds share one stream; the last epsilon is one Gaussian event of z (dp_accounting's
-    RDP), the stddev z C times the stream's sensitivity (jax_privacy's, for its optimum at n = 3, b = 1, k = 3)."""
+    RDP), the stddev z C times the stream's sensitivity (jax_privacy's, for its one-buffer optimum at n = 3, b = 1,
+    k = 3)."""
     out = _demo(server, "--noise-multiplier", "1.0", "--rounds", "3", "--mechanism", "blt")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "one blt noise stream for the 3 rounds (sampling not claimed)" in out.stdout
@@ -67,7 +68,7 @@ def test_private_demo_with_a_blt_stream_spends_one_gaussian_event(server):
     from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
 
     with jax.enable_x64():  # jax_privacy's optimum for n = 3, b = 1, k = 3 and its sensitivity
-        blt = buffered_toeplitz.optimize(n=3, min_sep=1, max_participations=3, min_buffers=1, max_buffers=3)
+        blt = buffered_toeplitz.optimize(n=3, min_sep=1, max_participations=3, min_buffers=1, max_buffers=1)
         sens = float(np.sqrt(toeplitz.minsep_sensitivity_squared(blt.toeplitz_coefs(3), min_sep=1,
                                                                  max_participations=3)))
     assert stddev == pytest.approx(1.0 * 1.0 * sens, rel=1e-5)

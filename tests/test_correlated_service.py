@@ -98,16 +98,13 @@ def test_a_stream_is_jax_privacys_noise_and_a_restart_carries_it_on(tmp_path, or
                 ledger_view = client.ledger(ledger)
                 assert (ledger_view.mechanism, ledger_view.stream_made, ledger_view.stream.releases) == ("blt", last, N)
                 assert (ledger_view.stream_state_rows, ledger_view.stream_state_bytes) == (BUFFERS, BUFFERS * 7 * 8)
+                if last == N:
+                    assert release.ledger_epsilon == pytest.approx(_pld_epsilon(Z), rel=1e-6)  # one event of z
+                    with pytest.raises(FailedPreconditionError, match=(
+                            rf"the noise stream of ledger '{ledger}' is spent: 6 of its 6 planned releases are made")):
+                        client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))
         finally:
             server.stop(grace=0.5)
-    assert release.ledger_epsilon == pytest.approx(_pld_epsilon(Z), rel=1e-6)  # the whole stream: one event of z
-    server, port = create_server(_settings(data_dir=str(tmp_path)))
-    try:
-        with Client(f"127.0.0.1:{port}") as client, pytest.raises(FailedPreconditionError, match=(
-                rf"the noise stream of ledger '{ledger}' is spent: 6 of its 6 planned releases are made")):
-            client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))
-    finally:
-        server.stop(grace=0.5)
 
 
 def test_participation_is_enforced_per_client_before_its_bytes_are_summed(client):
@@ -183,18 +180,19 @@ def test_streams_no_strategy_serves_are_invalid_arguments(client, overrides, mes
 
 
 def test_dpsgd_with_a_blt_stream_declares_its_epochs(client):
-    """DpSgd(mechanism="blt"): 4 steps in 2 epochs (b = 2, k = 2, declared), the same trainer every step;
-    its epsilon after the last step is one Gaussian event of z (dp_accounting); a fifth step is refused."""
+    """DpSgd(mechanism="blt"): 6 steps in 3 epochs (b = 2, k = 3, declared: the module's stream, whose strategy
+    this process has made), the same trainer every step; its epsilon after the last step is one Gaussian event
+    of z (dp_accounting); a seventh step is refused."""
     from clipd.client.dpsgd import DpSgd
 
     rng = np.random.default_rng(4)
     with DpSgd(client, {"w": (3,)}, l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.5, dataset_size=8,
-               delta=1e-5, accountant="pld", mechanism="blt", steps=4, epochs=2, buffers=1, seed=7) as trainer:
-        releases = [trainer.step({"w": rng.normal(size=(4, 3)).astype(np.float32)}).release for _ in range(4)]
-        assert [(r.mechanism, r.stream_release) for r in releases] == [("blt", t) for t in range(4)]
+               delta=1e-5, accountant="pld", mechanism="blt", steps=N, epochs=K, buffers=BUFFERS, seed=7) as trainer:
+        releases = [trainer.step({"w": rng.normal(size=(4, 3)).astype(np.float32)}).release for _ in range(N)]
+        assert [(r.mechanism, r.stream_release) for r in releases] == [("blt", t) for t in range(N)]
         assert trainer.epsilon == pytest.approx(_pld_epsilon(2.0), rel=1e-6)
         assert releases[0].ledger_epsilon < releases[-1].ledger_epsilon
-        with pytest.raises(FailedPreconditionError, match="is spent: 4 of its 4 planned releases are made"):
+        with pytest.raises(FailedPreconditionError, match="is spent: 6 of its 6 planned releases are made"):
             trainer.step({"w": rng.normal(size=(4, 3)).astype(np.float32)})
     with pytest.raises(ValueError, match=r"steps \(5\) a multiple of epochs \(2\)"):
         DpSgd(client, {"w": (3,)}, l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.5, dataset_size=8,

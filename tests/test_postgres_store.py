@@ -402,13 +402,13 @@ def test_a_second_server_on_the_same_database_continues_a_correlated_stream(pg_c
     from clipd.server.settings import Settings
 
     dsn = pg_cluster.new_database()
-    fields = dict(delta=1e-5, noise_multiplier=1.0, seed=5, mechanism="blt", releases=3, min_separation=1,
-                  max_participations=3, buffers=2)
+    fields = dict(delta=1e-5, noise_multiplier=1.0, seed=5, mechanism="blt", releases=6, min_separation=2,
+                  max_participations=3, buffers=2)  # (the strategy of test_correlated_service's streams)
     data = [{"w": np.full((2, 6), 0.05 * (t + 1), np.float32)} for t in range(3)]
 
     def release(client, ledger, t):
         aggregation = client.create_aggregation({"w": (6,)}, l2_norm_clip=1.0, privacy=Privacy(ledger, **fields))
-        client.submit(aggregation, data[t])
+        client.submit(aggregation, data[t], client_id=f"c{t}")
         return client.finalize(aggregation)
 
     settings = Settings(**{**TEST_SETTINGS, "data_dir": dsn})
