@@ -267,9 +267,20 @@ def _report(result, updates, args, report, seconds) -> int:
     return 0 if ok else 1
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("clipd-service")
+    except PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``clipd`` command line: ``serve`` (one flag per setting) and ``demo``."""
     parser = argparse.ArgumentParser(prog="clipd", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"clipd {_version()}",
+                        help="the installed clipd-service's version, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
     missing = _server_missing()
     if missing is None:
@@ -284,12 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(run=_serve_unavailable(missing), any_arguments=True)
     demo = sub.add_parser("demo", help="stream synthetic updates and check the aggregate")
     demo.add_argument("--target", default=None, help="HOST:PORT of a server (default: start one in-process)")
-    demo.add_argument("--token", default=None)
-    demo.add_argument("--examples", type=int, default=2000)
-    demo.add_argument("--clip", type=float, default=1.0)
+    demo.add_argument("--token", default=None,
+                      help="the server's admin token, if it has one (sent as 'authorization: Bearer TOKEN')")
+    demo.add_argument("--examples", type=int, default=2000,
+                      help="synthetic examples to stream, of 4 layers (default: 2000)")
+    demo.add_argument("--clip", type=float, default=1.0, help="C, the L2 bound each example is clipped to (default: 1)")
     demo.add_argument("--policy", default="global",
-                      choices=["global", "per_layer_uniform", "per_layer_proportional"])
-    demo.add_argument("--seed", type=int, default=0)
+                      choices=["global", "per_layer_uniform", "per_layer_proportional"],
+                      help="global: the whole example to C; per_layer_*: each layer to its share of C")
+    demo.add_argument("--seed", type=int, default=0, help="the synthetic examples' seed (default: 0)")
     demo.add_argument("--retry-timeout", type=float, default=60.0,
                       help="how long to retry an unreachable or restarting server (seconds)")
     private = demo.add_argument_group("differential privacy (R releases on one ledger; see clipd/private_demo.py)")
@@ -297,8 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="release each round's sum with Gaussian noise of stddev Z * C")
     private.add_argument("--sampling-rate", type=float, default=1.0, metavar="Q",
                          help="Poisson sampling: each example joins a round with probability Q")
-    private.add_argument("--delta", type=float, default=1e-5, metavar="D")
-    private.add_argument("--rounds", type=int, default=1, metavar="R")
+    private.add_argument("--delta", type=float, default=1e-5, metavar="D",
+                         help="the ledger's delta: epsilon is reported at it (default: 1e-5)")
+    private.add_argument("--rounds", type=int, default=1, metavar="R",
+                         help="private rounds (releases) on the ledger (default: 1)")
     private.add_argument("--max-epsilon", type=float, default=None, metavar="E",
                          help="the ledger's budget: a round it can't afford is refused")
     private.add_argument("--secure-noise", action="store_true",

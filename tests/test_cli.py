@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -62,3 +63,28 @@ def test_serve_runs_until_sigterm_and_serves_both_ports():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_every_flag_of_every_subcommand_explains_itself_and_version_is_the_projects():
+    """Each option of ``clipd``, ``clipd serve`` and ``clipd demo`` has help text; ``clipd --version`` prints
+    pyproject.toml's version."""
+    import argparse
+    import pathlib
+    import tomllib
+
+    from clipd.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    checked = 0
+    for name, sub in [("clipd", parser), *subparsers.choices.items()]:
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction) or not action.option_strings:
+                continue
+            said = re.sub(r"\(env CLIPD_\w+; default: [^)]*\)", "", action.help or "").strip()  # beyond those
+            assert said, (name, action.option_strings)
+            checked += 1
+    assert checked > 60  # every setting of serve, and demo's
+    version = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    out = subprocess.run([sys.executable, "-m", "clipd", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"clipd {version}"
