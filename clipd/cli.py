@@ -204,7 +204,13 @@ def _demo(args: argparse.Namespace) -> int:
                     report = client.submit(aggregation, updates)
                     result = client.finalize(aggregation)
                     seconds = time.perf_counter() - started
-                finally:
+                except BaseException:
+                    client.cancel(aggregation)
+                    raise
+                if args.keep:
+                    print(f"kept aggregation {aggregation} on the server (the dashboard shows it; cancel it with"
+                          f" the client or DELETE /api/v1/aggregations/{aggregation})")
+                else:
                     client.cancel(aggregation)  # the demo leaves nothing behind on the server
             return _report(result, updates, args, report, seconds)
         finally:
@@ -304,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=["global", "per_layer_uniform", "per_layer_proportional"],
                       help="global: the whole example to C; per_layer_*: each layer to its share of C")
     demo.add_argument("--seed", type=int, default=0, help="the synthetic examples' seed (default: 0)")
+    demo.add_argument("--keep", action="store_true",
+                      help="leave the finalized aggregation on the server (--target) for its dashboard and admin"
+                           " API; by default the demo cancels it when it ends")
     demo.add_argument("--retry-timeout", type=float, default=60.0,
                       help="how long to retry an unreachable or restarting server (seconds)")
     private = demo.add_argument_group("differential privacy (R releases on one ledger; see clipd/private_demo.py)")

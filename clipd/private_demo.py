@@ -60,7 +60,8 @@ def run(client, layers: dict, updates: dict[str, np.ndarray], args) -> int:
             client.submit(aggregation, {name: u[chosen] for name, u in updates.items()})
         release = client.finalize(aggregation).release
         assert release is not None  # a private aggregation's result carries its release
-        client.cancel(aggregation)  # drops the kept result; the ledger keeps the release's event
+        if not args.keep:
+            client.cancel(aggregation)  # drops the kept result; the ledger keeps the release's event
         print(f"round {round_}: {chosen.size} examples sampled, noise stddev {release.noise_stddev:.4g},"
               f" epsilon so far {release.ledger_epsilon:.4f}")
     assert release is not None  # --rounds R: at least one round ran

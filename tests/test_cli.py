@@ -18,6 +18,22 @@ def test_demo_against_a_running_server(server):
     assert "dense/kernel" in out.stdout
 
 
+def test_demo_keep_leaves_its_finalized_aggregation_and_by_default_leaves_none(server, client):
+    def demo(*flags):
+        return subprocess.run([sys.executable, "-m", "clipd", "demo", "--target", f"127.0.0.1:{server.port}",
+                               "--examples", "50", *flags], capture_output=True, text=True, timeout=300)
+
+    before = {a.aggregation_id for a in client.list_aggregations()}
+    out = demo()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert {a.aggregation_id for a in client.list_aggregations()} == before  # cancelled: nothing left
+    out = demo("--keep")
+    assert out.returncode == 0, out.stdout + out.stderr
+    kept = re.search(r"kept aggregation (\S+) on the server", out.stdout).group(1)
+    assert client.get_aggregation(kept).state == client.get_aggregation(kept).FINALIZED
+    client.cancel(kept)
+
+
 def test_demo_fails_when_the_server_is_unreachable():
     out = subprocess.run(
         [sys.executable, "-m", "clipd", "demo", "--target", "127.0.0.1:1", "--examples", "10",
