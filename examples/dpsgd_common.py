@@ -259,6 +259,9 @@ def finish(args, framework: str, history: list[Epoch], dp, seconds_per_phase: di
     print(f"accuracy={summary['accuracy']:.4f} epsilon={dp.epsilon:.6g} delta={args.delta:g} steps={steps}"
           f" noise_multiplier={args.noise_multiplier:g} sampling_rate={dp.sampling_rate:.6g}"
           + (f" opacus_rdp_epsilon={opacus:.6g}" if opacus is not None else ""), flush=True)
+    if opacus is None and args.mechanism == "independent":
+        print("(opacus_rdp_epsilon, Opacus' accountant on the same run, is printed when opacus is installed:"
+              " pip install opacus==1.6.0)", file=sys.stderr)
     if not args.no_plot and history:
         path = write_plot(out / f"dpsgd_{framework}.png", history, framework, args)
         print(f"plot: {path}", file=sys.stderr)
