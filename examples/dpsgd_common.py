@@ -283,9 +283,15 @@ def write_plot(path: pathlib.Path, history: list[Epoch], framework: str, args) -
     left.grid(alpha=0.3)
     left.set_title(f"DP-SGD through clipd ({framework}), z = {args.noise_multiplier:g}, C = {args.clip:g}")
     layers = list(history[-1].clip_fraction)
-    for name in layers:
-        right.plot([h.epoch for h in history], [h.clip_fraction.get(name, math.nan) for h in history],
-                   marker=".", label=name)
+    if args.clipping == "flat" and layers:  # one bound for the whole example: every layer's fraction is the
+        # same quantity plus its own noise, so one line, their mean (less noisy than any one of them)
+        right.plot([h.epoch for h in history],
+                   [float(np.mean([h.clip_fraction.get(n, math.nan) for n in layers])) for h in history],
+                   marker=".", label=f"whole examples (mean of {len(layers)} layers' noised counts)")
+    else:
+        for name in layers:
+            right.plot([h.epoch for h in history], [h.clip_fraction.get(name, math.nan) for h in history],
+                       marker=".", label=name)
     right.set_xlabel("epoch")
     right.set_ylabel("fraction of examples clipped (noised, admin API)")
     right.set_ylim(0, 1.05)
