@@ -1,4 +1,6 @@
-"""Aggregation state on the host: lifecycle, client sequences, totals and statistics.
+"""An aggregation on the host: its spec, its state machine, its totals and statistics; the registry.
+
+Its clients' sequence numbers are kept by :class:`clipd.server.sequences.ClientSequences`.
 
 The device state (the accumulator's delta since the last flush) belongs to the
 worker; everything here is guarded by the aggregation's condition variable and
