@@ -249,3 +249,22 @@ def test_poisson_sampling_draws_each_example_with_probability_q():
     sizes = [len(poisson_sample(1000, 0.1, rng)) for _ in range(400)]
     assert np.mean(sizes) == pytest.approx(100, rel=0.02)
     assert np.std(sizes) == pytest.approx(math.sqrt(1000 * 0.1 * 0.9), rel=0.15)  # binomial, not fixed-size
+
+
+@pytest.mark.parametrize(("clipping", "lines"), [("flat", 1), ("per_layer", 2)])
+def test_the_plot_draws_one_clip_fraction_line_under_flat_clipping(clipping, lines, tmp_path, monkeypatch):
+    """Flat clipping: every layer's fraction is one quantity, so one line (their mean); per-layer: a line each."""
+    import argparse
+
+    from matplotlib import pyplot as plt
+
+    common = example("dpsgd_common")
+    history = [common.Epoch(e, 6 * e, 0.5 * e, 0.8, {"a": 0.2 * e, "b": 0.4 * e}, 1.0) for e in (1, 2)]
+    drawn = []
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.append(fig))
+    args = argparse.Namespace(delta=1e-5, noise_multiplier=2.0, clip=1.0, clipping=clipping)
+    common.write_plot(tmp_path / "p.png", history, "torch", args)
+    right = drawn[0].axes[1]
+    assert len(right.lines) == lines
+    if clipping == "flat":
+        assert list(right.lines[0].get_ydata()) == pytest.approx([0.3, 0.6])  # the mean of the two layers

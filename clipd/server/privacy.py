@@ -219,17 +219,17 @@ class Ledgers:
             return
         with self._locked(policy.ledger_id):
             release = len(self.events(policy.ledger_id))
-        if len(taken) >= stream.max_participations or release - taken[-1] < stream.min_separation:
-            self.participation_refusals[policy.ledger_id] += 1
         if len(taken) >= stream.max_participations:
-            raise FailedPrecondition(
-                f"client {client!r} took part in {len(taken)} releases of ledger {policy.ledger_id!r} (releases"
-                f" {taken}); its stream allows at most {stream.max_participations} (max_participations)")
-        if release - taken[-1] < stream.min_separation:
-            raise FailedPrecondition(
-                f"client {client!r} took part in release {taken[-1]} of ledger {policy.ledger_id!r}; this is"
-                f" release {release} and its stream needs {stream.min_separation} between two (min_separation):"
-                f" it may take part again from release {taken[-1] + stream.min_separation}")
+            reason = (f"client {client!r} took part in {len(taken)} releases of ledger {policy.ledger_id!r} (releases"
+                      f" {taken}); its stream allows at most {stream.max_participations} (max_participations)")
+        elif release - taken[-1] < stream.min_separation:
+            reason = (f"client {client!r} took part in release {taken[-1]} of ledger {policy.ledger_id!r}; this is"
+                      f" release {release} and its stream needs {stream.min_separation} between two"
+                      f" (min_separation): it may take part again from release {taken[-1] + stream.min_separation}")
+        else:
+            return
+        self.participation_refusals[policy.ledger_id] += 1
+        raise FailedPrecondition(reason)
 
     # Creation --------------------------------------------------------------------------
     def admit(self, aggregation, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, create) -> float:
