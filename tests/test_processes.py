@@ -17,11 +17,13 @@
 from __future__ import annotations
 
 import doctest
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 import zlib
 
 import grpc
@@ -141,9 +143,11 @@ def test_the_control_process_killed_mid_stream_clients_follow_the_new_placement(
 
 
 def test_a_shard_process_killed_during_start_up(tmp_path):
-    port = free_port()
+    """... the server comes up all the same, and counts the retry as a restart; then clients that go away on the
+    forwarded path (plain streams cancelled after an acknowledgement) each log one INFO line, no traceback."""
+    port, admin_port = free_port(), free_port()
     server = ServerProcess(tmp_path / "data", tmp_path / "jax-cache", port,
-                           args=("--admin-port", "-1", "--processes", "2"))
+                           args=("--admin-port", str(admin_port), "--processes", "2"))
     started = threading.Thread(target=server.start)
     started.start()
     killed = None
@@ -166,8 +170,39 @@ def test_a_shard_process_killed_during_start_up(tmp_path):
                 c.submit(aggregation, [random_batch(client, i, LAYERS, ROWS) for i in range(BATCHES)],
                          client_id=client)
             _check_exact(c.finalize(aggregation), CLIENTS[:2])
+        view = get_json(f"http://127.0.0.1:{admin_port}/api/v1/server")
+        assert view["restarts"] >= 1 and sum(p["restarts"] for p in view["shard_processes"]) == view["restarts"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        assert sum(_metric(metrics, "clipd_shard_process_restarts_total", process=str(i)) for i in (0, 1)) >= 1
+        _clients_go_away_on_the_forwarded_path(f"127.0.0.1:{port}", server)
     finally:
         server.stop()
+
+
+def _clients_go_away_on_the_forwarded_path(target: str, server: ServerProcess, cuts: int = 12) -> None:
+    with Client(target) as c:
+        aggregation = c.create_aggregation({"w": (4,)}, l2_norm_clip=1.0)
+        token = [("authorization", f"Bearer {c.get_aggregation(aggregation).submit_token}")]
+    for i in range(cuts):
+        acknowledged = threading.Event()
+
+        def requests(client=f"gone-{i}"):
+            chunk = wire.tensor_chunk(0, pb.FLOAT32, (1, 4), 0, np.ones(4, np.float32).view(np.uint8))
+            yield wire.submit_request(aggregation, client, 1, [chunk], "w")
+            acknowledged.wait(30)
+            yield wire.submit_request(aggregation, client, 2, [chunk], "w")  # never sent: cancelled first
+        with grpc.insecure_channel(target) as channel:  # the public port: half land on the other process
+            call = channel.stream_stream("/clipd.v1.Clipd/Submit", response_deserializer=pb.SubmitResponse.FromString)(
+                requests(), metadata=token, timeout=30)
+            assert any(response.acknowledged_sequence == 1 for response in call)  # (the first says where to resume)
+            call.cancel()
+            acknowledged.set()
+    wait_until(lambda: server.log().count("went away mid-stream") >= 1, 10,
+               lambda: f"a forwarded client's departure logged: {server.log()[-3000:]}", step=0.1)
+    time.sleep(0.5)  # (what a late traceback would need to reach the log)
+    log = server.log()
+    assert "Exception iterating requests" not in log and "Traceback" not in log, log[-5000:]
 
 
 def test_one_client_spreads_over_four_devices_and_steps_each(tmp_path):
@@ -209,7 +244,7 @@ def behind_shards(tmp_path_factory):
     """Two shard processes (the control in this process) with an admin token: every role boundary crossed."""
     data = tmp_path_factory.mktemp("shards")
     server, port = create_server(Settings(**{**TEST_SETTINGS, "processes": 2, "admin_token": "admin-secret",
-                                             "data_dir": str(data)}))
+                                             "data_dir": str(data), "admin_port": 0}))
     yield server, f"127.0.0.1:{port}"
     server.stop(1.0)
 
@@ -300,3 +335,96 @@ def test_a_silent_stream_on_a_shard_process_is_closed_after_the_idle_timeout(tmp
     finally:
         server.stop(1.0)
 
+
+
+def _admin(server, path: str) -> str:
+    request = urllib.request.Request(f"http://127.0.0.1:{server.admin.port}{path}",
+                                     headers={"Authorization": "Bearer admin-secret"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read().decode()
+
+
+def _metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample of ``/metrics`` text (None: no such sample)."""
+    wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    for line in text.splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_every_shard_process_is_counted_in_metrics_readyz_and_the_server_view(behind_shards):
+    """N streams held open, each on the shard process that owns its shard: /metrics, /readyz and /api/v1/server
+    count N, and say how many each process has; a malformed stream refused by a shard process is counted in the
+    server's refusals and in that process's."""
+    server, target = behind_shards
+    with Client(target, token="admin-secret") as c:
+        c.create_aggregation({"w": (4,)}, l2_norm_clip=1.0, aggregation_id="held-open")
+        created = c.get_aggregation("held-open")
+    token = [("authorization", f"Bearer {created.submit_token}")]
+    endpoints = server.devices.endpoints()
+    clients = [f"held-{i}" for i in range(7)]
+    owners = [shard_process.owner_of(aggregations.shard_of(c, 2), 2) for c in clients]
+    assert set(owners) == {0, 1}
+    release = threading.Event()
+    acknowledged = threading.Semaphore(0)
+    calls = []
+
+    def held(client: str):  # one batch, then nothing until released (the stream stays open)
+        chunk = wire.tensor_chunk(0, pb.FLOAT32, (1, 4), 0, np.ones(4, np.float32).view(np.uint8))
+        yield wire.submit_request("held-open", client, 1, [chunk], "w")
+        release.wait(60)
+
+    channels = [grpc.insecure_channel(endpoints[owner]) for owner in owners]
+    try:
+        for client, channel in zip(clients, channels):
+            call = channel.stream_stream("/clipd.v1.Clipd/Submit", response_deserializer=pb.SubmitResponse.FromString)(
+                held(client), metadata=token, timeout=60)
+            calls.append(call)
+            threading.Thread(target=lambda call=call: (next(call), acknowledged.release()), daemon=True).start()
+        for _ in clients:
+            assert acknowledged.acquire(timeout=30)
+        per_process = {i: owners.count(i) for i in (0, 1)}
+
+        def counted() -> bool:
+            view = json.loads(_admin(server, "/api/v1/server"))
+            return view["streams"]["active"] == len(clients) and all(
+                p["streams"] and p["streams"]["active"] == per_process[p["index"]] for p in view["shard_processes"])
+
+        wait_until(counted, 10, lambda: f"{len(clients)} streams counted: {_admin(server, '/api/v1/server')}",
+                   step=0.1)
+        metrics = _admin(server, "/metrics")
+        assert _metric(metrics, "clipd_active_streams") == len(clients)
+        for index, count in per_process.items():
+            assert _metric(metrics, "clipd_shard_process_active_streams", process=str(index)) == count
+            assert _metric(metrics, "clipd_shard_process_up", process=str(index)) == 1
+        limit = _metric(metrics, "clipd_stream_limit")
+        assert limit == 2 * server.settings.max_streams
+        ready = json.loads(_admin(server, "/readyz"))
+        assert ready["streams"] == {"active": len(clients), "limit": limit}
+        assert [p["streams"]["active"] for p in ready["processes"]] == [per_process[0], per_process[1]]
+    finally:
+        release.set()
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+
+    def rejected(text: str, **labels) -> float:
+        return _metric(text, "clipd_rejected_requests_total", code="INVALID_ARGUMENT") or 0.0 if not labels else \
+            _metric(text, "clipd_shard_process_rejected_requests_total", code="INVALID_ARGUMENT", **labels) or 0.0
+
+    before = _admin(server, "/metrics")
+    with grpc.insecure_channel(endpoints[1]) as channel:  # bytes that are no SubmitRequest, to shard process 1
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as e:
+                list(channel.stream_stream("/clipd.v1.Clipd/Submit")(iter([b"\xff\xff"]), metadata=token,
+                                                                     timeout=30))
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    wait_until(lambda: rejected(_admin(server, "/metrics")) == rejected(before) + 3, 10,
+               lambda: f"3 more INVALID_ARGUMENT refusals counted in: {_admin(server, '/metrics')}", step=0.1)
+    after = _admin(server, "/metrics")
+    assert rejected(after, process="1") == rejected(before, process="1") + 3
+    assert rejected(after, process="0") == rejected(before, process="0")
+    view = json.loads(_admin(server, "/api/v1/server"))
+    assert view["rejections"]["INVALID_ARGUMENT"] == rejected(after)

@@ -36,6 +36,7 @@ from clipd.server.shards.forward import reserve_port
 from clipd.server.shards.local import Devices
 from clipd.server.stores import open_store
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
+from clipd.v1 import shard_host_pb2 as host_pb
 
 if TYPE_CHECKING:  # imported where they are used: FastAPI, the shard processes (and Ray) load only when asked for
     from clipd.server.admin.app import AdminServer
@@ -48,6 +49,8 @@ class ServerSnapshot:
     the admin app reads this, its aggregations (``registry``), ledgers and lifecycle, nothing else of it."""
 
     serving: bool
+    started_unix_seconds: float  # when this server started
+    # Summed over every process that receives: this one, or its shard processes (or Ray shard hosts).
     active_streams: int
     stream_limit: int
     refused_streams: int
@@ -55,17 +58,56 @@ class ServerSnapshot:
     buffer_limit: int
     refused_batches: int
     rejections: dict[str, int]  # gRPC status name -> requests refused with it
+    participation_refusals: dict[str, int]  # ledger id -> clients refused by its stream's participation
     queue_depth: int
     queued_bytes: int
     device_kind: str  # what the devices are ("cpu", a GPU's name)
     devices: list[dict]  # each device at work: id, kind, platform, steps, ...
-    shard_processes: list[dict]  # shard processes or Ray shard hosts, each with the calls it forwarded here
+    # Shard processes or Ray shard hosts, each with the calls it forwarded here and its own load (streams, buffers,
+    # refusals: None until its first statistics) and restarts (start-up retries included).
+    shard_processes: list[dict]
     payload_bytes_received: int  # Submit payload this process received itself
     shard_payload_bytes: int | None  # ... and, with shard processes or hosts, what they received
 
     @property
     def streams_saturated(self) -> bool:
         return self.active_streams >= self.stream_limit
+
+    @property
+    def restarts(self) -> int:
+        """Restarts of every shard process or host (0 without them)."""
+        return sum(p["restarts"] for p in self.shard_processes)
+
+
+def sum_loads(loads: list[host_pb.Load]) -> host_pb.Load:
+    """Processes' loads added up, field by field (the refusal maps key by key).
+
+    >>> total = sum_loads([host_pb.Load(active_streams=2, rejections={"INVALID_ARGUMENT": 1}),
+    ...                    host_pb.Load(active_streams=3, rejections={"INVALID_ARGUMENT": 4, "UNAVAILABLE": 1})])
+    >>> total.active_streams, dict(sorted(total.rejections.items()))
+    (5, {'INVALID_ARGUMENT': 5, 'UNAVAILABLE': 1})
+    """
+    total = host_pb.Load()
+    for load in loads:
+        for field in ("active_streams", "stream_limit", "refused_streams", "buffered_bytes", "buffer_limit",
+                      "refused_batches"):
+            setattr(total, field, getattr(total, field) + getattr(load, field))
+        for name in ("rejections", "participation_refusals"):
+            into = getattr(total, name)
+            for key, count in getattr(load, name).items():
+                into[key] += count
+    return total
+
+
+def describe_load(load: host_pb.Load | None) -> dict:
+    """A shard process's load as the admin API shows it; every value None until it reported (``load`` None)."""
+    if load is None:
+        return {"streams": None, "buffered_bytes": None, "refused_batches": None, "rejections": None,
+                "participation_refusals": None}
+    return {"streams": {"active": load.active_streams, "limit": load.stream_limit, "refused": load.refused_streams},
+            "buffered_bytes": {"used": load.buffered_bytes, "limit": load.buffer_limit},
+            "refused_batches": load.refused_batches, "rejections": dict(sorted(load.rejections.items())),
+            "participation_refusals": dict(sorted(load.participation_refusals.items()))}
 
 
 class ClipdServer:
@@ -78,6 +120,7 @@ class ClipdServer:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.started = time.time()
         if settings.compilation_cache_dir:
             import jax
 
@@ -186,13 +229,28 @@ class ClipdServer:
     def snapshot(self) -> ServerSnapshot:
         """What the admin API shows of this server now."""
         slots, budget, servicer = self.servicer.stream_slots, self.servicer.budget, self.servicer
-        processes = self._shard_processes.describe_processes() if self.data_plane_elsewhere else []
-        for process in processes:
-            process["calls"] = self.guard.forwarded.get(str(process["index"]), 0)
+        own = host_pb.Load(active_streams=slots.active, stream_limit=slots.limit, refused_streams=slots.refused,
+                           buffered_bytes=budget.used, buffer_limit=budget.limit, refused_batches=budget.refused,
+                           rejections=servicer.rejections,
+                           participation_refusals=self.ledgers.participation_refusals)
+        processes: list[dict] = []
+        loads = [own]
+        if self.data_plane_elsewhere:  # they take the Submit streams: their slots and buffers, not this process's
+            own.stream_limit = own.buffer_limit = 0
+            seen = self._shard_processes.loads()
+            processes = self._shard_processes.describe_processes()
+            for process in processes:
+                load = seen.get(process["index"])
+                process["calls"] = self.guard.forwarded.get(str(process["index"]), 0)
+                process.update(describe_load(load))
+                loads.append(load or host_pb.Load())
+        total = sum_loads(loads)
         return ServerSnapshot(
-            serving=self.serving, active_streams=slots.active, stream_limit=slots.limit,
-            refused_streams=slots.refused, buffered_bytes=budget.used, buffer_limit=budget.limit,
-            refused_batches=budget.refused, rejections=dict(servicer.rejections),
+            serving=self.serving, started_unix_seconds=self.started, active_streams=total.active_streams,
+            stream_limit=total.stream_limit, refused_streams=total.refused_streams,
+            buffered_bytes=total.buffered_bytes, buffer_limit=total.buffer_limit,
+            refused_batches=total.refused_batches, rejections=dict(total.rejections),
+            participation_refusals=dict(total.participation_refusals),
             queue_depth=self.devices.queue_depth, queued_bytes=self.devices.queued_bytes,
             device_kind=self.devices.device_kind, devices=self.devices.describe(), shard_processes=processes,
             payload_bytes_received=servicer.payload_bytes,

@@ -87,7 +87,7 @@ class Device(_message.Message):
     def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., platform: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("aggregations", "devices", "queued_bytes", "queue_depth", "payload_bytes")
+    __slots__ = ("aggregations", "devices", "queued_bytes", "queue_depth", "payload_bytes", "load")
     class AggregationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,12 +100,48 @@ class StatsResponse(_message.Message):
     QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     aggregations: _containers.MessageMap[str, AggregationStats]
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     queued_bytes: int
     queue_depth: int
     payload_bytes: int
-    def __init__(self, aggregations: _Optional[_Mapping[str, AggregationStats]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., queued_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    load: Load
+    def __init__(self, aggregations: _Optional[_Mapping[str, AggregationStats]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., queued_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("active_streams", "stream_limit", "refused_streams", "buffered_bytes", "buffer_limit", "refused_batches", "rejections", "participation_refusals")
+    class RejectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ParticipationRefusalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPATION_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    active_streams: int
+    stream_limit: int
+    refused_streams: int
+    buffered_bytes: int
+    buffer_limit: int
+    refused_batches: int
+    rejections: _containers.ScalarMap[str, int]
+    participation_refusals: _containers.ScalarMap[str, int]
+    def __init__(self, active_streams: _Optional[int] = ..., stream_limit: _Optional[int] = ..., refused_streams: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., buffer_limit: _Optional[int] = ..., refused_batches: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., participation_refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ForgetRequest(_message.Message):
     __slots__ = ("aggregation_id",)

@@ -8,6 +8,7 @@ import math
 import pathlib
 import socket
 import threading
+import time
 import urllib.parse
 from typing import Annotated, Any
 
@@ -126,9 +127,11 @@ def _full_view(aggregation: Aggregation, stats: Stats) -> dict[str, Any]:
     }
 
 
-def _ledger_view(ledger: dict) -> dict[str, Any]:
+def _ledger_view(ledger: dict, participation_refusals: dict[str, int]) -> dict[str, Any]:
+    """A ledger's JSON view; ``participation_refusals``: every process's, by ledger (the server snapshot's)."""
     entries = [{**e, "epsilon_after": _json_float(e["epsilon_after"])} for e in ledger["entries"]]
-    return {**{k: _json_float(v) if isinstance(v, float) else v for k, v in ledger.items()}, "entries": entries}
+    return {**{k: _json_float(v) if isinstance(v, float) else v for k, v in ledger.items()}, "entries": entries,
+            "participation_refusals": participation_refusals.get(ledger["ledger_id"], 0)}
 
 
 def _json_float(x: float) -> float | str:
@@ -173,27 +176,34 @@ class _SnapshotCollector:
                 norms.add_metric([a, layer.name], _cumulative(layer.norm_histogram, stats.bucket_upper_bounds),
                                  sum_value=_ratio_sum(layer, stats))
         yield from (examples, batches, received, non_finite, clipped, bound, norms, rate)
-        yield from _privacy_metrics(server, private)
+        snapshot = server.snapshot()
+        yield from _privacy_metrics(server, private, snapshot.participation_refusals)
         states = GaugeMetricFamily("clipd_aggregations", "Aggregations by state.", labels=["state"])
         for state in sorted({s.state.value for _, s in views}):
             states.add_metric([state], sum(s.state.value == state for _, s in views))
         yield states
-        snapshot = server.snapshot()
         rejected = CounterMetricFamily("clipd_rejected_requests", "Requests refused, by gRPC status.",
                                        labels=["code"])
         for code, count in sorted(snapshot.rejections.items()):
             rejected.add_metric([code], count)
         yield rejected
-        yield GaugeMetricFamily("clipd_active_streams", "Submit streams open.", value=snapshot.active_streams)
-        yield GaugeMetricFamily("clipd_stream_limit", "Submit streams allowed at once.", value=snapshot.stream_limit)
-        yield CounterMetricFamily("clipd_refused_streams", "Submit streams refused: every slot taken.",
+        yield GaugeMetricFamily("clipd_active_streams", "Submit streams open (every process).",
+                                value=snapshot.active_streams)
+        yield GaugeMetricFamily("clipd_stream_limit", "Submit streams allowed at once (every process).",
+                                value=snapshot.stream_limit)
+        yield CounterMetricFamily("clipd_refused_streams", "Submit streams refused: every slot taken (every process).",
                                   value=snapshot.refused_streams)
-        yield GaugeMetricFamily("clipd_buffered_bytes", "Bytes of partly received and queued batches.",
+        yield GaugeMetricFamily("clipd_buffered_bytes", "Bytes of partly received and queued batches (every process).",
                                 value=snapshot.buffered_bytes)
         yield GaugeMetricFamily("clipd_buffer_limit_bytes", "The limit of clipd_buffered_bytes.",
                                 value=snapshot.buffer_limit)
-        yield CounterMetricFamily("clipd_refused_batches", "Batches refused: the buffer stayed full.",
+        yield CounterMetricFamily("clipd_refused_batches", "Batches refused: the buffer stayed full (every process).",
                                   value=snapshot.refused_batches)
+        yield GaugeMetricFamily("clipd_start_time_seconds", "When the server started (unix time).",
+                                value=snapshot.started_unix_seconds)
+        yield GaugeMetricFamily("clipd_uptime_seconds", "Seconds since the server started.",
+                                value=max(0.0, time.time() - snapshot.started_unix_seconds))
+        yield from _process_metrics(snapshot.shard_processes)
         yield GaugeMetricFamily("clipd_queue_depth", "Items waiting for the device worker.",
                                 value=snapshot.queue_depth)
         yield GaugeMetricFamily("clipd_queued_bytes", "Batch bytes waiting for the device.",
@@ -207,7 +217,40 @@ class _SnapshotCollector:
         yield steps
 
 
-def _privacy_metrics(server, private):
+def _process_metrics(processes: list[dict]):
+    """Each shard process's (or Ray shard host's) share of the server's totals, and its restarts; the families
+    are there, empty, without them."""
+    labels = ["process"]
+    up = GaugeMetricFamily("clipd_shard_process_up", "1: the shard process is alive and serving.", labels=labels)
+    restarts = CounterMetricFamily("clipd_shard_process_restarts",
+                                   "Times a shard process was started again (after it exited, or a failed start).",
+                                   labels=labels)
+    streams = GaugeMetricFamily("clipd_shard_process_active_streams", "Submit streams open on a shard process.",
+                                labels=labels)
+    limit = GaugeMetricFamily("clipd_shard_process_stream_limit", "Submit streams a shard process allows at once.",
+                              labels=labels)
+    refused = CounterMetricFamily("clipd_shard_process_refused_streams",
+                                  "Submit streams a shard process refused: every slot taken.", labels=labels)
+    buffered = GaugeMetricFamily("clipd_shard_process_buffered_bytes",
+                                 "Bytes of partly received and queued batches on a shard process.", labels=labels)
+    rejected = CounterMetricFamily("clipd_shard_process_rejected_requests",
+                                   "Requests a shard process refused, by gRPC status.", labels=["process", "code"])
+    for process in processes:
+        index = [str(process["index"])]
+        up.add_metric(index, int(bool(process["alive"] and process["serving"])))
+        restarts.add_metric(index, process["restarts"])
+        if process.get("streams") is None:  # no statistics from it yet
+            continue
+        streams.add_metric(index, process["streams"]["active"])
+        limit.add_metric(index, process["streams"]["limit"])
+        refused.add_metric(index, process["streams"]["refused"])
+        buffered.add_metric(index, process["buffered_bytes"]["used"])
+        for code, count in process["rejections"].items():
+            rejected.add_metric([*index, code], count)
+    yield from (up, restarts, streams, limit, refused, buffered, rejected)
+
+
+def _privacy_metrics(server, private, participation_refusals: dict[str, int]):
     """Released (noised) statistics of private aggregations, debug flags, and each ledger's epsilon."""
     released = GaugeMetricFamily("clipd_released_examples", "Noised count of a private release.",
                                  labels=["aggregation", "ledger"])
@@ -240,8 +283,9 @@ def _privacy_metrics(server, private):
                                      "What a correlated noise stream's state takes in the store.",
                                      labels=["ledger", "mechanism"])
     refused = CounterMetricFamily("clipd_ledger_participation_refusals",
-                                  "Clients this process refused because its ledger's stream does not let them take"
-                                  " part in the release (min_separation, max_participations).", labels=["ledger"])
+                                  "Clients refused (by any process) because the ledger's stream does not let them"
+                                  " take part in the release (min_separation, max_participations).",
+                                  labels=["ledger"])
     for ledger_id in server.ledgers.ledger_ids():
         ledger = server.ledgers.describe(ledger_id)
         epsilon.add_metric([ledger_id], ledger["epsilon"])
@@ -250,7 +294,7 @@ def _privacy_metrics(server, private):
         if ledger["stream"] is not None:
             stream_left.add_metric([ledger_id, ledger["mechanism"]], ledger["stream"]["left"])
             stream_bytes.add_metric([ledger_id, ledger["mechanism"]], ledger["stream"]["state_bytes"])
-            refused.add_metric([ledger_id], ledger["participation_refusals"])
+            refused.add_metric([ledger_id], participation_refusals.get(ledger_id, 0))
     yield from (epsilon, left, releases, stream_left, stream_bytes, refused)
 
 
@@ -318,7 +362,9 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
             reasons.append(f"all {snapshot.stream_limit} Submit stream slots are taken")
         body = {"ready": not reasons, "reasons": reasons,
                 "streams": {"active": snapshot.active_streams, "limit": snapshot.stream_limit},
-                "buffered_bytes": {"used": snapshot.buffered_bytes, "limit": snapshot.buffer_limit}}
+                "buffered_bytes": {"used": snapshot.buffered_bytes, "limit": snapshot.buffer_limit},
+                "processes": [{"index": p["index"], "serving": p["serving"], "streams": p["streams"],
+                               "buffered_bytes": p["buffered_bytes"]} for p in snapshot.shard_processes]}
         return JSONResponse(body, status_code=503 if reasons else 200)
 
     @app.get("/login", include_in_schema=False)
@@ -362,25 +408,37 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
 
     @app.get("/api/v1/server")
     def server_view(_: Reader) -> dict[str, Any]:
-        """The devices in use (a device worker each) and the clip-and-sum steps each has run; the shard processes
-        (``--processes``) or Ray shard hosts (``--ray``), with the calls each forwarded to this process; the
-        Submit payload bytes this process received itself (0 with shard processes or hosts: they receive them)
-        and, with those, the payload bytes they received."""
+        """The whole server: its uptime; Submit streams, buffered bytes and refusals summed over every process
+        that receives (this one, or its shard processes); the devices in use (a device worker each) and the
+        clip-and-sum steps each has run; the shard processes (``--processes``) or Ray shard hosts (``--ray``),
+        each with its own streams, buffers, refusals, restarts (start-up retries included) and the calls it
+        forwarded to this process; the Submit payload bytes this process received itself (0 with shard
+        processes or hosts: they receive them) and, with those, the payload bytes they received."""
         snapshot = server.snapshot()
-        return {"devices": snapshot.devices, "shard_processes": snapshot.shard_processes,
+        return {"serving": snapshot.serving, "started_unix_seconds": snapshot.started_unix_seconds,
+                "uptime_seconds": max(0.0, time.time() - snapshot.started_unix_seconds),
+                "streams": {"active": snapshot.active_streams, "limit": snapshot.stream_limit,
+                            "refused": snapshot.refused_streams},
+                "buffered_bytes": {"used": snapshot.buffered_bytes, "limit": snapshot.buffer_limit},
+                "refused_batches": snapshot.refused_batches, "rejections": dict(sorted(snapshot.rejections.items())),
+                "participation_refusals": dict(sorted(snapshot.participation_refusals.items())),
+                "queue_depth": snapshot.queue_depth, "queued_bytes": snapshot.queued_bytes,
+                "device_kind": snapshot.device_kind, "devices": snapshot.devices,
+                "restarts": snapshot.restarts, "shard_processes": snapshot.shard_processes,
                 "payload_bytes_received": snapshot.payload_bytes_received,
                 "shard_payload_bytes": snapshot.shard_payload_bytes}
 
     @app.get("/api/v1/ledgers")
     def list_ledgers(_: Reader) -> dict[str, Any]:
-        return {"ledgers": [_ledger_view(server.ledgers.describe(i)) for i in server.ledgers.ledger_ids()]}
+        refusals = server.snapshot().participation_refusals
+        return {"ledgers": [_ledger_view(server.ledgers.describe(i), refusals) for i in server.ledgers.ledger_ids()]}
 
     @app.get("/api/v1/ledgers/{ledger_id}")
     def get_ledger(_: Reader, ledger_id: str) -> dict[str, Any]:
         ledger = server.ledgers.describe(ledger_id)
         if ledger is None:
             raise HTTPException(404, f"no ledger {ledger_id!r}")
-        return _ledger_view(ledger)
+        return _ledger_view(ledger, server.snapshot().participation_refusals)
 
     @app.get("/metrics")
     def metrics(_: Reader) -> Response:

@@ -250,8 +250,9 @@ class ShardProcess:
         self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
                                settings.warmup_timeout, process=(index, self.count))
         self.registry = _ShardRegistry(self.store, self._open_from_store)
+        self.ledgers = Ledgers(self.store)
         self.servicer = ClipdServicer(settings, Lifecycle(settings, self.registry, self.devices, self.store,
-                                                          Ledgers(self.store)),
+                                                          self.ledgers),
                                       SubmitTokens(self.store.submit_token_key()))
         self.servicer.prepare_receive_buffers(self.devices)
         limit = settings.max_message_bytes + (1 << 16)
@@ -417,7 +418,7 @@ class ShardProcess:
         """Each named open aggregation's statistics, per shard of this process; this process's devices."""
         answer = host_pb.StatsResponse(
             devices=[host_pb.Device(**d) for d in self.devices.describe()], queued_bytes=self.devices.queued_bytes,
-            queue_depth=self.devices.queue_depth, payload_bytes=self.servicer.payload_bytes)
+            queue_depth=self.devices.queue_depth, payload_bytes=self.servicer.payload_bytes, load=self.load())
         wanted = set(request.aggregation_ids)
         for aggregation in self.registry.all():
             if aggregation.id not in wanted:
@@ -427,6 +428,14 @@ class ShardProcess:
                 found.shards[k].CopyFrom(stats_to_proto(state))
             found.failure_reason = aggregation.failure_reason if aggregation.state is State.FAILED else ""
         return answer
+
+    def load(self) -> host_pb.Load:
+        """This process's Submit streams, buffers and refusals (the control sums them with its own)."""
+        slots, budget = self.servicer.stream_slots, self.servicer.budget
+        return host_pb.Load(active_streams=slots.active, stream_limit=slots.limit, refused_streams=slots.refused,
+                            buffered_bytes=budget.used, buffer_limit=budget.limit, refused_batches=budget.refused,
+                            rejections=dict(self.servicer.rejections),
+                            participation_refusals=dict(self.ledgers.participation_refusals))
 
     def _forget(self, request: host_pb.ForgetRequest) -> host_pb.ForgetResponse:
         with contextlib.suppress(NotFound):
@@ -591,10 +600,13 @@ class ShardProcesses:
                                   daemon=True)
         reader.start()
         reader.join(timeout)
+        failed = not answer or not answer[0].startswith("ready ")
         with self._lock:
             self._processes[index] = process
             stopping = self._stopping.is_set()
-        if stopping or not answer or not answer[0].startswith("ready "):
+            if failed and not stopping:
+                self.restarts[index] += 1  # a start-up retry is a restart too
+        if stopping or failed:
             with contextlib.suppress(OSError):
                 process.kill()
             process.wait()
@@ -643,6 +655,8 @@ class ShardProcesses:
             with contextlib.suppress(OSError):
                 process.kill()
             process.wait()
+        with self._lock:
+            self.restarts[index] += 1  # it starts again
         return False
 
     def start(self, registry: Registry) -> ShardProcesses:
@@ -805,6 +819,10 @@ class ShardProcesses:
         """Submit payload bytes the shard processes received (as of their last statistics)."""
         return sum(a.payload_bytes for a in self._seen.values())
 
+    def loads(self) -> dict[int, host_pb.Load]:
+        """Each shard process's streams, buffers and refusals, as of its last statistics (absent until then)."""
+        return {index: answer.load for index, answer in self._seen.items()}
+
     # The server ----------------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
@@ -832,7 +850,8 @@ class ShardProcesses:
     def describe_processes(self) -> list[dict]:
         with self._lock:
             return [{"index": i, "pid": p.pid if p else None, "alive": bool(p and p.poll() is None),
-                     "serving": self._served[i], "restarts": self.restarts[i], "endpoint": e}
+                     "serving": self._served[i], "restarts": self.restarts[i], "endpoint": e,
+                     "payload_bytes": self._seen[i].payload_bytes if i in self._seen else None}
                     for i, (p, e) in enumerate(zip(self._processes, self.endpoints()))]
 
     def stop(self, timeout: float | None = None) -> None:

@@ -186,7 +186,9 @@ class RayShardHosts(ShardProcesses):
     def describe_processes(self) -> list[dict]:
         with self._lock:
             return [{"index": i, "pid": self._pids[i], "alive": self._served[i], "serving": self._served[i],
-                     "restarts": self.restarts[i], "endpoint": self._endpoints[i]} for i in range(self.count)]
+                     "restarts": self.restarts[i], "endpoint": self._endpoints[i],
+                     "payload_bytes": self._seen[i].payload_bytes if i in self._seen else None}
+                    for i in range(self.count)]
 
     def stop(self, timeout: float | None = None) -> None:
         self._stopping.set()
