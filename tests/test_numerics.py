@@ -16,12 +16,12 @@ from clipd.engine import ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine._accumulator import _accumulate
 from clipd.server.shards.worker import FLUSH_STEPS
 
-N_EXAMPLES = 10_000_000
+N_EXAMPLES = 4_000_000  # a single float32 state drifts past 1e-4 by here (2.4e-4 on its norm sum)
 WIDTH = 8
 CLIP = 2.0
 
 
-def test_ten_million_one_row_steps_stay_within_1e5_of_float64():
+def test_four_million_one_row_steps_stay_within_1e5_of_float64():
     layers = (LayerSpec("w", (WIDTH,)),)
     acc = ClipAccumulator(layers, ClipPolicy(l2_norm_clip=CLIP))
 

@@ -187,7 +187,7 @@ def _clients_go_away_on_the_forwarded_path(target: str, server: ServerProcess, c
     for i in range(cuts):
         acknowledged = threading.Event()
 
-        def requests(client=f"gone-{i}"):
+        def requests(client=f"gone-{i}", acknowledged=acknowledged):
             chunk = wire.tensor_chunk(0, pb.FLOAT32, (1, 4), 0, np.ones(4, np.float32).view(np.uint8))
             yield wire.submit_request(aggregation, client, 1, [chunk], "w")
             acknowledged.wait(30)
