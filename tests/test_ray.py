@@ -156,6 +156,10 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
                         message_bytes=1 << 10, **credentials):
             for _ in clients:
                 assert started.acquire(timeout=60)
+            # The server counts the hosts' streams (each client's, on the host of its shard) and their slots.
+            wait_until(lambda: (server.snapshot().active_streams, server.snapshot().stream_limit)
+                       == (len(clients), 2 * settings.max_streams), 15,
+                       lambda: f"{len(clients)} streams and 2 hosts' slots counted: {server.snapshot()}", step=0.1)
             victim = server.devices.describe_processes()[0]
             os.kill(victim["pid"], signal.SIGKILL)  # Ray restarts it; it opens the aggregation from the store
         with Client(target, **credentials) as c:
