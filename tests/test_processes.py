@@ -393,6 +393,8 @@ def test_every_shard_process_is_counted_in_metrics_readyz_and_the_server_view(be
 
         wait_until(counted, 10, lambda: f"{len(clients)} streams counted: {_admin(server, '/api/v1/server')}",
                    step=0.1)
+        wait_until(lambda: json.loads(_admin(server, "/api/v1/aggregations/held-open"))["clients"] == len(clients),
+                   10, lambda: f"{len(clients)} clients: {_admin(server, '/api/v1/aggregations/held-open')}", step=0.1)
         metrics = _admin(server, "/metrics")
         assert _metric(metrics, "clipd_active_streams") == len(clients)
         for index, count in per_process.items():
@@ -428,3 +430,27 @@ def test_every_shard_process_is_counted_in_metrics_readyz_and_the_server_view(be
     assert rejected(after, process="0") == rejected(before, process="0")
     view = json.loads(_admin(server, "/api/v1/server"))
     assert view["rejections"]["INVALID_ARGUMENT"] == rejected(after)
+
+
+def test_the_dashboard_signed_in_shows_each_shard_process(behind_shards, tmp_path):
+    """A real browser signs in through the login form (the token posted to /login: a session cookie) and the
+    dashboard's server panel shows each shard process as /api/v1/server has it."""
+    from test_dashboard import Dom, chromium_flags
+
+    server, _ = behind_shards
+    base = f"http://127.0.0.1:{server.admin.port}"
+    sign_in = ("data:text/html,<form method=post action='" + base + "/login'>"
+               "<input name=token value=admin-secret></form><script>document.forms[0].submit()</script>")
+    page = subprocess.run([*chromium_flags(tmp_path / "profile"), "--dump-dom", sign_in], capture_output=True,
+                          text=True, timeout=120).stdout
+    api = json.loads(_admin(server, "/api/v1/server"))
+    panel = Dom(page).root.one(id="server")
+    assert len(api["shard_processes"]) == 2
+    for process in api["shard_processes"]:
+        row = panel.one(data_process=str(process["index"]))
+        for column in ("restarts", "streams.limit", "pid"):
+            value = process
+            for key in column.split("."):
+                value = value[key]
+            assert row.one(data_col=column).attrs["data-value"] == str(value), (column, row.attrs)
+    assert float(panel.one(data_server="streams.limit").attrs["data-value"]) == api["streams"]["limit"]

@@ -29,6 +29,8 @@ from clipd.server.sequences import ClientSequences
 from clipd.server.settings import DELTA_BYTES_PER_PARAMETER, TOTALS_BYTES_PER_PARAMETER
 from clipd.wire import shard_of
 
+THROUGHPUT_SECONDS = 240  # the throughput series keeps the last 240 seconds in which examples arrived
+
 
 class State(str, enum.Enum):
     WARMING_UP = "warming_up"
@@ -88,6 +90,7 @@ class Stats:
     failure_reason: str = ""
     privacy_notice: str = ""  # under a privacy policy: why the numbers are withheld, or that they are raw
     release: dict | None = None  # under a privacy policy, once released: the proto Release's fields
+    clients: int = 0  # distinct clients with batches in it (spread streams of one client count once)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +219,12 @@ class Aggregation:
         self._device_stats: list = [None] * shards  # per shard: statistics of its device delta since its flush
         self._updated = self.created
         self._rates: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        # The throughput series (:meth:`throughput`): (unix second, examples at its end) of each second in which
+        # examples arrived, the last THROUGHPUT_SECONDS of them; and the examples before its first second.
+        self._series: collections.deque[tuple[int, int]] = collections.deque(maxlen=THROUGHPUT_SECONDS)
+        self._series_base = self._examples
+        self._series_truncated = False  # older seconds dropped out
+        self._observed_clients = 0  # the control process of shard processes: the clients they have seen
         self.result: Result | None = None
         self.released_sums: tuple[np.ndarray, ...] = ()
         self._finalize_lock = threading.Lock()
@@ -425,6 +434,7 @@ class Aggregation:
             self._updated = now
             if not self._rates or now - self._rates[-1][0] >= 0.25:  # 64 samples cover >= 16 s
                 self._rates.append((now, self._examples))
+            self._sample_locked(now)
             self.cond.notify_all()
 
     def flushed(self, totals: PartialState, shard: int = 0) -> None:
@@ -433,11 +443,13 @@ class Aggregation:
             self.shard_totals[shard] = totals
             self._device_stats[shard] = None
 
-    def observe(self, states: dict[int, PartialState]) -> None:
-        """The control process of shard processes: their shards' totals as of now (for the statistics)."""
+    def observe(self, states: dict[int, PartialState], clients: int = 0) -> None:
+        """The control process of shard processes: their shards' totals as of now (for the statistics), and the
+        clients they have seen (summed over them)."""
         with self.cond:
             if self._state not in (*TAKES_BATCHES, State.FINALIZING):
                 return
+            self._observed_clients = clients
             for shard, state in states.items():
                 self.shard_totals[shard] = state
             self._examples = sum(s.examples for s in self.shard_totals)  # the counts only: no sums are added
@@ -446,6 +458,7 @@ class Aggregation:
             now = self._updated = time.time()
             if not self._rates or now - self._rates[-1][0] >= 0.25:
                 self._rates.append((now, self._examples))
+            self._sample_locked(now)
             self.cond.notify_all()
 
     def mark_durable(self, clients: Mapping[str, tuple[int, str]]) -> None:
@@ -529,6 +542,7 @@ class Aggregation:
                     self.release, self.released_sums = released.fields, released.sums
                 self.shard_totals = list(shard_totals)
                 self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
+                self._sample_locked(time.time())
                 self._device_stats = [None] * self.shards
                 self.mark_durable(totals.clients)
                 self._move_locked(State.FINALIZED)
@@ -635,7 +649,50 @@ class Aggregation:
             updated_unix_seconds=self._updated,
             examples_per_second=self._rate(),
             failure_reason=self.failure_reason,
+            clients=max(self._sequences.submitted(t.clients), self._observed_clients),
         )
+
+    def submitted_clients(self) -> int:
+        """Distinct clients with batches in it: accepted here, or in a shard's totals (spread streams of one client
+        count once)."""
+        with self.cond:
+            marks = [c for k in range(self.shards) for c in self._live_locked(k).clients]
+            return max(self._sequences.submitted(marks), self._observed_clients)
+
+    def _sample_locked(self, now: float) -> None:
+        """Notes the examples so far in the throughput series: the current second's point moves, or a new second
+        (one in which examples arrived) is added; the oldest drops out once THROUGHPUT_SECONDS are kept."""
+        second = int(now)
+        if self._series and second <= self._series[-1][0]:  # the same second (or the clock stepped back)
+            self._series[-1] = (self._series[-1][0], self._examples)
+        elif self._examples != (self._series[-1][1] if self._series else self._series_base):
+            if len(self._series) == self._series.maxlen:
+                self._series_base, self._series_truncated = self._series[0][1], True
+            self._series.append((second, self._examples))
+
+    def throughput(self) -> tuple[list[tuple[int, int]], bool]:
+        """Examples per second, second by second: ``([(unix second, examples summed in it), ...], truncated)``.
+
+        Read from the series that the worker's :meth:`record` (or, with shard processes, :meth:`observe`) keeps:
+        the seconds in which examples arrived (the last THROUGHPUT_SECONDS of them), with a 0 on each side of
+        an idle gap, and, unless older seconds dropped out (``truncated``), a 0 the second before the first.
+        The same on every read until more examples arrive; raw data (see :attr:`withheld`).
+        """
+        with self.cond:
+            series, base = list(self._series), self._series_base
+            truncated = self._series_truncated
+        points: list[tuple[int, int]] = []
+        if series and not truncated:
+            points.append((series[0][0] - 1, 0))
+        last_second, last = None, base
+        for second, examples in series:
+            if last_second is not None and second - last_second > 1:
+                points.append((last_second + 1, 0))
+                if second - last_second > 2:
+                    points.append((second - 1, 0))
+            points.append((second, examples - last))
+            last_second, last = second, examples
+        return points, truncated
 
     def _layer_bounds(self) -> list[float]:
         """Each layer's bound (the global C for every layer of a GLOBAL policy)."""

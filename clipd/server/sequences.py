@@ -25,7 +25,8 @@ every call.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterable, Mapping
 
 from clipd.server.errors import FailedPrecondition, ResourceExhausted
 from clipd.wire import SPREAD_MARK
@@ -150,3 +151,8 @@ class ClientSequences:
     def clients(self) -> int:
         """Clients known (spread streams of one client count once)."""
         return len(self._ids_per_client)
+
+    def submitted(self, marks: Iterable[str] = ()) -> int:
+        """Clients with a batch accepted, with those of ``marks`` (a partial state's clients: what a checkpoint
+        or a shard holds); spread streams of one client count once."""
+        return len({client_of(c) for c in itertools.chain(self._accepted, marks)})

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63lipd/v1/shard_host.proto\x12\x11\x63lipd.internal.v1\"%\n\x0bOpenRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\"\x1d\n\x0cOpenResponse\x12\r\n\x05state\x18\x01 \x01(\t\"@\n\rFinishRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\" \n\x0e\x46inishResponse\x12\x0e\n\x06shards\x18\x01 \x03(\x05\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x61ggregation_ids\x18\x01 \x03(\t\"\xc0\x01\n\nShardStats\x12\x10\n\x08\x65xamples\x18\x01 \x01(\x03\x12\x12\n\nnon_finite\x18\x02 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x63lip_counts\x18\x05 \x03(\x03\x12\x18\n\x10layer_histograms\x18\x06 \x03(\x03\x12\x19\n\x11\x65xample_histogram\x18\x07 \x03(\x03\x12\x10\n\x08norm_sum\x18\x08 \x03(\x01\x12\x10\n\x08norm_max\x18\t \x03(\x01\"\xb9\x01\n\x10\x41ggregationStats\x12?\n\x06shards\x18\x01 \x03(\x0b\x32/.clipd.internal.v1.AggregationStats.ShardsEntry\x12\x16\n\x0e\x66\x61ilure_reason\x18\x02 \x01(\t\x1aL\n\x0bShardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.clipd.internal.v1.ShardStats:\x02\x38\x01\"C\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\r\n\x05steps\x18\x04 \x01(\x03\"\xc8\x02\n\rStatsResponse\x12H\n\x0c\x61ggregations\x18\x01 \x03(\x0b\x32\x32.clipd.internal.v1.StatsResponse.AggregationsEntry\x12*\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x19.clipd.internal.v1.Device\x12\x14\n\x0cqueued_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x03\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.clipd.internal.v1.Load\x1aX\n\x11\x41ggregationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x32\n\x05value\x18\x02 \x01(\x0b\x32#.clipd.internal.v1.AggregationStats:\x02\x38\x01\"\x96\x03\n\x04Load\x12\x16\n\x0e\x61\x63tive_streams\x18\x01 \x01(\x03\x12\x14\n\x0cstream_limit\x18\x02 \x01(\x03\x12\x17\n\x0frefused_streams\x18\x03 \x01(\x03\x12\x16\n\x0e\x62uffered_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x62uffer_limit\x18\x05 \x01(\x03\x12\x17\n\x0frefused_batches\x18\x06 \x01(\x03\x12;\n\nrejections\x18\x07 \x03(\x0b\x32\'.clipd.internal.v1.Load.RejectionsEntry\x12R\n\x16participation_refusals\x18\x08 \x03(\x0b\x32\x32.clipd.internal.v1.Load.ParticipationRefusalsEntry\x1a\x31\n\x0fRejectionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a<\n\x1aParticipationRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\'\n\rForgetRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\"\x10\n\x0e\x46orgetResponse\"!\n\x0cServeRequest\x12\x11\n\tendpoints\x18\x01 \x03(\t\"\x0f\n\rServeResponse2\x8a\x03\n\tShardHost\x12G\n\x04Open\x12\x1e.clipd.internal.v1.OpenRequest\x1a\x1f.clipd.internal.v1.OpenResponse\x12M\n\x06\x46inish\x12 .clipd.internal.v1.FinishRequest\x1a!.clipd.internal.v1.FinishResponse\x12J\n\x05Stats\x12\x1f.clipd.internal.v1.StatsRequest\x1a .clipd.internal.v1.StatsResponse\x12M\n\x06\x46orget\x12 .clipd.internal.v1.ForgetRequest\x1a!.clipd.internal.v1.ForgetResponse\x12J\n\x05Serve\x12\x1f.clipd.internal.v1.ServeRequest\x1a .clipd.internal.v1.ServeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63lipd/v1/shard_host.proto\x12\x11\x63lipd.internal.v1\"%\n\x0bOpenRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\"\x1d\n\x0cOpenResponse\x12\r\n\x05state\x18\x01 \x01(\t\"@\n\rFinishRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\" \n\x0e\x46inishResponse\x12\x0e\n\x06shards\x18\x01 \x03(\x05\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x61ggregation_ids\x18\x01 \x03(\t\"\xc0\x01\n\nShardStats\x12\x10\n\x08\x65xamples\x18\x01 \x01(\x03\x12\x12\n\nnon_finite\x18\x02 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x63lip_counts\x18\x05 \x03(\x03\x12\x18\n\x10layer_histograms\x18\x06 \x03(\x03\x12\x19\n\x11\x65xample_histogram\x18\x07 \x03(\x03\x12\x10\n\x08norm_sum\x18\x08 \x03(\x01\x12\x10\n\x08norm_max\x18\t \x03(\x01\"\xca\x01\n\x10\x41ggregationStats\x12?\n\x06shards\x18\x01 \x03(\x0b\x32/.clipd.internal.v1.AggregationStats.ShardsEntry\x12\x16\n\x0e\x66\x61ilure_reason\x18\x02 \x01(\t\x12\x0f\n\x07\x63lients\x18\x03 \x01(\x03\x1aL\n\x0bShardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.clipd.internal.v1.ShardStats:\x02\x38\x01\"C\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\r\n\x05steps\x18\x04 \x01(\x03\"\xc8\x02\n\rStatsResponse\x12H\n\x0c\x61ggregations\x18\x01 \x03(\x0b\x32\x32.clipd.internal.v1.StatsResponse.AggregationsEntry\x12*\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x19.clipd.internal.v1.Device\x12\x14\n\x0cqueued_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x03\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x03\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.clipd.internal.v1.Load\x1aX\n\x11\x41ggregationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x32\n\x05value\x18\x02 \x01(\x0b\x32#.clipd.internal.v1.AggregationStats:\x02\x38\x01\"\x96\x03\n\x04Load\x12\x16\n\x0e\x61\x63tive_streams\x18\x01 \x01(\x03\x12\x14\n\x0cstream_limit\x18\x02 \x01(\x03\x12\x17\n\x0frefused_streams\x18\x03 \x01(\x03\x12\x16\n\x0e\x62uffered_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x62uffer_limit\x18\x05 \x01(\x03\x12\x17\n\x0frefused_batches\x18\x06 \x01(\x03\x12;\n\nrejections\x18\x07 \x03(\x0b\x32\'.clipd.internal.v1.Load.RejectionsEntry\x12R\n\x16participation_refusals\x18\x08 \x03(\x0b\x32\x32.clipd.internal.v1.Load.ParticipationRefusalsEntry\x1a\x31\n\x0fRejectionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a<\n\x1aParticipationRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\'\n\rForgetRequest\x12\x16\n\x0e\x61ggregation_id\x18\x01 \x01(\t\"\x10\n\x0e\x46orgetResponse\"!\n\x0cServeRequest\x12\x11\n\tendpoints\x18\x01 \x03(\t\"\x0f\n\rServeResponse2\x8a\x03\n\tShardHost\x12G\n\x04Open\x12\x1e.clipd.internal.v1.OpenRequest\x1a\x1f.clipd.internal.v1.OpenResponse\x12M\n\x06\x46inish\x12 .clipd.internal.v1.FinishRequest\x1a!.clipd.internal.v1.FinishResponse\x12J\n\x05Stats\x12\x1f.clipd.internal.v1.StatsRequest\x1a .clipd.internal.v1.StatsResponse\x12M\n\x06\x46orget\x12 .clipd.internal.v1.ForgetRequest\x1a!.clipd.internal.v1.ForgetResponse\x12J\n\x05Serve\x12\x1f.clipd.internal.v1.ServeRequest\x1a .clipd.internal.v1.ServeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,29 +52,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDSTATS']._serialized_start=260
   _globals['_SHARDSTATS']._serialized_end=452
   _globals['_AGGREGATIONSTATS']._serialized_start=455
-  _globals['_AGGREGATIONSTATS']._serialized_end=640
-  _globals['_AGGREGATIONSTATS_SHARDSENTRY']._serialized_start=564
-  _globals['_AGGREGATIONSTATS_SHARDSENTRY']._serialized_end=640
-  _globals['_DEVICE']._serialized_start=642
-  _globals['_DEVICE']._serialized_end=709
-  _globals['_STATSRESPONSE']._serialized_start=712
-  _globals['_STATSRESPONSE']._serialized_end=1040
-  _globals['_STATSRESPONSE_AGGREGATIONSENTRY']._serialized_start=952
-  _globals['_STATSRESPONSE_AGGREGATIONSENTRY']._serialized_end=1040
-  _globals['_LOAD']._serialized_start=1043
-  _globals['_LOAD']._serialized_end=1449
-  _globals['_LOAD_REJECTIONSENTRY']._serialized_start=1338
-  _globals['_LOAD_REJECTIONSENTRY']._serialized_end=1387
-  _globals['_LOAD_PARTICIPATIONREFUSALSENTRY']._serialized_start=1389
-  _globals['_LOAD_PARTICIPATIONREFUSALSENTRY']._serialized_end=1449
-  _globals['_FORGETREQUEST']._serialized_start=1451
-  _globals['_FORGETREQUEST']._serialized_end=1490
-  _globals['_FORGETRESPONSE']._serialized_start=1492
-  _globals['_FORGETRESPONSE']._serialized_end=1508
-  _globals['_SERVEREQUEST']._serialized_start=1510
-  _globals['_SERVEREQUEST']._serialized_end=1543
-  _globals['_SERVERESPONSE']._serialized_start=1545
-  _globals['_SERVERESPONSE']._serialized_end=1560
-  _globals['_SHARDHOST']._serialized_start=1563
-  _globals['_SHARDHOST']._serialized_end=1957
+  _globals['_AGGREGATIONSTATS']._serialized_end=657
+  _globals['_AGGREGATIONSTATS_SHARDSENTRY']._serialized_start=581
+  _globals['_AGGREGATIONSTATS_SHARDSENTRY']._serialized_end=657
+  _globals['_DEVICE']._serialized_start=659
+  _globals['_DEVICE']._serialized_end=726
+  _globals['_STATSRESPONSE']._serialized_start=729
+  _globals['_STATSRESPONSE']._serialized_end=1057
+  _globals['_STATSRESPONSE_AGGREGATIONSENTRY']._serialized_start=969
+  _globals['_STATSRESPONSE_AGGREGATIONSENTRY']._serialized_end=1057
+  _globals['_LOAD']._serialized_start=1060
+  _globals['_LOAD']._serialized_end=1466
+  _globals['_LOAD_REJECTIONSENTRY']._serialized_start=1355
+  _globals['_LOAD_REJECTIONSENTRY']._serialized_end=1404
+  _globals['_LOAD_PARTICIPATIONREFUSALSENTRY']._serialized_start=1406
+  _globals['_LOAD_PARTICIPATIONREFUSALSENTRY']._serialized_end=1466
+  _globals['_FORGETREQUEST']._serialized_start=1468
+  _globals['_FORGETREQUEST']._serialized_end=1507
+  _globals['_FORGETRESPONSE']._serialized_start=1509
+  _globals['_FORGETRESPONSE']._serialized_end=1525
+  _globals['_SERVEREQUEST']._serialized_start=1527
+  _globals['_SERVEREQUEST']._serialized_end=1560
+  _globals['_SERVERESPONSE']._serialized_start=1562
+  _globals['_SERVERESPONSE']._serialized_end=1577
+  _globals['_SHARDHOST']._serialized_start=1580
+  _globals['_SHARDHOST']._serialized_end=1974
 # @@protoc_insertion_point(module_scope)

@@ -60,7 +60,7 @@ class ShardStats(_message.Message):
     def __init__(self, examples: _Optional[int] = ..., non_finite: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., clip_counts: _Optional[_Iterable[int]] = ..., layer_histograms: _Optional[_Iterable[int]] = ..., example_histogram: _Optional[_Iterable[int]] = ..., norm_sum: _Optional[_Iterable[float]] = ..., norm_max: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AggregationStats(_message.Message):
-    __slots__ = ("shards", "failure_reason")
+    __slots__ = ("shards", "failure_reason", "clients")
     class ShardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,9 +70,11 @@ class AggregationStats(_message.Message):
         def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[ShardStats, _Mapping]] = ...) -> None: ...
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.MessageMap[int, ShardStats]
     failure_reason: str
-    def __init__(self, shards: _Optional[_Mapping[int, ShardStats]] = ..., failure_reason: _Optional[str] = ...) -> None: ...
+    clients: int
+    def __init__(self, shards: _Optional[_Mapping[int, ShardStats]] = ..., failure_reason: _Optional[str] = ..., clients: _Optional[int] = ...) -> None: ...
 
 class Device(_message.Message):
     __slots__ = ("id", "kind", "platform", "steps")

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from clipd.server.admin.apidocs import mount_docs
-from clipd.server.aggregations import Aggregation, Stats
+from clipd.server.aggregations import THROUGHPUT_SECONDS, Aggregation, Stats
 from clipd.server.credentials import bearer_token, same
 from clipd.server.errors import NotFound
 from clipd.server.settings import Settings
@@ -80,7 +80,7 @@ def aggregation_view(aggregation: Aggregation) -> dict[str, Any]:
 
 
 RAW_FIELDS = ("updated_unix_seconds", "examples", "batches", "bytes", "non_finite", "clipped", "examples_per_second",
-              "example_norm_histogram")
+              "example_norm_histogram", "clients")
 
 
 def _full_view(aggregation: Aggregation, stats: Stats) -> dict[str, Any]:
@@ -96,7 +96,10 @@ def _full_view(aggregation: Aggregation, stats: Stats) -> dict[str, Any]:
             "non_finite": "reject" if aggregation.reject_non_finite else policy.non_finite.value,
         },
         "created_unix_seconds": aggregation.created,
+        "finished_unix_seconds": aggregation.finished,
+        "failure_reason": stats.failure_reason,
         "updated_unix_seconds": stats.updated_unix_seconds,
+        "clients": stats.clients,
         "examples": stats.examples,
         "batches": stats.batches,
         "bytes": stats.bytes,
@@ -394,6 +397,7 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
         aggregations = server.registry.all()
         debug = sorted({a.privacy.ledger_id for a in aggregations if a.privacy and a.privacy.debug_raw_statistics})
         return {"aggregations": [aggregation_view(a) for a in aggregations],
+                "now_unix_seconds": time.time(),  # the server's clock: what ages are counted against
                 "device_kind": server.snapshot().device_kind,
                 "privacy_debug_notice": (f"DEBUG MODE: raw statistics of differentially private aggregations are shown;"
                                          f" the epsilon of ledger(s) {', '.join(debug)} is infinite") if debug else ""}
@@ -401,6 +405,23 @@ def create_admin_app(server, settings: Settings) -> FastAPI:
     @app.get("/api/v1/aggregations/{aggregation_id}")
     def get_aggregation(_: Reader, aggregation: AggregationParam) -> dict[str, Any]:
         return aggregation_view(aggregation)
+
+    @app.get("/api/v1/aggregations/{aggregation_id}/throughput")
+    def get_throughput(_: Reader, aggregation: AggregationParam) -> dict[str, Any]:
+        """Examples per second, second by second, from the server's own series (``Aggregation.throughput``):
+        the seconds in which examples arrived (the last ``THROUGHPUT_SECONDS``), 0 on each side of an idle gap;
+        ``t`` is the second's start (unix time). The same on every read until more examples arrive. Under a
+        privacy policy (not in debug mode) it is raw data: ``points`` and ``peak`` are null, ``withheld`` says
+        why."""
+        body: dict[str, Any] = {"aggregation_id": aggregation.id, "kept_seconds": THROUGHPUT_SECONDS}
+        if aggregation.withheld:
+            return {**body, "points": None, "peak_examples_per_second": None, "truncated": None,
+                    "withheld": "withheld: the throughput of a differentially private aggregation is a raw"
+                                " statistic (examples counted second by second)"}
+        points, truncated = aggregation.throughput()
+        return {**body, "points": [{"t": t, "examples_per_second": n} for t, n in points],
+                "peak_examples_per_second": max((n for _, n in points), default=0), "truncated": truncated,
+                "withheld": None}
 
     @app.delete("/api/v1/aggregations/{aggregation_id}")
     def cancel_aggregation(_: Writer, aggregation: AggregationParam) -> dict[str, Any]:

@@ -427,6 +427,7 @@ class ShardProcess:
             for k, state in aggregation.live_shard_totals(self.devices.owned(aggregation.shards)).items():
                 found.shards[k].CopyFrom(stats_to_proto(state))
             found.failure_reason = aggregation.failure_reason if aggregation.state is State.FAILED else ""
+            found.clients = aggregation.submitted_clients()
         return answer
 
     def load(self) -> host_pb.Load:
@@ -803,16 +804,17 @@ class ShardProcesses:
             empty = self._empty.get(aggregation.id)
             if empty is None:
                 empty = self._empty[aggregation.id] = PartialState.empty(aggregation.layers)
-            states, failed = {}, ""
+            states, failed, clients = {}, "", 0
             for answer in answers.values():
                 if aggregation.id in answer.aggregations:
                     found = answer.aggregations[aggregation.id]
                     states.update({k: stats_from_proto(empty, v) for k, v in found.shards.items()})
                     failed = failed or found.failure_reason
+                    clients += found.clients
             if failed and aggregation.state in TAKES_BATCHES:
                 fail(aggregation, self.store, failed)
             elif states:
-                aggregation.observe(states)
+                aggregation.observe(states, clients)
 
     @property
     def payload_bytes(self) -> int:
