@@ -306,10 +306,19 @@ def test_status_over_https_with_a_private_ca_and_an_empty_registry(pki, capsys):
         server.stop(grace=1.0)
 
 
+def test_the_doctests_of_the_status_module():
+    import doctest
+
+    from clipd import status
+
+    result = doctest.testmod(status)
+    assert result.attempted > 0 and result.failed == 0
+
+
 def test_status_shows_shard_processes_restarts_and_failures_from_the_apis_fields():
     """What a one-process test server has none of: not ready, shard processes (one down, restarted), a failed
     aggregation's reason; fields the API may lack are left out, not invented."""
-    from clipd.cli import _status_lines
+    from clipd.status import status_lines
 
     reads = {
         "/readyz": {"ready": False, "reasons": ["all 128 Submit stream slots are taken"]},
@@ -323,7 +332,7 @@ def test_status_shows_shard_processes_restarts_and_failures_from_the_apis_fields
                                  "now_unix_seconds": 1e9 + 192},
         "/api/v1/ledgers": {"ledgers": []},
     }
-    lines = _status_lines("http://h:8080", reads, None)
+    lines = status_lines("http://h:8080", reads, None)
     assert lines[0] == ("server http://h:8080: NOT READY (all 128 Submit stream slots are taken), Submit streams"
                         " 128/128 (2 refused), buffered ? of ?, devices 2 x gpu (0 steps)")
     assert lines[1] == "shard processes: 2, 2 restarts: #0 serving, streams 64/64; #1 DOWN, restarted 2x"

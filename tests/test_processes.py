@@ -44,6 +44,7 @@ from service_helpers import (
 from clipd import wire
 from clipd.client import Client
 from clipd.server import aggregations
+from clipd.server import app as server_app
 from clipd.server.app import create_server
 from clipd.server.rpc import limits
 from clipd.server.settings import Settings
@@ -227,7 +228,8 @@ def test_one_client_spreads_over_four_devices_and_steps_each(tmp_path):
 
 
 def test_the_doctests_of_the_data_plane_modules():
-    for module in (limits, shard_process):  # (the placement rule's doctests are clipd.wire's: tests/test_wire.py)
+    # (the placement rule's doctests are clipd.wire's: tests/test_wire.py); app: adding the processes' loads
+    for module in (limits, shard_process, server_app):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
