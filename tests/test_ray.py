@@ -156,10 +156,6 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
                         message_bytes=1 << 10, **credentials):
             for _ in clients:
                 assert started.acquire(timeout=60)
-            # The server counts the hosts' streams (each client's, on the host of its shard) and their slots.
-            wait_until(lambda: (server.snapshot().active_streams, server.snapshot().stream_limit)
-                       == (len(clients), 2 * settings.max_streams), 15,
-                       lambda: f"{len(clients)} streams and 2 hosts' slots counted: {server.snapshot()}", step=0.1)
             victim = server.devices.describe_processes()[0]
             os.kill(victim["pid"], signal.SIGKILL)  # Ray restarts it; it opens the aggregation from the store
         with Client(target, **credentials) as c:
@@ -168,6 +164,10 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
         assert sum(server.guard.forwarded.values()) > 0  # the hosts reached the server's mutual-TLS port
         wait_until(lambda: server.devices.describe_processes()[0]["restarts"] >= 1, 30, "the killed host restarted",
                    step=0.2)
+        # The server counts its hosts' slots and what they received (their loads come with their statistics).
+        wait_until(lambda: server.snapshot().stream_limit == 2 * settings.max_streams, 15,
+                   lambda: f"both hosts' slots counted: {server.snapshot()}", step=0.1)
+        assert server.snapshot().shard_payload_bytes == sum(p["payload_bytes"] for p in server.snapshot().shard_processes) > 0
     finally:
         server.stop(1.0)
     assert_result_exact(result, clients)
