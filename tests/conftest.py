@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import pytest
 
 from clipd.client import Client
@@ -11,6 +14,25 @@ from clipd.server.settings import Settings
 TEST_SETTINGS = dict(host="127.0.0.1", grpc_port=0, admin_port=-1, max_device_rows=16,
                      max_message_bytes=4 << 20, max_aggregations=1000, data_dir="memory")
 ADMIN_TOKEN = "admin-secret-4c1f"  # the admin credential of ``auth_server``
+
+_JAX_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+    """One JAX persistent compilation cache for this test process, fresh for the run (set before anything
+    compiles): a program compiled again (jax_privacy's BLT optimizer for the same plan in the server and in
+    an oracle, a step program of a layout that another test's server compiled) is read back, not compiled.
+    It changes no result: a cached executable is the one XLA would compile."""
+    import jax
+
+    _JAX_CACHE.append(tempfile.mkdtemp(prefix="clipd-tests-jax-cache-"))
+    jax.config.update("jax_compilation_cache_dir", _JAX_CACHE[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+    for path in _JAX_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

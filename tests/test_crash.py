@@ -2,9 +2,9 @@
 
 Three clients with fixed ids stream throttled batches (each example is chunked
 over several messages, so kills land mid-batch) while the server is killed at
-random moments four times: between and inside batches, and twice
-while a checkpoint file is being written (the test waits for a ``*.tmp`` file
-to appear under the store's ``states/`` directory). Each time it is restarted
+random moments three times: once wherever it lands (between or inside batches),
+and twice while a checkpoint file is being written (the test waits for a ``*.tmp``
+file to appear under the store's ``states/`` directory). Each time it is restarted
 on the same directory and port. In the end the example and clip counts are
 exact and the sums equal a float64 numpy reference computed here, independently
 of clipd's code. A finalized result then survives one more SIGKILL, bit for bit.
@@ -93,9 +93,11 @@ def test_sigkill_at_random_points_loses_nothing_and_counts_nothing_twice(tmp_pat
         threads = [threading.Thread(target=run_client, args=(c,)) for c in range(3)]
         for t in threads:
             t.start()
-        for round_ in range(4):
+        # Three kills (there were four: a second kill at a random moment added a restart, ~3 s, and no case the
+        # others miss): one at a random moment, then two during a checkpoint write.
+        for round_ in range(3):
             time.sleep(rng.uniform(0.3, 1.2))
-            if round_ in (1, 3):  # during a checkpoint write
+            if round_ in (1, 2):  # during a checkpoint write
                 wait_until(lambda: _states_dir_has_tmp(server.data_dir / "states"), 5, "a checkpoint write seen",
                            step=0.0005)
             server.kill()
@@ -105,7 +107,7 @@ def test_sigkill_at_random_points_loses_nothing_and_counts_nothing_twice(tmp_pat
         for t in threads:
             t.join(timeout=120)
         assert not errors, errors
-        assert server.kills == 4
+        assert server.kills == 3
 
         with Client(target, message_bytes=256 << 10) as admin:
             result = admin.finalize(agg)

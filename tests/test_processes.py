@@ -33,6 +33,7 @@ from conftest import TEST_SETTINGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import wait_until
 from service_helpers import (
+    FAST_RECONNECT,
     ServerProcess,
     assert_exact_global_clip,
     free_port,
@@ -74,7 +75,7 @@ def _slow_updates(gate: threading.Semaphore):
 
 
 def _wait_serving(target: str, timeout: float = 90.0) -> None:
-    with grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(target, options=FAST_RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
         def serving() -> bool:
@@ -87,68 +88,89 @@ def _wait_serving(target: str, timeout: float = 90.0) -> None:
         wait_until(serving, timeout, f"{target} SERVING", step=0.1)
 
 
-def test_eight_routed_clients_a_shard_process_killed_mid_stream(tmp_path):
+@pytest.fixture(scope="module")
+def two_shard_processes(tmp_path_factory):
+    """One ``clipd serve --processes 2`` (admin API on) for the tests below that kill its processes, on one data
+    directory: a start is three processes importing clipd (~4 s), so a test that needs a running server takes
+    the one left by the test before; one that must watch a start of its own stops it first. Each works on
+    aggregations of its own and checks counts against what it found (restarts, payload bytes, log lines)."""
+    root = tmp_path_factory.mktemp("processes")
     admin_port = free_port()
-    server = ServerProcess(tmp_path / "data", tmp_path / "jax-cache", free_port(),
+    server = ServerProcess(root / "data", root / "jax-cache", free_port(),
                            args=("--admin-port", str(admin_port), "--processes", "2", "--max-device-rows", "256"))
-    server.start()
-    target, admin = f"127.0.0.1:{server.port}", f"http://127.0.0.1:{admin_port}/api/v1/server"
-    _wait_serving(target)
-    acknowledged = threading.Semaphore(0)
+    server.admin_port = admin_port
     try:
-        with Client(target) as c:
-            aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP, aggregation_id="processes")
-            placement = c.placement(aggregation)
-        assert placement.shards == 2 and len(set(placement.endpoints)) == 2
-        with submitting(target, aggregation, CLIENTS, _slow_updates(acknowledged), BATCHES * ROWS,
-                        retry_delay=0.05, message_bytes=64 << 10):
-            for _ in range(4):
-                assert acknowledged.acquire(timeout=60)
-            victim = get_json(admin)["shard_processes"][0]
-            os.kill(victim["pid"], signal.SIGKILL)  # its streams break; it restarts from its checkpoints
-
-        with Client(target) as c:
-            _check_exact(c.finalize(aggregation), CLIENTS)
-        view = get_json(admin)
-        assert view["payload_bytes_received"] == 0  # the control process never saw a payload byte
-        assert [p["restarts"] for p in view["shard_processes"]] == [1, 0], view
-        assert view["shard_processes"][0]["pid"] != victim["pid"]
-        assert view["shard_payload_bytes"] > 0 and len(view["devices"]) == 2, view
+        yield server
     finally:
         server.stop()
 
 
-def test_the_control_process_killed_mid_stream_clients_follow_the_new_placement(tmp_path):
-    server = ServerProcess(tmp_path / "data", tmp_path / "jax-cache", free_port(),
-                           args=("--admin-port", "-1", "--processes", "2", "--max-device-rows", "256"))
-    server.start()
+@pytest.fixture()
+def processes_server(two_shard_processes):
+    """The module's ``--processes 2`` server, SERVING (started if it is not running)."""
+    if two_shard_processes.proc is None or two_shard_processes.proc.poll() is not None:
+        two_shard_processes.start()
+    _wait_serving(f"127.0.0.1:{two_shard_processes.port}")
+    return two_shard_processes
+
+
+def test_eight_routed_clients_a_shard_process_killed_mid_stream(processes_server):
+    server = processes_server
+    target, admin = f"127.0.0.1:{server.port}", f"http://127.0.0.1:{server.admin_port}/api/v1/server"
+    found = get_json(admin)["shard_processes"]  # (a server that other tests used: counts from here)
+    acknowledged = threading.Semaphore(0)
+    with Client(target) as c:
+        aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP, aggregation_id="processes")
+        placement = c.placement(aggregation)
+    assert placement.shards == 2 and len(set(placement.endpoints)) == 2
+    with submitting(target, aggregation, CLIENTS, _slow_updates(acknowledged), BATCHES * ROWS,
+                    retry_delay=0.05, message_bytes=64 << 10):
+        for _ in range(4):
+            assert acknowledged.acquire(timeout=60)
+        victim = get_json(admin)["shard_processes"][0]
+        os.kill(victim["pid"], signal.SIGKILL)  # its streams break; it restarts from its checkpoints
+
+    with Client(target) as c:
+        _check_exact(c.finalize(aggregation), CLIENTS)
+    view = get_json(admin)
+    assert view["payload_bytes_received"] == 0  # the control process never saw a payload byte
+    assert [p["restarts"] for p in view["shard_processes"]] == [found[0]["restarts"] + 1, found[1]["restarts"]], view
+    assert view["shard_processes"][0]["pid"] != victim["pid"]
+    # The shard processes received this test's payload: process 0 restarted in it (all it counts is from here).
+    received = [p["payload_bytes"] or 0 for p in view["shard_processes"]]
+    assert received[0] > 0 or received[1] > (found[1]["payload_bytes"] or 0), view
+    assert view["shard_payload_bytes"] > 0 and len(view["devices"]) == 2, view
+
+
+def test_the_control_process_killed_mid_stream_clients_follow_the_new_placement(processes_server):
+    server = processes_server
     target = f"127.0.0.1:{server.port}"
-    _wait_serving(target)
     acknowledged = threading.Semaphore(0)
     clients = CLIENTS[:4]
-    try:
-        with Client(target) as c:
-            aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP, aggregation_id="control-killed")
-            before = list(c.placement(aggregation).endpoints)
-        with submitting(target, aggregation, clients, _slow_updates(acknowledged), BATCHES * ROWS,
-                        retry_delay=0.05, retry_timeout=120, message_bytes=64 << 10):
-            for _ in range(2):
-                assert acknowledged.acquire(timeout=60)
-            server.kill()  # the control process: its shard processes exit when they see it gone
-            server.start()
-        with Client(target) as c:
-            assert list(c.placement(aggregation).endpoints) != before  # new processes, new ports
-            _check_exact(c.finalize(aggregation), clients)
-    finally:
-        server.stop()
+    with Client(target) as c:
+        aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP, aggregation_id="control-killed")
+        before = list(c.placement(aggregation).endpoints)
+    with submitting(target, aggregation, clients, _slow_updates(acknowledged), BATCHES * ROWS,
+                    retry_delay=0.05, retry_timeout=120, message_bytes=64 << 10):
+        for _ in range(2):
+            assert acknowledged.acquire(timeout=60)
+        server.kill()  # the control process: its shard processes exit when they see it gone
+        server.start()
+    with Client(target) as c:
+        assert list(c.placement(aggregation).endpoints) != before  # new processes, new ports
+        _check_exact(c.finalize(aggregation), clients)
 
 
-def test_a_shard_process_killed_during_start_up(tmp_path):
+def test_a_shard_process_killed_during_start_up(two_shard_processes):
     """... the server comes up all the same, and counts the retry as a restart; then clients that go away on the
     forwarded path (plain streams cancelled after an acknowledgement) each log one INFO line, no traceback."""
-    port, admin_port = free_port(), free_port()
-    server = ServerProcess(tmp_path / "data", tmp_path / "jax-cache", port,
-                           args=("--admin-port", str(admin_port), "--processes", "2"))
+    server = two_shard_processes
+    port, admin_port = server.port, server.admin_port
+    log_start = 0
+    if server.proc is not None:  # a start of its own: the module's server, stopped
+        server.stop()
+        log_start = len(server.log())  # (its log file goes on: this test reads what comes after)
+        server.proc = None
     started = threading.Thread(target=server.start)
     started.start()
     killed = None
@@ -161,27 +183,29 @@ def test_a_shard_process_killed_during_start_up(tmp_path):
                 os.kill(killed, signal.SIGKILL)
         time.sleep(0.01)
     started.join(120)
-    try:
-        assert killed is not None
-        _wait_serving(f"127.0.0.1:{port}")
-        assert server.proc.poll() is None  # the server did not exit
-        with Client(f"127.0.0.1:{port}") as c:
-            aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP)
-            for client in CLIENTS[:2]:
-                c.submit(aggregation, [random_batch(client, i, LAYERS, ROWS) for i in range(BATCHES)],
-                         client_id=client)
-            _check_exact(c.finalize(aggregation), CLIENTS[:2])
-        view = get_json(f"http://127.0.0.1:{admin_port}/api/v1/server")
-        assert view["restarts"] >= 1 and sum(p["restarts"] for p in view["shard_processes"]) == view["restarts"]
-        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=30) as response:
-            metrics = response.read().decode()
-        assert sum(_metric(metrics, "clipd_shard_process_restarts_total", process=str(i)) for i in (0, 1)) >= 1
-        _clients_go_away_on_the_forwarded_path(f"127.0.0.1:{port}", server)
-    finally:
-        server.stop()
+    assert killed is not None
+    _wait_serving(f"127.0.0.1:{port}")
+    assert server.proc.poll() is None  # the server did not exit
+    with Client(f"127.0.0.1:{port}") as c:
+        aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP)
+        for client in CLIENTS[:2]:
+            c.submit(aggregation, [random_batch(client, i, LAYERS, ROWS) for i in range(BATCHES)],
+                     client_id=client)
+        _check_exact(c.finalize(aggregation), CLIENTS[:2])
+    view = get_json(f"http://127.0.0.1:{admin_port}/api/v1/server")
+    assert view["restarts"] >= 1 and sum(p["restarts"] for p in view["shard_processes"]) == view["restarts"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    assert sum(_metric(metrics, "clipd_shard_process_restarts_total", process=str(i)) for i in (0, 1)) >= 1
+    _clients_go_away_on_the_forwarded_path(f"127.0.0.1:{port}", server, log_start)
 
 
-def _clients_go_away_on_the_forwarded_path(target: str, server: ServerProcess, cuts: int = 12) -> None:
+def _clients_go_away_on_the_forwarded_path(target: str, server: ServerProcess, log_start: int, cuts: int = 12) -> None:
+    """``log_start``: where this server's log begins (its file holds the runs before, too)."""
+
+    def log() -> str:
+        return server.log()[log_start:]
+
     with Client(target) as c:
         aggregation = c.create_aggregation({"w": (4,)}, l2_norm_clip=1.0)
         token = [("authorization", f"Bearer {c.get_aggregation(aggregation).submit_token}")]
@@ -199,11 +223,11 @@ def _clients_go_away_on_the_forwarded_path(target: str, server: ServerProcess, c
             assert any(response.acknowledged_sequence == 1 for response in call)  # (the first says where to resume)
             call.cancel()
             acknowledged.set()
-    wait_until(lambda: server.log().count("went away mid-stream") >= 1, 10,
-               lambda: f"a forwarded client's departure logged: {server.log()[-3000:]}", step=0.1)
+    wait_until(lambda: log().count("went away mid-stream") >= 1, 10,
+               lambda: f"a forwarded client's departure logged: {log()[-3000:]}", step=0.1)
     time.sleep(0.5)  # (what a late traceback would need to reach the log)
-    log = server.log()
-    assert "Exception iterating requests" not in log and "Traceback" not in log, log[-5000:]
+    text = log()
+    assert "Exception iterating requests" not in text and "Traceback" not in text, text[-5000:]
 
 
 def test_one_client_spreads_over_four_devices_and_steps_each(tmp_path):
