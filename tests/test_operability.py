@@ -375,14 +375,19 @@ def test_serve_from_a_config_file_with_json_logs(tmp_path):
         port = probe.getsockname()[1]
     config = write(tmp_path / "clipd.toml", f'grpc_port = {port}\nadmin_port = -1\nmax_streams = 3\n'
                                             'log_format = "json"\n')
-    proc = subprocess.Popen([sys.executable, "-m", "clipd.cli", "serve", "--data-dir", "memory", "--config",
-                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "CLIPD_LOG_LEVEL": "debug"})
+    # stderr (debug logs: more than a pipe holds) to a file: a pipe nobody reads until the end would block the
+    # server's logging, and with it its shutdown.
+    log_path = tmp_path / "stderr.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "clipd.cli", "serve", "--data-dir", "memory", "--config",
+                                 str(config)], stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                env={**os.environ, "CLIPD_LOG_LEVEL": "debug"})
     try:
         line = proc.stdout.readline()
         if f"gRPC on 127.0.0.1:{port}" not in line:
             proc.kill()
-            pytest.fail(line + proc.communicate(timeout=30)[1])
+            proc.wait(timeout=30)
+            pytest.fail(line + log_path.read_text())
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -392,7 +397,7 @@ def test_serve_from_a_config_file_with_json_logs(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    records = [json.loads(line) for line in proc.stderr.read().splitlines()]  # every line is JSON
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]  # every line is JSON
     started = [r for r in records if r["logger"] == "clipd.server.app" and "gRPC on" in r["message"]]
     assert started and set(started[0]) >= {"ts", "level", "logger", "message"}
     assert any(r["level"] == "debug" for r in records), records  # CLIPD_LOG_LEVEL=debug took effect
