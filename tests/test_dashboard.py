@@ -20,6 +20,7 @@ import urllib.request
 import numpy as np
 import pytest
 from conftest import TEST_SETTINGS
+from helpers import wait_until
 from service_helpers import LAYERS, make_updates
 
 from clipd.client import Client, FailedPreconditionError, NotFoundError, Privacy
@@ -54,11 +55,14 @@ def deployment(tmp_path_factory):
                 c.submit(ids["failed"], make_updates(5), client_id="frank")
             states.unlink()
             states.mkdir()
-            # Open: three clients, a second apart (the throughput series has points in three seconds).
+            # Open: three clients, each in a second of its own (the throughput series has points in three
+            # seconds): the next starts once the clock has passed into the next whole second (the series' unit),
+            # not a fixed 1 s later.
             ids["open"] = c.create_aggregation(LAYERS, policy="per_layer_uniform", l2_norm_clip=1.0)
             for k in range(3):
                 if k:
-                    time.sleep(1.0)
+                    second = int(time.time())
+                    wait_until(lambda second=second: int(time.time()) > second, 2, "the next second")
                 c.submit(ids["open"], make_updates(40 + 20 * k, seed=k), client_id=f"site-{k}")
             ids["finalized"] = c.create_aggregation({NASTY: (3,), "b": (2,)}, l2_norm_clip=2.0)
             c.submit(ids["finalized"], {NASTY: np.full((6, 3), 1.5, np.float32), "b": np.ones((6, 2), np.float32)})

@@ -346,8 +346,9 @@ def test_refusals_through_a_shard_process_are_those_of_one_process(behind_shards
 
 def test_a_silent_stream_on_a_shard_process_is_closed_after_the_idle_timeout(tmp_path):
     """A stream that never sends its first message holds a slot (evictable) and is closed, UNAVAILABLE, in time."""
+    # An idle timeout of 1 s (it was 2 s: what is checked is that the stream is closed after it, not before).
     server, port = create_server(Settings(**{**TEST_SETTINGS, "processes": 1, "data_dir": str(tmp_path / "data"),
-                                             "stream_idle_timeout": 2.0, "buffer_wait": 1.0}))
+                                             "stream_idle_timeout": 1.0, "buffer_wait": 0.5}))
     try:
         release = threading.Event()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -356,7 +357,7 @@ def test_a_silent_stream_on_a_shard_process_is_closed_after_the_idle_timeout(tmp
             with pytest.raises(grpc.RpcError) as e:
                 list(raw(iter(lambda: release.wait(30) and b"", None), timeout=30))  # sends nothing
             assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "nothing received" in e.value.details()
-            assert 1.5 < time.monotonic() - started < 10
+            assert 0.75 < time.monotonic() - started < 10
         release.set()
     finally:
         server.stop(1.0)
