@@ -73,6 +73,8 @@ ACCOUNTANTS: dict[str, pb.PrivacyPolicy.Accountant] = _by_name(pb.PrivacyPolicy.
 NOISES: dict[str, pb.PrivacyPolicy.Noise] = _by_name(pb.PrivacyPolicy.Noise)  # gaussian, secure
 MECHANISMS: dict[str, pb.CorrelatedNoise.Mechanism] = _by_name(pb.CorrelatedNoise.Mechanism)  # blt, banded
 INDEPENDENT = "independent"  # a privacy policy's mechanism without a correlated stream
+UNITS: dict[str, pb.PrivacyUnit] = _by_name(pb.PrivacyUnit)  # example, client
+TOKEN_ROLES: dict[str, pb.IssueClientTokenRequest.Role] = _by_name(pb.IssueClientTokenRequest.Role)  # client, submitter
 _Enum = TypeVar("_Enum", bound=int)  # one of those proto enums
 
 

@@ -20,6 +20,7 @@ from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
 from clipd.client import Client, FailedPreconditionError, InvalidArgumentError, Privacy
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
+from clipd.v1 import clipd_pb2 as pb
 
 N, B, K, BUFFERS, Z, SEED = 6, 2, 3, 2, 1.0, 1234
 LAYERS = {"w": (4,), "b": (3,)}  # 7 parameters
@@ -48,7 +49,9 @@ def oracle():
                           for t in range(N)])
         stream = blt.inverse_as_streaming_matrix()
         rows = np.asarray(stream @ jax.numpy.asarray(draws))
-    return {"sens": sens, "prefix": prefix, "rows": rows}
+        # Release t's noise stddev per coordinate: sigma times the norm of row t of C^-1 (C from its coefficients).
+        inverse_rows = np.linalg.norm(np.linalg.inv(np.asarray(toeplitz.materialize_lower_triangular(coefs))), axis=1)
+    return {"sens": sens, "prefix": prefix, "rows": rows, "coefs": np.asarray(coefs), "inverse_rows": inverse_rows}
 
 
 def _privacy(ledger: str, **overrides) -> Privacy:
@@ -92,7 +95,19 @@ def test_a_stream_is_jax_privacys_noise_and_a_restart_carries_it_on(tmp_path, or
                     exact, released, release = _round(client, _privacy(ledger), groups[t], rng)
                     np.testing.assert_allclose(released - exact, sigma * oracle["rows"][t], rtol=1e-5, atol=2e-6)
                     assert (release.mechanism, release.stream_release, release.stream_releases) == ("blt", t, N)
-                    assert release.noise_stddev == pytest.approx(sigma, rel=1e-9)
+                    # What the release says of its noise: the stream's sigma, this release's own stddev, the
+                    # stream's sensitivity, its epsilon alone (a Gaussian of that stddev over the clip bound).
+                    assert release.stream_noise_stddev == pytest.approx(sigma, rel=1e-9)
+                    assert release.noise_stddev == pytest.approx(sigma * oracle["inverse_rows"][t], rel=1e-9)
+                    assert release.sensitivity == pytest.approx(1.0 * oracle["sens"], rel=1e-9)
+                    assert release.epsilon == pytest.approx(_pld_epsilon(sigma * oracle["inverse_rows"][t] / 1.0),
+                                                            rel=1e-6)
+                    assert release.unit == pb.EXAMPLE and release.client_ids == "self_asserted"  # (no auth)
+                    # The strategy, rebuilt as jax_privacy's BLT: the same C.
+                    theta, omega = np.split(np.asarray(release.stream.strategy), 2)
+                    with jax.enable_x64():
+                        rebuilt = buffered_toeplitz.BufferedToeplitz.build(buf_decay=theta, output_scale=omega)
+                        np.testing.assert_allclose(np.asarray(rebuilt.toeplitz_coefs(N)), oracle["coefs"], rtol=1e-12)
                     assert release.ledger_epsilon == pytest.approx(
                         _pld_epsilon(Z * oracle["sens"] / oracle["prefix"][t]), rel=1e-6)
                 ledger_view = client.ledger(ledger)

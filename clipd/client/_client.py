@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
+import json
 import itertools
 import math
 import random
@@ -23,7 +25,7 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 from .errors import ClipdError, FailedPreconditionError, UnavailableError, from_rpc_error
 from .privacy import Privacy
-from .updates import Layer, example_nbytes, iter_updates, rebatch
+from .updates import Layer, example_nbytes, iter_updates, rebatch, sum_rows
 
 MiB = 1 << 20
 
@@ -111,7 +113,8 @@ class Client:
     ``client_certificate`` and ``client_key`` (PEM bytes, both or neither): the
     client's certificate chain and its private key. Given without
     ``root_certificates``, the server is verified against the system's CAs.
-    ``token`` is the admin bearer token, sent on every call when set.
+    ``token`` is the bearer token sent on every call: the admin token, an aggregation's submit token, or a
+    client token (:meth:`client_token`), whose client id ``submit`` then uses.
 
     Large updates: ``submit`` does not copy the arrays it is given (it keeps references until the
     server acknowledges them and encodes each message as it is sent, again after a reconnect), so
@@ -169,6 +172,8 @@ class Client:
         self._endpoints: dict[str, tuple[grpc.Channel, Any]] = {}  # "host:port" -> (channel, its Submit)
         self._routing_lock = threading.Lock()
         self._metadata = ((wire.AUTHORIZATION_KEY, wire.BEARER + token),) if token else ()
+        self.token_client_id = client_token_id(token)  # a client token's client id (None for other tokens)
+        self._units: dict[str, tuple[str, str]] = {}  # aggregation id -> (its unit, how its client ids are set)
         self.message_bytes = message_bytes
         self.window_bytes = window_bytes
         self.timeout = timeout
@@ -227,6 +232,8 @@ class Client:
         aggregation_id: str | None = None,
         dtype: str = "float32",
         privacy: Privacy | pb.PrivacyPolicy | None = None,
+        unit: str = "example",
+        self_asserted_client_ids: bool = False,
     ) -> str:
         """Opens an aggregation and returns its id.
 
@@ -244,18 +251,50 @@ class Client:
           privacy: release the sum with differential privacy (:class:`~clipd.client.privacy.Privacy`):
             Finalize then returns noised sums and ``result.release``; refused with
             ``FailedPreconditionError`` if the ledger's budget can't afford it.
+          unit: what the bound limits: ``example`` (default: each example clipped on its own, DP-SGD) or
+            ``client`` (federated learning: each client id contributes once, its examples summed and the sum
+            clipped once; a second contribution is refused). See docs/threat-model.md.
+          self_asserted_client_ids: where client ids count (unit ``client``, or a correlated stream whose
+            participation the server enforces), let the aggregation's submit token name any client id;
+            otherwise they come from client tokens (:meth:`client_token`), client certificates or a trusted
+            submitter (the admin token, :meth:`submitter_token`). Recorded on every release.
         """
         specs = _layer_specs(layers, dtype)
         request = pb.CreateAggregationRequest(
             policy=wire.clip_policy(policy, non_finite, l2_norm_clip=l2_norm_clip, layer_clips=list(layer_clips),
                                     rescale_to_unit_norm=rescale_to_unit_norm),
             layers=wire.layer_specs(specs), aggregation_id=aggregation_id or uuid.uuid4().hex,
+            unit=wire.code_of(wire.UNITS, unit, "unit"), self_asserted_client_ids=self_asserted_client_ids,
         )
         if privacy is not None:
             request.privacy.CopyFrom(privacy.to_proto() if isinstance(privacy, Privacy) else privacy)
         aggregation = self._call(self._stub.CreateAggregation, request)
         self._layers[aggregation.aggregation_id] = specs
+        self._units[aggregation.aggregation_id] = (_unit_name(aggregation.unit), aggregation.client_ids)
         return aggregation.aggregation_id
+
+    def client_token(self, client_id: str, *, aggregation: str | None = None, ledger: str | None = None,
+                     ttl: float | None = None) -> str:
+        """A credential for ``client_id`` (admin only): with it, ``Client(target, token=...)`` submits as that
+        client only, to ``aggregation`` or to every aggregation of ``ledger`` (one of the two), until ``ttl``
+        seconds from now (None: as long as its aggregation and the server's key). The server counts its holder
+        as ``client_id``, whatever a request names: a client can't come back under another name."""
+        return self._issue(pb.IssueClientTokenRequest.CLIENT, client_id, aggregation, ledger, ttl).token
+
+    def submitter_token(self, *, aggregation: str | None = None, ledger: str | None = None,
+                        ttl: float | None = None) -> str:
+        """A trusted submitter's credential (admin only): it may submit under any client id to ``aggregation``
+        or to every aggregation of ``ledger``. For a framework that authenticates its own nodes (Flower's
+        SuperLink, NVFlare's server) and submits for them; see docs/threat-model.md."""
+        return self._issue(pb.IssueClientTokenRequest.SUBMITTER, "", aggregation, ledger, ttl).token
+
+    def _issue(self, role, client_id: str, aggregation: str | None, ledger: str | None,
+               ttl: float | None) -> pb.ClientToken:
+        if (aggregation is None) == (ledger is None):
+            raise ValueError("give one of aggregation= and ledger=")
+        return self._call(self._stub.IssueClientToken, pb.IssueClientTokenRequest(
+            aggregation_id=aggregation or "", ledger_id=ledger or "", client_id=client_id, role=role,
+            ttl_seconds=ttl or 0.0))
 
     def get_aggregation(self, aggregation_id: str) -> pb.Aggregation:
         """The aggregation: with the admin token all of it (its ``submit_token`` too); with its
@@ -276,11 +315,21 @@ class Client:
 
     def layers(self, aggregation_id: str) -> list[Layer]:
         if aggregation_id not in self._layers:
-            aggregation = self.get_aggregation(aggregation_id)
-            self._layers[aggregation_id] = [
-                Layer(layer.name, tuple(layer.shape), wire.DTYPE_NAMES[layer.dtype]) for layer in aggregation.layers
-            ]
+            self._describe(aggregation_id)
         return self._layers[aggregation_id]
+
+    def unit(self, aggregation_id: str) -> str:
+        """The aggregation's privacy unit: ``example`` or ``client``."""
+        if aggregation_id not in self._units:
+            self._describe(aggregation_id)
+        return self._units[aggregation_id][0]
+
+    def _describe(self, aggregation_id: str) -> None:
+        aggregation = self.get_aggregation(aggregation_id)
+        self._layers[aggregation_id] = [
+            Layer(layer.name, tuple(layer.shape), wire.DTYPE_NAMES[layer.dtype]) for layer in aggregation.layers
+        ]
+        self._units[aggregation_id] = (_unit_name(aggregation.unit), aggregation.client_ids)
 
     # Streaming ------------------------------------------------------------------------------
     def submit(self, aggregation_id: str, updates: Any, *, client_id: str | None = None,
@@ -296,7 +345,13 @@ class Client:
 
         A ``client_id`` used before in this aggregation appends: the server says
         where that client stands and this submission numbers its batches after
-        it. A dropped connection or a restarting server (UNAVAILABLE) is retried
+        it. Without one, a client token's client id (see :meth:`client_token`), else the server's choice
+        where a credential names the client (a client certificate), else a random one.
+
+        Under unit ``client`` (see :meth:`create_aggregation`) the whole submission is the client's one
+        contribution: its examples are summed (float64, rounded once to each layer's dtype) and sent as one
+        batch of one row, on one stream; a second submission of the same client is refused
+        (``FailedPreconditionError``). A dropped connection or a restarting server (UNAVAILABLE) is retried
         for up to ``retry_timeout`` seconds without progress, and the stream
         resumes after the last acknowledged batch.
 
@@ -327,9 +382,16 @@ class Client:
             wire_dtype = self.wire_dtype
         wire.check_wire_dtype(wire_dtype)
         layers = self.layers(aggregation_id)
+        unit, client_ids = self._units.get(aggregation_id) or (self.unit(aggregation_id), "")
+        if client_id is None:
+            client_id = self.token_client_id or ("" if client_ids else uuid.uuid4().hex)
+        if unit == "client":
+            contribution = sum_rows(iter_updates(updates, layers), layers)
+            stream = _BatchStream(aggregation_id, client_id, iter([contribution] if contribution else []),
+                                  self.message_bytes, self.window_bytes, wire_dtype)
+            return self._stream(stream, progress)
         batches = rebatch(iter_updates(updates, layers), example_nbytes(layers, wire_dtype), self.message_bytes)
-        client_id = client_id or uuid.uuid4().hex
-        streams = spread if spread is not None else self.placement(aggregation_id).shards
+        streams = (spread if spread is not None else self.placement(aggregation_id).shards) if client_id else 1
         if streams < 1:
             raise ValueError(f"spread: at least 1 stream, got {streams}")
         if streams == 1:
@@ -525,6 +587,27 @@ class Client:
     def ledger(self, ledger_id: str) -> pb.Ledger:
         """A privacy ledger: its releases (DpEvents as JSON), epsilon so far and budget left."""
         return self._call(self._stub.GetLedger, pb.GetLedgerRequest(ledger_id=ledger_id))
+
+
+def client_token_id(token: str | None) -> str | None:
+    """The client id a client token names (its fields are readable; the server checks its signature), None for
+    any other token.
+
+    >>> client_token_id("cct1_eyJyb2xlIjoiY2xpZW50IiwiY2xpZW50X2lkIjoiYWxpY2UifQ.sig")
+    'alice'
+    """
+    if not token or not token.startswith("cct1_"):
+        return None
+    payload = token[len("cct1_"):].partition(".")[0]
+    try:
+        fields = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except ValueError:
+        return None
+    return fields.get("client_id") or None if fields.get("role") == "client" else None
+
+
+def _unit_name(code: int) -> str:
+    return {code: name for name, code in wire.UNITS.items()}.get(code, "example")
 
 
 def _submit_call(channel: grpc.Channel):
@@ -775,6 +858,8 @@ class _BatchStream:
             if self._next_sequence is None:  # a new submission: number after what the server has
                 self._next_sequence = response.accepted_sequence + 1
                 self.acked = response.acknowledged_sequence
+            if response.client_id and not self.client_id:  # counted under its credential's client id
+                self.client_id = response.client_id
             elif (self._window and response.writer_id not in ("", self.writer_id)
                   and response.accepted_sequence >= self._window[0].sequence):
                 raise FailedPreconditionError(

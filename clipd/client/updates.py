@@ -23,6 +23,7 @@ which names the layer and what was expected and what came:
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -377,6 +378,29 @@ def rebatch(batches: Iterable[list[np.ndarray]], example_bytes: int, target_byte
         yield _concat(pending)
     if failure is not None:
         raise failure
+
+
+def sum_rows(batches: Iterable[list[np.ndarray]], layers: Sequence[Layer]) -> list[np.ndarray] | None:
+    """One client's contribution under unit ``client``: every row of ``batches`` summed per layer in float64,
+    rounded once to the layer's dtype, as a batch of one row (the server would sum them so; summing here sends
+    one row instead of all). A lone one-row batch is returned as it is (no copy); None if there is no row.
+
+    >>> layers = [Layer("w", (2,), "float32")]
+    >>> sum_rows(iter([[np.ones((2, 2))], [np.full((1, 2), 0.5)]]), layers)[0].tolist()
+    [[2.5, 2.5]]
+    """
+    source = iter(batches)
+    first = next(source, None)
+    if first is None:
+        return None
+    second = next(source, None)
+    if second is None and first[0].shape[0] == 1:
+        return first
+    totals = [np.sum(rows, axis=0, dtype=np.float64, keepdims=True) for rows in first]
+    for batch in itertools.chain([second] if second is not None else [], source):
+        for total, rows in zip(totals, batch):
+            total += np.sum(rows, axis=0, dtype=np.float64)
+    return [total.astype(wire.numpy_dtype(layer.dtype)) for total, layer in zip(totals, layers)]
 
 
 def _concat(parts: list[list[np.ndarray]]) -> list[np.ndarray]:

@@ -152,6 +152,20 @@ def banded_noise_step(z: np.ndarray, history: np.ndarray, strategy: BandedToepli
     return x
 
 
+def inverse_toeplitz_coefs(coefs: Sequence[float] | np.ndarray) -> np.ndarray:
+    """The first column of C^{-1} for the lower-triangular Toeplitz C whose first column is ``coefs`` (c_0 != 0):
+    d_0 = 1 / c_0, d_t = -(sum_{j=1..t} c_j d_{t-j}) / c_0 (C^{-1} is lower-triangular Toeplitz too).
+
+    >>> inverse_toeplitz_coefs([2.0, 1.0, 0.0]).tolist()
+    [0.5, -0.25, 0.125]
+    """
+    c = np.asarray(coefs, np.float64)
+    d = np.zeros(len(c))
+    for t in range(len(c)):
+        d[t] = ((1.0 if t == 0 else 0.0) - np.dot(c[1 : t + 1], d[t - 1 :: -1][:t])) / c[0]
+    return d
+
+
 def toeplitz_matrix(coefs: Sequence[float] | np.ndarray) -> np.ndarray:
     """The lower-triangular Toeplitz matrix whose first column is ``coefs``."""
     c = np.asarray(coefs, np.float64)
@@ -332,6 +346,14 @@ class CorrelatedNoise:
         """The noise multiplier of its first ``made`` releases (:func:`prefix_noise_multiplier`)."""
         return prefix_noise_multiplier(z, self.strategy_matrix(), self.releases, made, self.min_separation,
                                        self.max_participations)
+
+    def release_noise_scale(self, release: int) -> float:
+        """``||row release of C^{-1}||`` (0-based): release t's noise is that times the stream's sigma per
+        coordinate (its rows of ``C^{-1} Z``, Z i.i.d. of stddev sigma)."""
+        if not 0 <= release < self.releases:
+            raise ValueError(f"release must be in [0, {self.releases}), got {release}")
+        inverse = inverse_toeplitz_coefs(self.strategy_matrix().coefs(release + 1))
+        return float(np.linalg.norm(inverse))
 
     @property
     def state_rows(self) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState
+from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState, Unit
 from clipd.engine import _privacy as dp
 from clipd.engine._correlated import CorrelatedNoise
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
@@ -29,6 +29,8 @@ from clipd.server.sequences import ClientSequences
 from clipd.server.settings import DELTA_BYTES_PER_PARAMETER, TOTALS_BYTES_PER_PARAMETER
 from clipd.wire import shard_of
 
+CREDENTIAL = "credential"  # client ids come from credentials: client tokens, client certificates, trusted submitters
+SELF_ASSERTED = "self_asserted"  # any name the submitter chooses (opted in at creation, or a server without auth)
 THROUGHPUT_SECONDS = 240  # the throughput series keeps the last 240 seconds in which examples arrived
 
 
@@ -108,8 +110,10 @@ def make_accumulator(layers: tuple[LayerSpec, ...], policy: ClipPolicy, plan) ->
 class AggregationSpec:
     """What an aggregation is, fixed when it is created: its layers, its clipping policy, whether a batch
     holding NaN or inf is refused whole (the wire's ``REJECT``; the engine then zeroes nothing), its privacy
-    policy and how many shards its clients are split over. :meth:`to_json` is the one form it is kept in
-    (``AggregationRecord.spec``); :meth:`Aggregation.from_record` opens an aggregation from it.
+    policy, how many shards its clients are split over, its privacy unit (``Unit``: an example, or a client
+    identity that contributes once) and how its client ids are established where they count (``client_ids``:
+    ``CREDENTIAL``, ``SELF_ASSERTED``, or ``""`` where no identity is counted). :meth:`to_json` is the one form
+    it is kept in (``AggregationRecord.spec``); :meth:`Aggregation.from_record` opens an aggregation from it.
 
     >>> spec = AggregationSpec((LayerSpec("w", (2, 3)),), ClipPolicy(l2_norm_clip=1.5), shards=2)
     >>> AggregationSpec.from_json(spec.to_json()) == spec
@@ -121,6 +125,20 @@ class AggregationSpec:
     reject_non_finite: bool = False
     privacy: dp.PrivacyPolicy | None = None
     shards: int = 1
+    unit: Unit = Unit.EXAMPLE
+    client_ids: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unit", Unit(self.unit))
+        if self.client_ids not in ("", CREDENTIAL, SELF_ASSERTED):
+            raise ValueError(f"client_ids: {CREDENTIAL!r}, {SELF_ASSERTED!r} or '', got {self.client_ids!r}")
+
+    @property
+    def counts_identities(self) -> bool:
+        """Whether a client's identity bounds what it can do: one contribution (unit CLIENT), or a correlated
+        stream's participation rules that the server enforces per client."""
+        stream = self.privacy.correlated if self.privacy is not None else None
+        return self.unit is Unit.CLIENT or (stream is not None and not stream.declared)
 
     def to_json(self) -> str:
         """The layers, the policy (with the bound in use), the privacy policy and the shard count, as JSON."""
@@ -135,6 +153,10 @@ class AggregationSpec:
         }
         if self.privacy is not None:
             spec["privacy"] = dataclasses.asdict(self.privacy)
+        if self.unit is not Unit.EXAMPLE:  # (records from before units have neither: examples, no identities)
+            spec["unit"] = self.unit.value
+        if self.client_ids:
+            spec["client_ids"] = self.client_ids
         return json.dumps(spec)
 
     @classmethod
@@ -152,7 +174,7 @@ class AggregationSpec:
                 fields["correlated"] = CorrelatedNoise(**fields["correlated"])
             privacy = dp.PrivacyPolicy(**fields)
         return cls(layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy,
-                   int(spec.get("shards", 1)))
+                   int(spec.get("shards", 1)), Unit(spec.get("unit", Unit.EXAMPLE.value)), spec.get("client_ids", ""))
 
     def release_plan(self) -> dp.ReleasePlan | None:
         """The release's plan under its privacy policy (noise, grid), for the bound in use; None if not private."""
@@ -235,6 +257,11 @@ class Aggregation:
     reject_non_finite = property(lambda self: self.spec.reject_non_finite)
     privacy = property(lambda self: self.spec.privacy, doc="engine PrivacyPolicy, or None: the sum is released as is")
     shards = property(lambda self: self.spec.shards)
+    unit = property(lambda self: self.spec.unit, doc="Unit: an example, or a client identity that contributes once")
+    client_ids = property(lambda self: self.spec.client_ids,
+                          doc="how its client ids are established where they count: CREDENTIAL, SELF_ASSERTED or ''")
+    counts_identities = property(lambda self: self.spec.counts_identities,
+                                 doc="whether a client's identity bounds what it can do (AggregationSpec)")
 
     # Where it is (written by its own methods only).
     state = property(lambda self: self._state, doc="State: where it is in its lifecycle (TRANSITIONS)")
@@ -394,8 +421,18 @@ class Aggregation:
             for listener in self._listeners.get(client, ()):
                 listener(self._sequences.durable(client))
 
+    def check_contribution(self, client_id: str, sequence: int) -> None:
+        """Under unit CLIENT a client contributes one batch, sequence 1 (resent: a duplicate); FAILED_PRECONDITION
+        for any later one, before its bytes are read."""
+        if self.unit is Unit.CLIENT and sequence > 1:
+            raise FailedPrecondition(
+                f"aggregation {self.id} counts clients (unit client): client {client_id!r} contributes one batch"
+                f" (sequence 1), its whole update, summed and clipped once; batch {sequence} is refused (send every"
+                " example in that one batch; the Python client does so under unit client)")
+
     def accept(self, client_id: str, sequence: int, writer: str = "") -> bool:
         """Reserves a batch: True if new, False if a duplicate of an accepted one (:meth:`ClientSequences.accept`)."""
+        self.check_contribution(client_id, sequence)
         with self.cond:
             self._check_takes_batches()
             new = self._sequences.accept(client_id, sequence, writer, f"aggregation {self.id}")
@@ -818,6 +855,15 @@ class Registry:
         """(id, created) of every aggregation known here: what the submit tokens are bound to."""
         with self._lock:
             return [(a.id, a.created) for a in self._by_id.values()]
+
+    def scope(self, aggregation_id: str) -> tuple[float, str | None] | None:
+        """What a credential for the aggregation is bound to: its creation time and its ledger (None: not
+        private); None if it is unknown here."""
+        with self._lock:
+            aggregation = self._by_id.get(aggregation_id)
+        if aggregation is None:
+            return None
+        return aggregation.created, aggregation.privacy.ledger_id if aggregation.privacy is not None else None
 
     def remove(self, aggregation_id: str) -> Aggregation:
         with self._lock:

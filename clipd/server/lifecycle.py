@@ -11,7 +11,8 @@ itself, in the same store transaction as the ledger's entry.
 ::
 
     create   spec checked -> (privacy: ledger admits the release) -> store record -> shards warm up
-    submit   finite? (policy REJECT) -> Aggregation.accept (sequence numbers) -> Shards.submit
+    submit   finite? (policy REJECT) -> Aggregation.accept (sequence numbers; unit client: one batch)
+             -> (unit client: the batch's rows summed) -> Shards.submit
     finalize close -> Shards.commit_final (every shard's last checkpoint) -> merge
              -> FINALIZED in the store, or the private release (noise, ledger) does that itself
     cancel   registry, ledger reservation, store record, shards' state: gone
@@ -28,9 +29,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from clipd.engine import BoundKind, NonFinite, PartialState
+from clipd.engine import BoundKind, NonFinite, PartialState, Unit, client_contribution
 from clipd.engine import _privacy as dp
-from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, Result
+from clipd.server.aggregations import CREDENTIAL, SELF_ASSERTED, Aggregation, AggregationSpec, Registry, Result
 from clipd.server.errors import AlreadyExists, ClipdError, InvalidArgument
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers
@@ -126,14 +127,22 @@ class Lifecycle:
         self.ledgers = ledgers
 
     # create -------------------------------------------------------------------------------------
-    def create(self, requested_id: str, layers, policy, reject: bool, privacy=None) -> Aggregation:
+    def create(self, requested_id: str, layers, policy, reject: bool, privacy=None, unit: Unit = Unit.EXAMPLE,
+               self_asserted_client_ids: bool = False) -> Aggregation:
         """The aggregation ``requested_id`` (a new id if empty), created and durable; the same one again
-        for a request that repeats it; ``AlreadyExists`` for another spec under that id."""
+        for a request that repeats it; ``AlreadyExists`` for another spec under that id.
+
+        ``unit``: the privacy unit (an example, or a client that contributes once). Where identities count
+        (unit CLIENT, or a correlated stream's enforced participation), its client ids come from credentials,
+        unless ``self_asserted_client_ids`` (or the server has no admin token: it authenticates no one)."""
         plan = None
         if privacy is not None:
             privacy = self.ledgers.with_strategy(privacy)  # a correlated stream's, from its ledger (or made)
             policy, plan = self._private_policy(policy, privacy, layers)
-        spec = AggregationSpec(layers, policy, reject, privacy, self.settings.shards or len(self.shards))
+        spec = AggregationSpec(layers, policy, reject, privacy, self.settings.shards or len(self.shards), unit)
+        if spec.counts_identities:
+            asserted = self_asserted_client_ids or not self.settings.admin_token
+            spec = dataclasses.replace(spec, client_ids=SELF_ASSERTED if asserted else CREDENTIAL)
 
         def make(aggregation_id: str) -> Aggregation:
             return Aggregation(aggregation_id, spec, self.settings.max_device_rows, self.settings.staging_bytes,
@@ -155,12 +164,13 @@ class Lifecycle:
             self.shards.warm_up(aggregation)
 
         aggregation, created = self.registry.create(requested_id, make, publish)
-        if not created and not _same_request(aggregation, layers, policy, reject, privacy):
+        if not created and not _same_request(aggregation, layers, policy, reject, privacy, spec):
             raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
         if created:
             event(log, "aggregation.created", aggregation=aggregation.id, layers=len(layers),
                   parameters=aggregation.parameters, policy=policy.kind.value,
-                  ledger=privacy.ledger_id if privacy else None)
+                  ledger=privacy.ledger_id if privacy else None, unit=unit.value,
+                  client_ids=spec.client_ids or None)
         return aggregation
 
     def _private_policy(self, policy, privacy, layers):
@@ -212,6 +222,8 @@ class Lifecycle:
             if not aggregation.accept(client, batch.sequence, writer):
                 batch.give_back()  # a duplicate of an accepted batch
                 return
+            if aggregation.unit is Unit.CLIENT:  # the client's one contribution: its rows summed, clipped once
+                batch = batch._replace(rows=1, layers=client_contribution(batch.layers))
             try:
                 self.shards.submit(aggregation, client, writer, batch)
             except ClipdError:
@@ -258,12 +270,12 @@ class Lifecycle:
         return aggregation
 
 
-def _same_request(aggregation: Aggregation, layers, policy, reject, privacy) -> bool:
+def _same_request(aggregation: Aggregation, layers, policy, reject, privacy, spec: AggregationSpec) -> bool:
     """Whether a create request repeats the existing aggregation's (an adaptive bound may have moved since)."""
     if privacy is not None and privacy.adaptive is not None:
         policy = dataclasses.replace(policy, l2_norm_clip=aggregation.policy.l2_norm_clip)
-    return (aggregation.layers, aggregation.policy, aggregation.reject_non_finite, aggregation.privacy) == (
-        layers, policy, reject, privacy)
+    return (aggregation.layers, aggregation.policy, aggregation.reject_non_finite, aggregation.privacy,
+            aggregation.unit, aggregation.client_ids) == (layers, policy, reject, privacy, spec.unit, spec.client_ids)
 
 
 def check_finite(batch, aggregation: Aggregation) -> None:

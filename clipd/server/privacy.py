@@ -41,7 +41,8 @@ from clipd.engine import _container as container
 from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
 from clipd.engine._correlated import CorrelatedNoise, Mechanism
-from clipd.server.aggregations import TAKES_BATCHES, Aggregation, State
+from clipd.engine import Unit
+from clipd.server.aggregations import SELF_ASSERTED, TAKES_BATCHES, Aggregation, State
 from clipd.server.errors import FailedPrecondition
 from clipd.server.sequences import client_of
 from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, NoiseStream, Store
@@ -51,12 +52,17 @@ _LEGACY_RELEASE_MAGIC = b"CLIPDREL1\n"  # the format of releases stored before i
 NON_PRIVATE = dp.event_to_json(dpe.NonPrivateDpEvent())  # a debug aggregation's entry: epsilon infinite
 
 
-def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, parameters: int = 0) -> dict:
-    """What every aggregation of one ledger must agree on: its accounting; with correlated noise also the
-    stream (mechanism, n, b, k, buffers, the optimized strategy, the model's ``parameters``: the size of
-    each row of its state) and the noise stddev of every release."""
+def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, parameters: int = 0,
+                  unit: Unit = Unit.EXAMPLE, client_ids: str = "") -> dict:
+    """What every aggregation of one ledger must agree on: its accounting and its privacy ``unit`` (an epsilon
+    is of one unit); where identities count, how they are established (``client_ids``); with correlated noise
+    also the stream (mechanism, n, b, k, buffers, the optimized strategy, the model's ``parameters``: the size
+    of each row of its state) and the noise stddev of every release."""
     config: dict[str, Any] = {"accountant": policy.accountant.value, "neighbouring": policy.neighbouring.value,
-              "delta": policy.delta, "max_epsilon": policy.max_epsilon, "mechanism": Mechanism.INDEPENDENT.value}
+                              "delta": policy.delta, "max_epsilon": policy.max_epsilon,
+                              "mechanism": Mechanism.INDEPENDENT.value, "unit": Unit(unit).value}
+    if client_ids:
+        config["client_ids"] = client_ids
     stream = policy.correlated
     if stream is not None:
         config["mechanism"] = stream.mechanism.value
@@ -68,11 +74,36 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
     return config
 
 
-_CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value}  # (ledgers stored before correlated noise)
+# What a ledger stored before these fields existed had: independent noise, examples; its client ids, where they
+# counted (a correlated stream's participation), were whatever a submitter named.
+_CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value, "unit": Unit.EXAMPLE.value, "client_ids": ""}
 
 
 def _same_config(stored: dict, wanted: dict) -> bool:
-    return all(stored.get(k, _CONFIG_DEFAULTS.get(k)) == v for k, v in wanted.items())
+    return all(stored.get(k, _CONFIG_DEFAULTS.get(k)) == wanted.get(k, _CONFIG_DEFAULTS.get(k))
+               for k in {*stored, *wanted} - {"stream", "noise_stddev"}) and all(
+        stored.get(k) == wanted[k] for k in ("stream", "noise_stddev") if k in wanted)
+
+
+def _config_difference(stored: dict, wanted: dict) -> str:
+    """What a refused aggregation asks that its ledger has otherwise, in words."""
+    differ = sorted(k for k in {*stored, *wanted}
+                    if stored.get(k, _CONFIG_DEFAULTS.get(k)) != wanted.get(k, _CONFIG_DEFAULTS.get(k)))
+    said = []
+    for key in differ:
+        has, asks = stored.get(key, _CONFIG_DEFAULTS.get(key)), wanted.get(key, _CONFIG_DEFAULTS.get(key))
+        if key == "unit":
+            said.append(f"its unit is {has!r} (its epsilon protects one {has}), this aggregation's {asks!r}: a"
+                        " ledger accounts one unit; use another ledger")
+        elif key == "client_ids":
+            said.append(f"its client ids are {has or 'not counted'!r}, this aggregation's {asks or 'not counted'!r}"
+                        + (" (a server without an admin token can only take self-asserted ids)"
+                           if asks == SELF_ASSERTED else
+                           " (create it with self_asserted_client_ids to go on with that ledger)"
+                           if has == SELF_ASSERTED else ""))
+        else:
+            said.append(f"{key}: {json.dumps(has)}, this aggregation asks {json.dumps(asks)}")
+    return "; ".join(said)
 
 
 def ledger_epsilon(config: dict, events: Sequence[str]) -> float:
@@ -169,8 +200,7 @@ class Ledgers:
         record = next((r for r in self.store.ledgers() if r.ledger_id == ledger_id), None)
         if record is None:
             return None
-        config = json.loads(record.config)
-        config.setdefault("mechanism", Mechanism.INDEPENDENT.value)
+        config = {**_CONFIG_DEFAULTS, **json.loads(record.config)}
         entries = self.store.ledger_entries(ledger_id)
         eps = ledger_epsilon(config, [e.event for e in entries])
         bounds = [e.next_bound for e in entries if e.next_bound is not None]
@@ -239,12 +269,12 @@ class Ledgers:
         relation, delta or budget, or if this release (with the reserved ones)
         would pass ``max_epsilon``.
         """
-        wanted = ledger_config(policy, plan, aggregation.parameters)
+        wanted = ledger_config(policy, plan, aggregation.parameters, aggregation.unit, aggregation.client_ids)
         with self._locked(policy.ledger_id):
             stored = self.store.ensure_ledger(LedgerRecord(policy.ledger_id, json.dumps(wanted), time.time()))
             if not _same_config(json.loads(stored.config), wanted):
-                raise FailedPrecondition(f"ledger {policy.ledger_id!r} exists with {stored.config};"
-                                         f" this aggregation asks {json.dumps(wanted)}")
+                raise FailedPrecondition(f"ledger {policy.ledger_id!r} exists with another configuration:"
+                                         f" {_config_difference(json.loads(stored.config), wanted)}")
             debug = [NON_PRIVATE] if policy.debug_raw_statistics else []
             reserved = [r.event for r in self._reserved[policy.ledger_id].values() if _counts(r.aggregation)]
             committed = self.events(policy.ledger_id)
@@ -325,9 +355,9 @@ class Ledgers:
             value = np.asarray(total, np.float64) + noise[at:at + size].reshape(total.shape)
             noised.append(value.astype(np.promote_types(dtype, np.float32)))
             at += size
-        release = draw_release(aggregation, totals, sum_dtypes, after, after, made + 1, tuple(noised))
-        release.fields.update({"mechanism": stream.mechanism.value, "stream_release": made,
-                               "stream_releases": stream.releases, "dp_event_json": event_json})
+        release = draw_release(aggregation, totals, sum_dtypes, after, 0.0, made + 1, tuple(noised))
+        release.fields.update(stream_release_fields(policy, plan, made))
+        release.fields["dp_event_json"] = event_json
         participants = [] if stream.declared else sorted({client_of(c) for c in totals.clients})
         entry = LedgerEntry(aggregation.id, event_json, time.time(), after, None)
         try:
@@ -409,6 +439,24 @@ def stream_event_json(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, made: int)
                                                                                            made)))
 
 
+def stream_release_fields(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, release: int) -> dict:
+    """What a correlated stream's release ``release`` (0-based) says of its noise: the whole stream's
+    sensitivity ``bound * sens(C)`` (the noise's calibration), this release's stddev per coordinate
+    ``sigma * ||row release of C^-1||`` beside the stream's ``sigma``, this release's epsilon alone (a
+    Gaussian of that stddev over the bound's sensitivity) and the stream with its strategy."""
+    stream = policy.correlated
+    assert stream is not None
+    stddev = plan.noise_stddev * stream.release_noise_scale(release)
+    alone = (dpe.GaussianDpEvent(stddev / plan.sensitivity) if stddev > 0 and plan.sensitivity > 0
+             else dpe.NonPrivateDpEvent())
+    return {"mechanism": stream.mechanism.value, "stream_release": release, "stream_releases": stream.releases,
+            "sensitivity": plan.sensitivity * stream.sensitivity(), "noise_stddev": stddev,
+            "stream_noise_stddev": plan.noise_stddev, "epsilon": _epsilon(policy, [dp.event_to_json(alone)]),
+            "stream": {"mechanism": stream.mechanism.value, "releases": stream.releases,
+                       "min_separation": stream.min_separation, "max_participations": stream.max_participations,
+                       "buffers": stream.buffers, "declared": stream.declared, "strategy": list(stream.strategy)}}
+
+
 def _stream_of(config: dict, stream: dict) -> CorrelatedNoise:
     """A stored correlated ledger's stream."""
     return CorrelatedNoise(config["mechanism"], stream["releases"], stream["min_separation"],
@@ -459,6 +507,7 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         "debug_raw_statistics": policy.debug_raw_statistics,
         "statistics_noise_stddev": plan.metrics_noise_stddev,
         "example_norm_histogram": [], "layer_clipped": [], "examples": 0.0,
+        "unit": aggregation.unit.value, "client_ids": aggregation.client_ids,
     }
     if policy.adaptive is not None:
         unclipped = examples - int(totals.clip_counts[0])

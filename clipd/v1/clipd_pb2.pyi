@@ -6,6 +6,12 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrivacyUnit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UNIT_UNSPECIFIED: _ClassVar[PrivacyUnit]
+    EXAMPLE: _ClassVar[PrivacyUnit]
+    CLIENT: _ClassVar[PrivacyUnit]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -13,6 +19,9 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
     FLOAT64: _ClassVar[DType]
+UNIT_UNSPECIFIED: PrivacyUnit
+EXAMPLE: PrivacyUnit
+CLIENT: PrivacyUnit
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -164,7 +173,7 @@ class PrivacyPolicy(_message.Message):
     def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ..., noise: _Optional[_Union[PrivacyPolicy.Noise, str]] = ..., correlated: _Optional[_Union[CorrelatedNoise, _Mapping]] = ...) -> None: ...
 
 class CorrelatedNoise(_message.Message):
-    __slots__ = ("mechanism", "releases", "min_separation", "max_participations", "buffers", "declared")
+    __slots__ = ("mechanism", "releases", "min_separation", "max_participations", "buffers", "declared", "strategy")
     class Mechanism(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MECHANISM_UNSPECIFIED: _ClassVar[CorrelatedNoise.Mechanism]
@@ -179,28 +188,34 @@ class CorrelatedNoise(_message.Message):
     MAX_PARTICIPATIONS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
     mechanism: CorrelatedNoise.Mechanism
     releases: int
     min_separation: int
     max_participations: int
     buffers: int
     declared: bool
-    def __init__(self, mechanism: _Optional[_Union[CorrelatedNoise.Mechanism, str]] = ..., releases: _Optional[int] = ..., min_separation: _Optional[int] = ..., max_participations: _Optional[int] = ..., buffers: _Optional[int] = ..., declared: bool = ...) -> None: ...
+    strategy: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, mechanism: _Optional[_Union[CorrelatedNoise.Mechanism, str]] = ..., releases: _Optional[int] = ..., min_separation: _Optional[int] = ..., max_participations: _Optional[int] = ..., buffers: _Optional[int] = ..., declared: bool = ..., strategy: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CreateAggregationRequest(_message.Message):
-    __slots__ = ("layers", "policy", "aggregation_id", "privacy")
+    __slots__ = ("layers", "policy", "aggregation_id", "privacy", "unit", "self_asserted_client_ids")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    SELF_ASSERTED_CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     policy: ClipPolicy
     aggregation_id: str
     privacy: PrivacyPolicy
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., aggregation_id: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ...) -> None: ...
+    unit: PrivacyUnit
+    self_asserted_client_ids: bool
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., aggregation_id: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., self_asserted_client_ids: bool = ...) -> None: ...
 
 class Aggregation(_message.Message):
-    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason", "submit_token", "privacy", "planned_ledger_epsilon")
+    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason", "submit_token", "privacy", "planned_ledger_epsilon", "unit", "client_ids")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Aggregation.State]
@@ -226,6 +241,8 @@ class Aggregation(_message.Message):
     SUBMIT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
     PLANNED_LEDGER_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     policy: ClipPolicy
@@ -237,7 +254,9 @@ class Aggregation(_message.Message):
     submit_token: str
     privacy: PrivacyPolicy
     planned_ledger_epsilon: float
-    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ..., submit_token: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., planned_ledger_epsilon: _Optional[float] = ...) -> None: ...
+    unit: PrivacyUnit
+    client_ids: str
+    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ..., submit_token: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., planned_ledger_epsilon: _Optional[float] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("layer", "dtype", "shape", "offset", "data")
@@ -270,7 +289,7 @@ class SubmitRequest(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., writer_id: _Optional[str] = ..., resume: bool = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("acknowledged_sequence", "aggregation_examples", "accepted_sequence", "writer_id", "received_bytes", "summed_sequence", "partial_sequence", "partial_bytes")
+    __slots__ = ("acknowledged_sequence", "aggregation_examples", "accepted_sequence", "writer_id", "received_bytes", "summed_sequence", "partial_sequence", "partial_bytes", "client_id")
     ACKNOWLEDGED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +298,7 @@ class SubmitResponse(_message.Message):
     SUMMED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     acknowledged_sequence: int
     aggregation_examples: int
     accepted_sequence: int
@@ -287,7 +307,8 @@ class SubmitResponse(_message.Message):
     summed_sequence: int
     partial_sequence: int
     partial_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ..., accepted_sequence: _Optional[int] = ..., writer_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., summed_sequence: _Optional[int] = ..., partial_sequence: _Optional[int] = ..., partial_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    client_id: str
+    def __init__(self, acknowledged_sequence: _Optional[int] = ..., aggregation_examples: _Optional[int] = ..., accepted_sequence: _Optional[int] = ..., writer_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., summed_sequence: _Optional[int] = ..., partial_sequence: _Optional[int] = ..., partial_bytes: _Optional[_Iterable[int]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class GetPlacementRequest(_message.Message):
     __slots__ = ("aggregation_id",)
@@ -370,7 +391,7 @@ class AggregationStats(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., failure_reason: _Optional[str] = ..., privacy_notice: _Optional[str] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale", "mechanism", "stream_release", "stream_releases")
+    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale", "mechanism", "stream_release", "stream_releases", "unit", "client_ids", "stream_noise_stddev", "stream")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     VALUE_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +419,10 @@ class Release(_message.Message):
     MECHANISM_FIELD_NUMBER: _ClassVar[int]
     STREAM_RELEASE_FIELD_NUMBER: _ClassVar[int]
     STREAM_RELEASES_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_NOISE_STDDEV_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     noise_multiplier: float
     value_noise_multiplier: float
@@ -425,7 +450,11 @@ class Release(_message.Message):
     mechanism: str
     stream_release: int
     stream_releases: int
-    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ..., mechanism: _Optional[str] = ..., stream_release: _Optional[int] = ..., stream_releases: _Optional[int] = ...) -> None: ...
+    unit: PrivacyUnit
+    client_ids: str
+    stream_noise_stddev: float
+    stream: CorrelatedNoise
+    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ..., mechanism: _Optional[str] = ..., stream_release: _Optional[int] = ..., stream_releases: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., stream_noise_stddev: _Optional[float] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ...) -> None: ...
 
 class GetLedgerRequest(_message.Message):
     __slots__ = ("ledger_id",)
@@ -448,7 +477,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., dp_event_json: _Optional[str] = ..., epsilon_after: _Optional[float] = ..., unix_seconds: _Optional[float] = ..., next_bound: _Optional[float] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows", "stream_state_bytes")
+    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows", "stream_state_bytes", "unit", "client_ids")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +493,8 @@ class Ledger(_message.Message):
     STREAM_MADE_FIELD_NUMBER: _ClassVar[int]
     STREAM_STATE_ROWS_FIELD_NUMBER: _ClassVar[int]
     STREAM_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     accountant: str
     neighbouring: str
@@ -479,7 +510,9 @@ class Ledger(_message.Message):
     stream_made: int
     stream_state_rows: int
     stream_state_bytes: int
-    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ..., stream_state_bytes: _Optional[int] = ...) -> None: ...
+    unit: PrivacyUnit
+    client_ids: str
+    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ..., stream_state_bytes: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")
@@ -512,3 +545,39 @@ class CancelAggregationRequest(_message.Message):
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     def __init__(self, aggregation_id: _Optional[str] = ...) -> None: ...
+
+class IssueClientTokenRequest(_message.Message):
+    __slots__ = ("aggregation_id", "ledger_id", "client_id", "role", "ttl_seconds")
+    class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CLIENT: _ClassVar[IssueClientTokenRequest.Role]
+        SUBMITTER: _ClassVar[IssueClientTokenRequest.Role]
+    CLIENT: IssueClientTokenRequest.Role
+    SUBMITTER: IssueClientTokenRequest.Role
+    AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    aggregation_id: str
+    ledger_id: str
+    client_id: str
+    role: IssueClientTokenRequest.Role
+    ttl_seconds: float
+    def __init__(self, aggregation_id: _Optional[str] = ..., ledger_id: _Optional[str] = ..., client_id: _Optional[str] = ..., role: _Optional[_Union[IssueClientTokenRequest.Role, str]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class ClientToken(_message.Message):
+    __slots__ = ("token", "client_id", "aggregation_id", "ledger_id", "role", "expires_unix_seconds")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    client_id: str
+    aggregation_id: str
+    ledger_id: str
+    role: IssueClientTokenRequest.Role
+    expires_unix_seconds: float
+    def __init__(self, token: _Optional[str] = ..., client_id: _Optional[str] = ..., aggregation_id: _Optional[str] = ..., ledger_id: _Optional[str] = ..., role: _Optional[_Union[IssueClientTokenRequest.Role, str]] = ..., expires_unix_seconds: _Optional[float] = ...) -> None: ...

@@ -79,6 +79,11 @@ class ClipdStub(object):
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.GetPlacementRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.Placement.FromString,
                 _registered_method=True)
+        self.IssueClientToken = channel.unary_unary(
+                '/clipd.v1.Clipd/IssueClientToken',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.IssueClientTokenRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.ClientToken.FromString,
+                _registered_method=True)
 
 
 class ClipdServicer(object):
@@ -151,6 +156,14 @@ class ClipdServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueClientToken(self, request, context):
+        """The admin issues a credential for one client identity (or a trusted
+        submitter) on an aggregation or on every aggregation of a ledger.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClipdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +211,11 @@ def add_ClipdServicer_to_server(servicer, server):
                     servicer.GetPlacement,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.GetPlacementRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.Placement.SerializeToString,
+            ),
+            'IssueClientToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueClientToken,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.IssueClientTokenRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.ClientToken.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +461,33 @@ class Clipd(object):
             '/clipd.v1.Clipd/GetPlacement',
             clipd_dot_v1_dot_clipd__pb2.GetPlacementRequest.SerializeToString,
             clipd_dot_v1_dot_clipd__pb2.Placement.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueClientToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/IssueClientToken',
+            clipd_dot_v1_dot_clipd__pb2.IssueClientTokenRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.ClientToken.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from clipd import wire
-from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite
+from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite, Unit
 from clipd.engine import _privacy as dp
 from clipd.engine._correlated import CorrelatedNoise, Mechanism
 from clipd.server.aggregations import State, Stats
@@ -30,6 +30,7 @@ NEIGHBOURING = {code: dp.Neighbouring(name) for name, code in wire.NEIGHBOURING.
 ACCOUNTANTS = {code: dp.Accountant(name) for name, code in wire.ACCOUNTANTS.items()}
 NOISES = {code: dp.Noise(name) for name, code in wire.NOISES.items()}
 MECHANISMS = {code: Mechanism(name) for name, code in wire.MECHANISMS.items()}
+UNITS = {pb.UNIT_UNSPECIFIED: Unit.EXAMPLE, **{code: Unit(name) for name, code in wire.UNITS.items()}}
 STATES = {  # FINALIZING has no proto state: it still reports OPEN
     State.WARMING_UP: pb.Aggregation.WARMING_UP,
     State.OPEN: pb.Aggregation.OPEN,
@@ -136,9 +137,15 @@ def _inf_as_zero(value: float) -> float:
     return 0.0 if math.isinf(value) else value
 
 
-def _check_ledger_id(value: str) -> None:
+def _check_ledger_id(value: str, what: str = "privacy.ledger_id") -> None:
     if not ID_PATTERN.fullmatch(value):
-        raise InvalidArgument("privacy.ledger_id: 1 to 128 letters, digits, '-', '_' or '.'")
+        raise InvalidArgument(f"{what}: 1 to 128 letters, digits, '-', '_' or '.'")
+
+
+def ledger_id(value: str) -> str:
+    """A ledger id (``InvalidArgument`` if it is not one)."""
+    _check_ledger_id(value, "ledger_id")
+    return value
 
 
 def ledger_to_proto(ledger: dict) -> pb.Ledger:
@@ -151,6 +158,7 @@ def ledger_to_proto(ledger: dict) -> pb.Ledger:
         stream_made=ledger["stream"]["made"] if ledger["stream"] else 0,
         stream_state_rows=ledger["stream"]["state_rows"] if ledger["stream"] else 0,
         stream_state_bytes=ledger["stream"]["state_bytes"] if ledger["stream"] else 0,
+        unit=wire.UNITS[ledger["unit"]], client_ids=ledger["client_ids"],
         entries=[pb.LedgerEntry(aggregation_id=e["aggregation_id"], dp_event_json=e["event"],
                                 epsilon_after=e["epsilon_after"], unix_seconds=e["time"],
                                 next_bound=e["next_bound"] or 0.0) for e in ledger["entries"]],
@@ -165,7 +173,22 @@ def _stream_to_proto(mechanism: str, stream: dict | None) -> pb.CorrelatedNoise 
     return pb.CorrelatedNoise(mechanism=wire.MECHANISMS[mechanism], releases=stream["releases"],
                               min_separation=stream["min_separation"],
                               max_participations=stream["max_participations"], buffers=stream["buffers"],
-                              declared=stream["declared"])
+                              declared=stream["declared"], strategy=stream.get("strategy", ()))
+
+
+def unit_from_proto(value: int) -> Unit:
+    if value not in UNITS:
+        raise InvalidArgument(f"unit: unknown value {value} (EXAMPLE or CLIENT)")
+    return UNITS[value]
+
+
+def release_to_proto(fields: dict) -> pb.Release:
+    """A release's fields (as kept with it; older releases lack the newer ones) as the proto ``Release``."""
+    fields = dict(fields)
+    stream = fields.pop("stream", None)
+    unit = fields.pop("unit", Unit.EXAMPLE.value)
+    return pb.Release(**fields, unit=wire.UNITS[unit],
+                      stream=_stream_to_proto(stream["mechanism"], stream) if stream else None)
 
 
 def policy_from_proto(policy: pb.ClipPolicy, num_layers: int) -> tuple[ClipPolicy, bool]:
@@ -226,6 +249,6 @@ def stats_to_proto(stats: Stats) -> pb.AggregationStats:
         examples_per_second=stats.examples_per_second,
         failure_reason=stats.failure_reason,
         privacy_notice=stats.privacy_notice,
-        release=pb.Release(**stats.release) if stats.release is not None else None,
+        release=release_to_proto(stats.release) if stats.release is not None else None,
     )
 

@@ -29,8 +29,19 @@ from collections.abc import Generator, Iterator
 import grpc
 
 from clipd import wire
-from clipd.server.aggregations import Aggregation, State
-from clipd.server.credentials import SubmitTokens, bearer_token, same
+from clipd.engine import Unit
+from clipd.server.aggregations import SELF_ASSERTED, Aggregation, State
+from clipd.server.credentials import (
+    CERTIFIED_CLIENT_METADATA,
+    CLIENT,
+    SUBMITTER,
+    ClientToken,
+    ClientTokens,
+    SubmitTokens,
+    bearer_token,
+    certificate_client_id,
+    same,
+)
 from clipd.server.errors import (
     ClipdError,
     FailedPrecondition,
@@ -45,6 +56,7 @@ from clipd.server.logs import event
 from clipd.server.rpc import codec
 from clipd.server.rpc.batches import BatchAssembler
 from clipd.server.rpc.limits import ByteBudget, StreamSlots
+from clipd.server.sequences import client_of
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
@@ -103,6 +115,21 @@ def _check_id(value: str, what: str) -> str:
     return value
 
 
+def _as_credential(client_id: str, named: str, what: str) -> str:
+    """``named`` if it is the credential's ``client_id`` or one of its spread ids, the credential's if empty."""
+    if not named:
+        return client_id
+    if named != client_id and client_of(check_client_id(named)) != client_id:
+        raise PermissionDenied(f"{what} is for client {client_id!r}; it may not submit as {named!r}")
+    return named
+
+
+def _why_identities(aggregation: Aggregation) -> str:
+    if aggregation.unit is Unit.CLIENT:
+        return "its unit is client: one contribution per client"
+    return "its ledger's correlated noise stream limits each client's participation"
+
+
 def check_client_id(value: str) -> str:
     """A client id, or one stream of a spread submission: ``<client id>~<stream number>`` (``alice~3``)."""
     base, mark, stream = value.rpartition(wire.SPREAD_MARK)
@@ -119,6 +146,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.lifecycle = lifecycle
         self.registry = lifecycle.registry
         self.submit_tokens = submit_tokens
+        self.client_tokens = ClientTokens(submit_tokens.key)
         self.budget = ByteBudget(settings.max_buffered_bytes or self._memory_left)
         self.stream_slots = StreamSlots(settings.max_streams, "Submit stream")
         self.rejections: dict[str, int] = {}  # gRPC status name -> count
@@ -168,7 +196,9 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         policy, reject = codec.policy_from_proto(request.policy, len(layers))
         requested = _check_id(request.aggregation_id, "aggregation_id") if request.aggregation_id else ""
         privacy = codec.privacy_from_proto(request.privacy) if request.HasField("privacy") else None
-        return self._describe(self.lifecycle.create(requested, layers, policy, reject, privacy))
+        unit = codec.unit_from_proto(request.unit)
+        return self._describe(self.lifecycle.create(requested, layers, policy, reject, privacy, unit,
+                                                    request.self_asserted_client_ids))
 
     @_status_on_error
     def GetAggregation(self, request: pb.GetAggregationRequest, context) -> pb.Aggregation:
@@ -180,7 +210,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         return pb.Aggregation(aggregation_id=aggregation.id, layers=wire.layer_specs(aggregation.layers),
                               policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
                               state=codec.STATES[aggregation.state], layer_bounds=aggregation.accumulator.bounds,
-                              privacy=codec.privacy_to_proto(aggregation.privacy) if aggregation.privacy else None)
+                              privacy=codec.privacy_to_proto(aggregation.privacy) if aggregation.privacy else None,
+                              unit=wire.UNITS[aggregation.unit.value], client_ids=aggregation.client_ids)
 
     @_status_on_error
     def ListAggregations(self, request, context) -> pb.ListAggregationsResponse:
@@ -228,7 +259,36 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             submit_token=self.submit_tokens.token_for(aggregation.id, aggregation.created),
             privacy=codec.privacy_to_proto(aggregation.privacy) if aggregation.privacy else None,
             planned_ledger_epsilon=aggregation.planned_epsilon,
+            unit=wire.UNITS[aggregation.unit.value],
+            client_ids=aggregation.client_ids,
         )
+
+    @_status_on_error
+    def IssueClientToken(self, request: pb.IssueClientTokenRequest, context) -> pb.ClientToken:
+        """A credential for one client id (or a trusted submitter) on an aggregation or a ledger (admin only)."""
+        if request.role not in wire.TOKEN_ROLES.values():
+            raise InvalidArgument(f"role: unknown value {request.role} (CLIENT or SUBMITTER)")
+        role = CLIENT if request.role == pb.IssueClientTokenRequest.CLIENT else SUBMITTER
+        if bool(request.aggregation_id) == bool(request.ledger_id):
+            raise InvalidArgument("give one of aggregation_id (a token for that aggregation) and ledger_id (for every"
+                                  " aggregation of that ledger)")
+        client_id = _check_id(request.client_id, "client_id") if role == CLIENT else ""
+        if role == SUBMITTER and request.client_id:
+            raise InvalidArgument("client_id: a submitter token names no client (it may submit as any)")
+        if not (request.ttl_seconds >= 0 and math.isfinite(request.ttl_seconds)):
+            raise InvalidArgument(f"ttl_seconds: finite and >= 0 (0: no expiry), got {request.ttl_seconds}")
+        expires = time.time() + request.ttl_seconds if request.ttl_seconds else 0.0
+        if request.aggregation_id:
+            scope = self.registry.scope(request.aggregation_id)
+            if scope is None:
+                raise NotFound(f"no aggregation {request.aggregation_id!r}")
+            token = ClientToken(role, client_id, aggregation_id=request.aggregation_id, created=scope[0],
+                                expires=expires)
+        else:
+            token = ClientToken(role, client_id, ledger_id=codec.ledger_id(request.ledger_id), expires=expires)
+        return pb.ClientToken(token=self.client_tokens.issue(token), client_id=client_id,
+                              aggregation_id=token.aggregation_id, ledger_id=token.ledger_id, role=request.role,
+                              expires_unix_seconds=expires)
 
     @_status_on_error
     def GetLedger(self, request: pb.GetLedgerRequest, context) -> pb.Ledger:
@@ -250,7 +310,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
     # Streaming ----------------------------------------------------------------------
     def Submit(self, request_iterator, context):
         token = bearer_token(context.invocation_metadata())
-        session = _SubmitSession(self, token)
+        session = _SubmitSession(self, token, self.certified_client(context))
         owner = stream_owner(token, context)
         try:
             self.stream_slots.acquire(owner, session)
@@ -319,33 +379,90 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         return not self.settings.admin_token or same(token, self.settings.admin_token)
 
     def check_submitter(self, token: str | None, aggregation_id: str, action: str) -> Aggregation:
-        """The aggregation, if ``token`` is the admin's or its submit token (see :meth:`authorize`)."""
+        """The aggregation, if ``token`` may submit to it (see :meth:`authorize`)."""
         self.authorize(token, aggregation_id, action)
         return self.registry.get(aggregation_id)  # a finalized one refuses batches there, as for the admin
 
     def authorize(self, token: str | None, aggregation_id: str, action: str) -> None:
-        """Refuses unless ``token`` is the admin's or the submit token of ``aggregation_id``.
+        """Refuses unless ``token`` is the admin's, the submit token of ``aggregation_id``, or a client token
+        whose scope covers it.
 
-        No token, or one that is no credential of this server: UNAUTHENTICATED.
-        A submit token of another aggregation: PERMISSION_DENIED (as for an
-        unknown id, so ids do not leak to holders of other tokens).
+        No token, or one that is no credential of this server (or an expired client token): UNAUTHENTICATED.
+        A submit token of another aggregation, a client token for another aggregation or ledger:
+        PERMISSION_DENIED (as for an unknown id, so ids do not leak to holders of other tokens).
         """
-        created = self.registry.created(aggregation_id) if token is not None else None
-        if self.may_submit(token, aggregation_id, created):
+        scope = self.registry.scope(aggregation_id) if token is not None else None
+        if self.may_submit(token, aggregation_id, scope):
             return
+        client = self.client_tokens.read(token)
+        if client is not None and client.expires and client.expires <= time.time():
+            expired = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(client.expires))
+            raise Unauthenticated(f"this client token expired at {expired}; ask the admin for a new one")
         if token is None or not self.is_credential(token):
             raise Unauthenticated("a valid 'authorization: Bearer <token>' is required")
         raise PermissionDenied(f"this token may not {action} aggregation {aggregation_id!r}")
 
-    def may_submit(self, token: str | None, aggregation_id: str, created: float | None) -> bool:
-        """The admin token, or the submit token of ``aggregation_id`` (created at ``created``; None: unknown)."""
-        return self.is_admin(token) or (token is not None and created is not None
-                                        and self.submit_tokens.check(token, aggregation_id, created))
+    def may_submit(self, token: str | None, aggregation_id: str, scope: tuple[float, str | None] | None) -> bool:
+        """The admin token, the submit token of ``aggregation_id``, or a client token that covers it (``scope``:
+        its creation time and ledger, ``Registry.scope``; None: unknown)."""
+        if self.is_admin(token):
+            return True
+        if token is None or scope is None:
+            return False
+        created, ledger = scope
+        if self.submit_tokens.check(token, aggregation_id, created):
+            return True
+        client = self.client_tokens.read(token)
+        return client is not None and client.covers(aggregation_id, created, ledger)
 
     def is_credential(self, token: str) -> bool:
-        """The admin token or the submit token of some aggregation of this server."""
-        return self.is_admin(token) or any(
+        """The admin token, a client token of this server, or the submit token of some aggregation of it."""
+        return self.is_admin(token) or self.client_tokens.read(token) is not None or any(
             self.submit_tokens.check(token, i, created) for i, created in self.registry.identities())
+
+    # Who a client is ------------------------------------------------------------------------------
+    def certified_client(self, context) -> str | None:
+        """The client id of the caller's client certificate (mutual TLS: its Common Name), as this process's
+        TLS verified it or, on a call another clipd process forwarded, as that one vouched for it."""
+        for key, value in context.invocation_metadata() or ():
+            if key == CERTIFIED_CLIENT_METADATA:
+                return self.client_tokens.vouched(value)
+        return certificate_client_id(context) if self.settings.tls_client_ca_file else None
+
+    def credential_client_id(self, token: str | None, context) -> str | None:
+        """The client id a stream's credential names, if any: its client token's, else its certificate's."""
+        client = self.client_tokens.read(token)
+        if client is not None and client.role == CLIENT:
+            return client.client_id
+        return self.certified_client(context)
+
+    def client_identity(self, token: str | None, certified: str | None, aggregation: Aggregation, named: str) -> str:
+        """The client id a Submit stream is counted under (docs/threat-model.md).
+
+        A client token's (the stream may name it, one of its spread ids, or nothing); the named one for a trusted
+        submitter (the admin, a submitter token, or anyone on a server without auth) and wherever identities do
+        not count; on an aggregation that counts them (unit CLIENT, or a correlated stream's enforced
+        participation), the client certificate's, else the named one only if the aggregation takes
+        self-asserted ids. Anything else is PERMISSION_DENIED, saying which credential to use.
+        """
+        client = self.client_tokens.read(token)
+        if client is not None and client.role == CLIENT:
+            return _as_credential(client.client_id, named, "this client token")
+        if self.is_admin(token) or (client is not None and client.role == SUBMITTER) \
+                or not aggregation.counts_identities:
+            return check_client_id(named)
+        if certified is not None:
+            if not codec.ID_PATTERN.match(certified):
+                raise PermissionDenied(f"the client certificate's Common Name {certified[:64]!r} is not a client id"
+                                       " (1-128 letters, digits, '-', '_' or '.')")
+            return _as_credential(certified, named, "the client certificate")
+        if aggregation.client_ids == SELF_ASSERTED:
+            return check_client_id(named)
+        raise PermissionDenied(
+            f"aggregation {aggregation.id} counts client identities ({_why_identities(aggregation)}), so a client id"
+            " comes from a credential: submit with a client token (the admin issues one: IssueClientToken,"
+            " `clipd token`), or with a client certificate (mutual TLS); its submit token may not name client ids"
+            " unless it was created with self_asserted_client_ids")
 
 
 PEER_METADATA = "x-clipd-peer"  # a forwarded call's own peer (its fair share of stream slots)
@@ -405,11 +522,13 @@ class _SubmitSession:
     which the response side reads for its progress messages and idle timeout.
     """
 
-    def __init__(self, servicer: ClipdServicer, token: str | None) -> None:
+    def __init__(self, servicer: ClipdServicer, token: str | None, certified: str | None = None) -> None:
         self.servicer = servicer
         self.token = token
+        self.certified = certified  # the client id of the caller's client certificate (mutual TLS), if any
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.client = ""
+        self.client = ""  # the client id the stream is counted under (ClipdServicer.client_identity)
+        self.named = ""  # the client id its messages name ("": the credential's)
         self.writer = ""
         # Written by the reader only.
         self.last_sequence = 0  # the highest sequence this stream delivered whole
@@ -449,10 +568,11 @@ class _SubmitSession:
                     del named
                     if message.sequence == 0 and not message.chunks:
                         continue  # a hello: answered by the response side
-                elif (message.aggregation_id, message.client_id) != (aggregation.id, self.client):
+                elif message.aggregation_id != aggregation.id or message.client_id not in (self.named, self.client):
                     raise InvalidArgument("a stream carries one aggregation and one client_id")
                 if message.sequence < 1:
                     raise InvalidArgument(f"sequence must be >= 1, got {message.sequence}")
+                aggregation.check_contribution(self.client, message.sequence)  # (before its bytes are read)
                 assert assembler is not None  # (made with the aggregation, at the first message)
                 self._set_receiving(aggregation, True)
                 self.received_bytes += sum(len(chunk.data) for chunk in message.chunks)
@@ -500,12 +620,17 @@ class _SubmitSession:
 
     def _bind(self, message, aggregation: Aggregation, assembler: BatchAssembler) -> Aggregation:
         """The stream's first message names its aggregation (checked: who may submit) and client: attach."""
-        self.client = check_client_id(message.client_id)
+        self.named = message.client_id
+        self.client = self.servicer.client_identity(self.token, self.certified, aggregation, message.client_id)
+        if aggregation.unit is Unit.CLIENT and wire.SPREAD_MARK in self.client:
+            raise InvalidArgument(f"client_id {self.client!r}: under unit client a client contributes one batch, so"
+                                  " its submission is not spread over streams (send it as one client)")
         self.writer = message.writer_id
         self.servicer.lifecycle.check_participation(aggregation, self.client)
         durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
         greeting = pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=accepted,
-                                     aggregation_examples=aggregation.examples, writer_id=last_writer)
+                                     aggregation_examples=aggregation.examples, writer_id=last_writer,
+                                     client_id=self.client)
         hello = message.sequence == 0 and not message.chunks
         partial = self.servicer.unpark((aggregation.id, self.client), self.writer, hello and message.resume,
                                        lambda: aggregation.streams_of(self.client, self.writer) > 1)

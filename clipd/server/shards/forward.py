@@ -14,6 +14,7 @@ import threading
 
 import grpc
 
+from clipd.server.credentials import CERTIFIED_CLIENT_METADATA, certificate_client_id
 from clipd.server.rpc.server import INGEST_METADATA
 from clipd.server.rpc.service import PEER_METADATA
 from clipd.v1 import clipd_pb2
@@ -22,11 +23,14 @@ SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
 log = logging.getLogger(__name__)
 
 
-def _forwarded_metadata(context, index: int) -> list[tuple[str, str]]:
-    """The caller's metadata (its bearer token), and which shard process forwards it (the caller's own dropped)."""
-    keep = [(k, v) for k, v in context.invocation_metadata()
-            if not k.startswith((":", "grpc-")) and k not in ("user-agent", INGEST_METADATA, PEER_METADATA)]
-    return [*keep, (INGEST_METADATA, str(index)), (PEER_METADATA, context.peer() or "")]
+def _forwarded_metadata(context, index: int, vouch=None) -> list[tuple[str, str]]:
+    """The caller's metadata (its bearer token), and which shard process forwards it (the caller's own dropped);
+    ``vouch``: with mutual TLS, the caller's certificate's client id, vouched for (``ClientTokens.vouch``)."""
+    ours = ("user-agent", INGEST_METADATA, PEER_METADATA, CERTIFIED_CLIENT_METADATA)
+    keep = [(k, v) for k, v in context.invocation_metadata() if not k.startswith((":", "grpc-")) and k not in ours]
+    certified = certificate_client_id(context) if vouch is not None else None
+    return [*keep, (INGEST_METADATA, str(index)), (PEER_METADATA, context.peer() or ""),
+            *([(CERTIFIED_CLIENT_METADATA, vouch(certified))] if certified is not None else [])]
 
 
 def _relay(context, error: grpc.RpcError) -> None:
@@ -79,15 +83,16 @@ def _pass_unary(call, index: int):
     return forward
 
 
-def _pass(call, index: int, streaming_in: bool = False):
-    """A call whose answers stream back (Finalize; Submit, whose requests stream too)."""
+def _pass(call, index: int, streaming_in: bool = False, vouch=None):
+    """A call whose answers stream back (Finalize; Submit, whose requests stream too); ``vouch``: see
+    :func:`_forwarded_metadata`."""
 
     def forward(request, context):
         outgoing = []  # the call below, once made
         made = threading.Event()
         if streaming_in:
             request = _until_the_client_leaves(request, outgoing, made, context.peer())
-        responses = call(request, metadata=_forwarded_metadata(context, index),
+        responses = call(request, metadata=_forwarded_metadata(context, index, vouch),
                          timeout=None if streaming_in else _timeout(context))
         outgoing.append(responses)
         made.set()

@@ -187,6 +187,12 @@ class _FirstMessage:
         self._done.set()
 
 
+def record_scope(record) -> tuple[float, str | None]:
+    """What a credential for a stored aggregation is bound to: its creation time and its ledger."""
+    privacy = AggregationSpec.from_json(record.spec).privacy
+    return record.created, privacy.ledger_id if privacy is not None else None
+
+
 class _ShardRegistry(Registry):
     """A shard process's aggregations, each opened from the store the first time it is asked for."""
 
@@ -217,6 +223,14 @@ class _ShardRegistry(Registry):
 
     def identities(self) -> list[tuple[str, float]]:
         return [(r.aggregation_id, r.created) for r in self._store.records()]
+
+    def scope(self, aggregation_id: str) -> tuple[float, str | None] | None:
+        """From the store's record, as :meth:`created`."""
+        scope = super().scope(aggregation_id)
+        if scope is None:
+            record = self._store.get(aggregation_id)
+            scope = None if record is None else record_scope(record)
+        return scope
 
 
 class ShardProcess:
@@ -308,7 +322,8 @@ class ShardProcess:
         """Where the other shard processes take the Submit streams this one forwards to them."""
         self._to_sibling = {
             i: _pass(peer_channel(self.settings, t, self._options).stream_stream(f"/{SERVICE.full_name}/Submit"),
-                     self.index, streaming_in=True) for i, t in targets.items()}
+                     self.index, streaming_in=True, vouch=self.servicer.client_tokens.vouch)
+            for i, t in targets.items()}
 
     # Opening an aggregation ------------------------------------------------------------------------
     def _open_from_store(self, aggregation_id: str) -> Aggregation:
@@ -335,16 +350,17 @@ class ShardProcess:
         return aggregation
 
     # Submit: here, or on to the process that owns the shard ----------------------------------------
-    def _owner(self, message, token: str | None) -> int:
+    def _owner(self, message, token: str | None, context) -> int:
         """The process that sums the stream's shard (this one when that can't be known, or the caller may not
         submit: it refuses, as one process does). Read from the store's record once: nothing is opened for
         routing, and a caller who may not submit costs no search for what its token is."""
         if isinstance(message, self._malformed) or not message.aggregation_id:
             return self.index
         record = self.store.get(message.aggregation_id)
-        if record is None or not self.servicer.may_submit(token, record.aggregation_id, record.created):
+        if record is None or not self.servicer.may_submit(token, record.aggregation_id, record_scope(record)):
             return self.index
-        return owner_of(wire.shard_of(message.client_id, AggregationSpec.from_json(record.spec).shards), self.count)
+        client = message.client_id or self.servicer.credential_client_id(token, context) or ""
+        return owner_of(wire.shard_of(client, AggregationSpec.from_json(record.spec).shards), self.count)
 
     def _submit(self, raw_requests, context):
         token = bearer_token(context.invocation_metadata())
@@ -365,7 +381,7 @@ class ShardProcess:
         if first is None:
             return
         message = self._parse(first)
-        owner = self._owner(message, token)
+        owner = self._owner(message, token, context)
         if owner == self.index:
             messages = itertools.chain([message], map(self._parse, raw_requests))
             del message, first
