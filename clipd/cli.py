@@ -1,4 +1,5 @@
-"""The ``clipd`` command: ``clipd serve`` runs the service, ``clipd demo`` exercises it, ``clipd status`` shows it.
+"""The ``clipd`` command: ``clipd serve`` runs the service, ``clipd demo`` exercises it, ``clipd status`` shows it,
+``clipd token`` issues a client's credential.
 
 ``clipd demo`` with no ``--target`` starts a server in-process on loopback, so
 it needs nothing else running.
@@ -310,6 +311,34 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token(args: argparse.Namespace) -> int:
+    """Issues a client token (or a submitter token) with the admin token, and prints it alone on stdout."""
+    from clipd.client import Client, ClipdError
+
+    admin = args.token or os.environ.get("CLIPD_ADMIN_TOKEN")
+    if not admin:
+        return _error("the admin token is needed to issue a client token: --token or CLIPD_ADMIN_TOKEN", EXIT_RUNTIME)
+    if (args.client is None) == (not args.submitter):
+        return _error("give --client ID (a client's token) or --submitter (a trusted submitter's)", EXIT_SETTINGS)
+    root = None
+    if args.cafile:
+        try:
+            with open(args.cafile, "rb") as f:
+                root = f.read()
+        except OSError as e:
+            return _error(f"can't read --cafile {args.cafile}: {e.strerror}", EXIT_RUNTIME)
+    try:
+        with Client(args.target, token=admin, root_certificates=root, retry_timeout=args.timeout,
+                    timeout=args.timeout) as client:
+            scope = {"aggregation": args.aggregation, "ledger": args.ledger}
+            token = (client.submitter_token(**scope, ttl=args.ttl) if args.submitter
+                     else client.client_token(args.client, **scope, ttl=args.ttl))
+    except ClipdError as e:
+        return _error(f"{getattr(e.code, 'name', 'refused')}: {e.details}", EXIT_RUNTIME)
+    print(token)
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -393,6 +422,27 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                         help="how long to wait for each answer of the admin API (default: 10)")
     status.set_defaults(run=_status)
+    token = sub.add_parser("token", help="issue a client's credential (the admin's): client ids it can't choose",
+                           description="Prints a client token: its holder submits as --client only, to --aggregation"
+                                       " or to every aggregation of --ledger (docs/threat-model.md).")
+    token.add_argument("--target", default="localhost:50051", metavar="HOST:PORT",
+                       help="the server's gRPC address (default: localhost:50051)")
+    token.add_argument("--token", metavar="TOKEN", default=None,
+                       help="the admin token (default: $CLIPD_ADMIN_TOKEN)")
+    token.add_argument("--cafile", metavar="FILE", default=None,
+                       help="PEM file of the CA that signed the server's certificate (TLS)")
+    scope = token.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--aggregation", metavar="ID", default=None, help="the token is for this aggregation only")
+    scope.add_argument("--ledger", metavar="ID", default=None,
+                       help="the token is for every aggregation of this privacy ledger (a client across rounds)")
+    token.add_argument("--client", metavar="ID", default=None, help="the client id its holder submits as")
+    token.add_argument("--submitter", action="store_true",
+                       help="a trusted submitter's token instead: it may name any client id (a framework's server)")
+    token.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
+                       help="valid for this long (default: as long as its aggregation and the server's key)")
+    token.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="give up on an unreachable server after this long (default: 10)")
+    token.set_defaults(run=_token)
     return parser
 
 

@@ -67,10 +67,11 @@ def deployment(tmp_path_factory):
             ids["finalized"] = c.create_aggregation({NASTY: (3,), "b": (2,)}, l2_norm_clip=2.0)
             c.submit(ids["finalized"], {NASTY: np.full((6, 3), 1.5, np.float32), "b": np.ones((6, 2), np.float32)})
             c.finalize(ids["finalized"])
-            ids["private"] = c.create_aggregation({"w": (4,)}, privacy=PRIVACY)
+            # Private, per client (a server without auth: its client ids are self-asserted, and shown so).
+            ids["private"] = c.create_aggregation({"w": (4,)}, privacy=PRIVACY, unit="client")
             c.submit(ids["private"], {"w": np.full((8, 4), 2.0, np.float32)})
             c.finalize(ids["private"])
-            ids["private_open"] = c.create_aggregation({"w": (4,)}, privacy=PRIVACY)
+            ids["private_open"] = c.create_aggregation({"w": (4,)}, privacy=PRIVACY, unit="client")
             with pytest.raises(NotFoundError):
                 c.stats("no-such-aggregation")  # a rejection, counted by code
         yield server, ids
@@ -234,6 +235,9 @@ def test_the_ledger_panel_shows_epsilon_budget_and_releases(deployment, pages):
     shown(row.one(data_ledger_field="entries"), len(ledger["entries"]))
     assert len(ledger["entries"]) == 1
     shown(row.one(data_ledger_field="mechanism"), "independent")
+    shown(row.one(data_ledger_field="unit"), "client")
+    shown(row.one(data_ledger_field="client_ids"), "self_asserted")
+    assert "self-asserted" in row.one(data_ledger_field="client_ids").text and ledger["client_ids"] == "self_asserted"
     shown(row.one(data_ledger_field="participation_refusals"), ledger["participation_refusals"])
     assert row.all(class_="gauge")  # spent against the budget
     shown(row.one(data_ledger_field="budget_left"), ledger["budget_left"])
@@ -258,6 +262,13 @@ def test_every_aggregation_has_a_card_with_what_a_person_recognises(deployment, 
         assert 0 <= age <= listed["now_unix_seconds"] - agg["created_unix_seconds"]  # the page's clock: a bit earlier
         if agg.get("privacy"):
             shown(card.one(data_field="ledger"), agg["privacy"]["ledger_id"])
+        shown(card.one(data_field="unit"), agg["unit"])
+        assert agg["unit"] == ("client" if agg.get("privacy") else "example")
+        if agg["client_ids"]:  # (where identities count: the private ones, per client, on a server without auth)
+            shown(card.one(data_field="client_ids"), agg["client_ids"])
+            assert "self-asserted" in card.one(data_field="client_ids").text
+        else:
+            assert not card.all(data_field="client_ids")
         if agg["examples"] is None:  # withheld: no raw number at all
             assert agg["clients"] is None and not card.all(data_number="clients") and not card.all(data_number="examples")
             continue

@@ -19,8 +19,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clipd import wire
 from clipd.client import Client
-from clipd.client.errors import UnavailableError
+from clipd.client.errors import FailedPreconditionError, PermissionDeniedError, UnavailableError
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 
@@ -269,5 +270,54 @@ def test_shard_process_endpoints_have_the_public_ports_mutual_tls(pki, tmp_path)
             _assert_refused(grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(
                 pki["ca"].cert_bytes, rogue.key_bytes, rogue.cert_bytes)))
         assert server.servicer.payload_bytes == 0
+    finally:
+        server.stop(grace=1.0)
+
+
+def _certified_pki(pki, tmp_path) -> dict[str, Pem]:
+    """Client certificates of the test CA for two sites, ``site-a`` and ``site-b``, named so that neither is on the
+    shard of the empty client id (2 shards): a client that names no id reaches the process of that shard, which
+    must forward it to its certificate's."""
+    ca_cert = x509.load_pem_x509_certificate(pki["ca"].cert_bytes)
+    ca_key = serialization.load_pem_private_key(pki["ca"].key_bytes, password=None)
+    names = [n for n in (f"site-{i}" for i in range(64)) if wire.shard_of(n, 2) != wire.shard_of("", 2)][:2]
+    return {name: _issue(tmp_path, name, name, (ca_cert, ca_key))[0] for name in names}
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_client_certificate_is_its_holders_client_id_where_identities_count(pki, tmp_path, processes):
+    """Mutual TLS, unit client: a site with its certificate and the aggregation's submit token is counted as its
+    certificate's Common Name (naming none, its own, or a spread id of it), never as another (PERMISSION_DENIED),
+    and contributes once. A certificate whose Common Name is no client id is refused. With ``--processes 2`` a
+    site that reaches the process of another shard is forwarded with its certificate's id vouched for."""
+    sites = _certified_pki(pki, tmp_path)
+    (a_name, a_pem), (b_name, b_pem) = sites.items()
+    server, port = _start(pki, tls_client_ca_file=str(pki["ca"].cert), admin_token="admin-mtls",
+                          processes=processes, data_dir=str(tmp_path / "data"))
+
+    def connect(pem: Pem, token: str) -> Client:
+        return Client(f"localhost:{port}", root_certificates=pki["ca"].cert_bytes, client_certificate=pem.cert_bytes,
+                      client_key=pem.key_bytes, token=token, timeout=30, retry_timeout=0.5)
+
+    try:
+        with connect(pki["client"], "admin-mtls") as admin:
+            agg = admin.create_aggregation({"w": (3,)}, l2_norm_clip=1.0, unit="client")
+            submit_token = admin.get_aggregation(agg).submit_token
+        with connect(a_pem, submit_token) as site:
+            with pytest.raises(PermissionDeniedError, match=f"client certificate is for client '{a_name}'; it may not"
+                                                            f" submit as '{b_name}'"):
+                site.submit(agg, {"w": np.ones((1, 3), np.float32)}, client_id=b_name)
+            assert site.submit(agg, {"w": np.ones((2, 3), np.float32)}).client_id == a_name
+            with pytest.raises(FailedPreconditionError, match=f"client '{a_name}' contributes one batch"):
+                site.submit(agg, {"w": np.ones((1, 3), np.float32)}, client_id=a_name)
+        with connect(b_pem, submit_token) as site:
+            assert site.submit(agg, {"w": np.full((1, 3), -0.1, np.float32)}, client_id=b_name).client_id == b_name
+        with connect(pki["client"], submit_token) as unnamed, pytest.raises(
+                PermissionDeniedError, match="Common Name 'clipd client' is not a client id"):
+            unnamed.submit(agg, {"w": np.ones((1, 3), np.float32)})
+        with connect(pki["client"], "admin-mtls") as admin:
+            result = admin.finalize(agg)
+        assert result.examples == 2
+        np.testing.assert_allclose(result.sums["w"], np.full(3, 1 / np.sqrt(3)) - 0.1, rtol=1e-6)
     finally:
         server.stop(grace=1.0)

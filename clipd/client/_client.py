@@ -5,8 +5,8 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
-import json
 import itertools
+import json
 import math
 import random
 import sys
@@ -384,7 +384,8 @@ class Client:
         layers = self.layers(aggregation_id)
         unit, client_ids = self._units.get(aggregation_id) or (self.unit(aggregation_id), "")
         if client_id is None:
-            client_id = self.token_client_id or ("" if client_ids else uuid.uuid4().hex)
+            # Where a credential names the client (a certificate), the server says who it is: name none.
+            client_id = self.token_client_id or ("" if client_ids == "credential" else uuid.uuid4().hex)
         if unit == "client":
             contribution = sum_rows(iter_updates(updates, layers), layers)
             stream = _BatchStream(aggregation_id, client_id, iter([contribution] if contribution else []),
@@ -607,7 +608,7 @@ def client_token_id(token: str | None) -> str | None:
 
 
 def _unit_name(code: int) -> str:
-    return {code: name for name, code in wire.UNITS.items()}.get(code, "example")
+    return next((name for name, known in wire.UNITS.items() if known == code), "example")
 
 
 def _submit_call(channel: grpc.Channel):

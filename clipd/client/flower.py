@@ -25,8 +25,15 @@ Each round:
   (``FailedPreconditionError``) and no client work is wasted: the strategy logs
   why, sends no more training (``strategy.stopped`` holds the reason) and the
   remaining rounds of ``start`` do nothing but evaluate the last model.
+* The round's aggregation has ``unit="client"``: each node is one unit of
+  privacy. The strategy submits as a trusted submitter (its client holds the
+  admin token, or a submitter token) under each reply's node id (``n<node id>``,
+  Flower's authenticated SuperNode id), so the server counts nodes, not names a
+  client could pick: a node contributes once a round (a second reply of one node
+  is refused and contributes nothing), and under a correlated noise stream the
+  server enforces each node's participation across rounds.
 * ``aggregate_train`` streams each reply's update, ``reply - current`` for every
-  floating array, as one contribution under its own ``client_id``; finalizes;
+  floating array, as its node's one contribution; finalizes;
   and returns ``current + noised_sum / m``. ``m`` is the public denominator
   ``num_sampled_clients`` (set as the privacy policy's ``public_denominator``),
   never the number of replies that arrived and never FedAvg's weighted
@@ -202,7 +209,7 @@ class ClipdStrategy(Strategy):
             aggregation_id = self.client.create_aggregation(
                 {name: tuple(current[name].shape) for name in floating}, policy="global",
                 l2_norm_clip=self.clipping_norm, non_finite=self.non_finite, privacy=self.privacy,
-                aggregation_id=f"flower-r{server_round}-{uuid.uuid4().hex[:16]}",
+                aggregation_id=f"flower-r{server_round}-{uuid.uuid4().hex[:16]}", unit="client",
             )
         except FailedPreconditionError as e:  # the ledger's budget (or its configuration) refuses the release
             self._stop(f"clipd refused round {server_round}'s release: {e.details}")
@@ -223,8 +230,8 @@ class ClipdStrategy(Strategy):
         self._open = None
         sent = 0
         try:
-            for index, reply in enumerate(replies):
-                sent += self._submit(round_, index, reply)
+            for reply in replies:
+                sent += self._submit(round_, reply)
             log.info("aggregate_train: %d of %d replies streamed to clipd; releasing the sum over m = %s",
                      sent, len(replies), self.num_sampled_clients)
             result = self.client.finalize(round_.aggregation_id)
@@ -240,7 +247,7 @@ class ClipdStrategy(Strategy):
             self._cancel(round_.aggregation_id)
         return self._new_arrays(round_, result), self._metrics(result)
 
-    def _submit(self, round_: _Round, index: int, reply: Message) -> int:
+    def _submit(self, round_: _Round, reply: Message) -> int:
         """Sends one reply's update as one contribution; 1 if it was summed, 0 if it was skipped."""
         node = reply.metadata.src_node_id
         if reply.has_error():
@@ -261,21 +268,13 @@ class ClipdStrategy(Strategy):
                 return 0
             update[name] = np.subtract(new, old, dtype=np.float64)
         try:
-            self.client.submit(round_.aggregation_id, update, client_id=self._client_id(round_, node, index))
+            self.client.submit(round_.aggregation_id, update, client_id=f"n{node}")
         except ClipdError as e:
             if e.retryable:  # the server stayed unreachable: the round can't be released as it should
                 raise
             log.warning("aggregate_train: update of node %s refused (%s): it contributes nothing", node, e)
             return 0
         return 1
-
-    def _client_id(self, round_: _Round, node: int, index: int) -> str:
-        """A reply's client id: its node's under a correlated noise stream (whose participation the server
-        enforces per client across rounds: a node that took part too recently is refused and contributes
-        nothing), else one of its own in the round."""
-        if self.privacy is not None and self.privacy.mechanism != "independent":
-            return f"n{node}"
-        return f"r{round_.server_round}-n{node}-{index}"
 
     def _new_arrays(self, round_: _Round, result: AggregateResult) -> ArrayRecord:
         release = result.release

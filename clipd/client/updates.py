@@ -396,7 +396,7 @@ def sum_rows(batches: Iterable[list[np.ndarray]], layers: Sequence[Layer]) -> li
     second = next(source, None)
     if second is None and first[0].shape[0] == 1:
         return first
-    totals = [np.sum(rows, axis=0, dtype=np.float64, keepdims=True) for rows in first]
+    totals: list[np.ndarray] = [np.asarray(np.sum(rows, axis=0, dtype=np.float64, keepdims=True)) for rows in first]
     for batch in itertools.chain([second] if second is not None else [], source):
         for total, rows in zip(totals, batch):
             total += np.sum(rows, axis=0, dtype=np.float64)

@@ -20,7 +20,11 @@ import numpy as np
 
 
 class Unit(str, enum.Enum):
-    """What one unit of privacy is."""
+    """What one unit of privacy is.
+
+    >>> Unit("client") is Unit.CLIENT, Unit.EXAMPLE.value
+    (True, 'example')
+    """
 
     EXAMPLE = "example"  # each row clipped on its own
     CLIENT = "client"  # one contribution per client identity: its rows summed, then clipped once
@@ -28,7 +32,11 @@ class Unit(str, enum.Enum):
 
 def client_contribution(layers: Sequence[np.ndarray]) -> list[np.ndarray]:
     """One client's contribution from its batch: each layer's rows summed in float64, rounded once to the
-    layer's dtype, as a batch of one row (``(1, *shape)``). A one-row batch is returned as it is."""
+    layer's dtype, as a batch of one row (``(1, *shape)``). A one-row batch is returned as it is.
+
+    >>> client_contribution([np.ones((3, 2), np.float32)])[0].tolist()
+    [[3.0, 3.0]]
+    """
     if not layers or layers[0].shape[0] == 1:
         return list(layers)
     return [np.sum(layer, axis=0, dtype=np.float64, keepdims=True).astype(layer.dtype) for layer in layers]

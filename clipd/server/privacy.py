@@ -36,12 +36,11 @@ import jax
 import numpy as np
 from dp_accounting import dp_event as dpe
 
-from clipd.engine import PartialState
+from clipd.engine import PartialState, Unit
 from clipd.engine import _container as container
 from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
 from clipd.engine._correlated import CorrelatedNoise, Mechanism
-from clipd.engine import Unit
 from clipd.server.aggregations import SELF_ASSERTED, TAKES_BATCHES, Aggregation, State
 from clipd.server.errors import FailedPrecondition
 from clipd.server.sequences import client_of
@@ -85,10 +84,15 @@ def _same_config(stored: dict, wanted: dict) -> bool:
         stored.get(k) == wanted[k] for k in ("stream", "noise_stddev") if k in wanted)
 
 
+def _ids(client_ids: str | None) -> str:
+    return repr(client_ids) if client_ids else "not counted"
+
+
 def _config_difference(stored: dict, wanted: dict) -> str:
     """What a refused aggregation asks that its ledger has otherwise, in words."""
-    differ = sorted(k for k in {*stored, *wanted}
-                    if stored.get(k, _CONFIG_DEFAULTS.get(k)) != wanted.get(k, _CONFIG_DEFAULTS.get(k)))
+    differ = sorted((k for k in {*stored, *wanted}
+                     if stored.get(k, _CONFIG_DEFAULTS.get(k)) != wanted.get(k, _CONFIG_DEFAULTS.get(k))),
+                    key=lambda k: (k != "unit", k))  # the unit first: it decides the rest
     said = []
     for key in differ:
         has, asks = stored.get(key, _CONFIG_DEFAULTS.get(key)), wanted.get(key, _CONFIG_DEFAULTS.get(key))
@@ -96,7 +100,7 @@ def _config_difference(stored: dict, wanted: dict) -> str:
             said.append(f"its unit is {has!r} (its epsilon protects one {has}), this aggregation's {asks!r}: a"
                         " ledger accounts one unit; use another ledger")
         elif key == "client_ids":
-            said.append(f"its client ids are {has or 'not counted'!r}, this aggregation's {asks or 'not counted'!r}"
+            said.append(f"its client ids are {_ids(has)}, this aggregation's {_ids(asks)}"
                         + (" (a server without an admin token can only take self-asserted ids)"
                            if asks == SELF_ASSERTED else
                            " (create it with self_asserted_client_ids to go on with that ledger)"

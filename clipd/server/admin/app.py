@@ -95,6 +95,8 @@ def _full_view(aggregation: Aggregation, stats: Stats) -> dict[str, Any]:
             "rescale_to_unit_norm": policy.rescale_to_unit_norm,
             "non_finite": "reject" if aggregation.reject_non_finite else policy.non_finite.value,
         },
+        "unit": aggregation.unit.value,
+        "client_ids": aggregation.client_ids,
         "created_unix_seconds": aggregation.created,
         "finished_unix_seconds": aggregation.finished,
         "failure_reason": stats.failure_reason,

@@ -30,7 +30,7 @@ NEIGHBOURING = {code: dp.Neighbouring(name) for name, code in wire.NEIGHBOURING.
 ACCOUNTANTS = {code: dp.Accountant(name) for name, code in wire.ACCOUNTANTS.items()}
 NOISES = {code: dp.Noise(name) for name, code in wire.NOISES.items()}
 MECHANISMS = {code: Mechanism(name) for name, code in wire.MECHANISMS.items()}
-UNITS = {pb.UNIT_UNSPECIFIED: Unit.EXAMPLE, **{code: Unit(name) for name, code in wire.UNITS.items()}}
+UNITS: dict[int, Unit] = {pb.UNIT_UNSPECIFIED: Unit.EXAMPLE, **{code: Unit(name) for name, code in wire.UNITS.items()}}
 STATES = {  # FINALIZING has no proto state: it still reports OPEN
     State.WARMING_UP: pb.Aggregation.WARMING_UP,
     State.OPEN: pb.Aggregation.OPEN,

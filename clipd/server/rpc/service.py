@@ -125,9 +125,11 @@ def _as_credential(client_id: str, named: str, what: str) -> str:
 
 
 def _why_identities(aggregation: Aggregation) -> str:
-    if aggregation.unit is Unit.CLIENT:
-        return "its unit is client: one contribution per client"
-    return "its ledger's correlated noise stream limits each client's participation"
+    stream = aggregation.privacy.correlated if aggregation.privacy is not None else None
+    return "; ".join(why for why, given in (
+        ("its unit is client: one contribution per client", aggregation.unit is Unit.CLIENT),
+        ("its ledger's correlated noise stream limits each client's participation",
+         stream is not None and not stream.declared)) if given)
 
 
 def check_client_id(value: str) -> str:
@@ -442,8 +444,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         A client token's (the stream may name it, one of its spread ids, or nothing); the named one for a trusted
         submitter (the admin, a submitter token, or anyone on a server without auth) and wherever identities do
         not count; on an aggregation that counts them (unit CLIENT, or a correlated stream's enforced
-        participation), the client certificate's, else the named one only if the aggregation takes
-        self-asserted ids. Anything else is PERMISSION_DENIED, saying which credential to use.
+        participation), the client certificate's (named, or not named), else the named one only if the
+        aggregation takes self-asserted ids. Anything else is PERMISSION_DENIED, saying which credential to use.
         """
         client = self.client_tokens.read(token)
         if client is not None and client.role == CLIENT:
@@ -451,7 +453,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         if self.is_admin(token) or (client is not None and client.role == SUBMITTER) \
                 or not aggregation.counts_identities:
             return check_client_id(named)
-        if certified is not None:
+        if certified is not None and (aggregation.client_ids != SELF_ASSERTED or not named
+                                      or client_of(named) == certified):
             if not codec.ID_PATTERN.match(certified):
                 raise PermissionDenied(f"the client certificate's Common Name {certified[:64]!r} is not a client id"
                                        " (1-128 letters, digits, '-', '_' or '.')")

@@ -284,6 +284,9 @@ function ledgerBlock(l) {
       bar, Number.isFinite(budget) ? el("span", { class: "muted" }, " · left ", lv("budget_left", l.budget_left)) : null),
     el("div", { class: "meta" },
       el("span", {}, "δ ", lv("delta", l.delta, String)),
+      el("span", {}, "per ", lv("unit", l.unit ?? "example", String)),
+      l.client_ids ? el("span", { class: l.client_ids === "self_asserted" ? "error" : "" }, "client ids ",
+        lv("client_ids", l.client_ids, clientIds)) : null,
       el("span", {}, lv("entries", missing(l.entries) ? null : l.entries.length, fmtCount), " releases"),
       el("span", {}, lv("mechanism", l.mechanism ?? "independent", String),
         stream ? el("span", {}, " stream: ", lv("stream.made", stream.made, fmtCount), " made, ",
@@ -307,7 +310,13 @@ function metaLine(agg, now) {
     m("created", "created", agg.created_unix_seconds, fmtTime),
     m("age", "age", missing(now) ? null : now - agg.created_unix_seconds, fmtDuration),
     missing(end) ? null : m(agg.state === "failed" ? "failed after" : "finished after", "ran", end - agg.created_unix_seconds, fmtDuration),
-    agg.privacy ? m("ledger", "ledger", agg.privacy.ledger_id, String) : null);
+    agg.privacy ? m("ledger", "ledger", agg.privacy.ledger_id, String) : null,
+    m("unit", "unit", agg.unit ?? "example", String),
+    agg.client_ids ? m("client ids", "client_ids", agg.client_ids, clientIds) : null);
+}
+// How client ids are established where they count (unit client, an enforced participation).
+function clientIds(v) {
+  return v === "self_asserted" ? "self-asserted (a client may rename itself)" : v === "credential" ? "from credentials" : "not counted";
 }
 function clippedFraction(agg) {
   if (!agg.examples) return 0;
@@ -417,7 +426,9 @@ const RELEASE_FIELDS = [["ledger_id", "ledger", String], ["epsilon", "ε of this
   ["noise_multiplier", "noise multiplier"], ["noise_stddev", "noise stddev (sum)"], ["sensitivity", "sensitivity"],
   ["bound", "bound"], ["next_bound", "next bound"], ["statistics_noise_stddev", "noise stddev (statistics)"],
   ["examples", "examples (noised)"], ["unclipped_fraction", "unclipped fraction (noised)"],
-  ["mechanism", "correlated stream", String], ["seeded", "seeded (not private: tests only)", yesNo]];
+  ["mechanism", "correlated stream", String], ["stream_noise_stddev", "stream's noise stddev (sigma)"],
+  ["unit", "unit (what ε protects)", String], ["client_ids", "client ids", clientIds],
+  ["seeded", "seeded (not private: tests only)", yesNo]];
 function releaseList(r) {
   const dl = el("dl", { class: "kv", id: "release" });
   for (const [key, label, format = fmtNum] of RELEASE_FIELDS) {
