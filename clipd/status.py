@@ -150,11 +150,13 @@ def status_lines(base: str, reads: dict[str, dict], states: list[str] | None) ->
         for ledger in ledgers:
             stream = ledger.get("stream") or {}
             rows.append([str(ledger.get("ledger_id")), str(ledger.get("mechanism") or "independent"),
+                         str(ledger.get("unit") or "example"),
+                         (ledger.get("client_ids") or "-").replace("_", "-"),
                          cell(ledger.get("epsilon")), cell(ledger.get("max_epsilon")), cell(ledger.get("delta")),
                          cell(len(ledger.get("entries") or [])),
                          f"{stream.get('left', '?')} of {stream.get('releases', '?')}" if stream else "-"])
-        lines += table(["ID", "MECHANISM", "EPSILON", "MAX EPSILON", "DELTA", "RELEASES", "STREAM LEFT"], rows,
-                        right=(2, 3, 4, 5))
+        lines += table(["ID", "MECHANISM", "UNIT", "CLIENT IDS", "EPSILON", "MAX EPSILON", "DELTA", "RELEASES",
+                        "STREAM LEFT"], rows, right=(4, 5, 6, 7))
     else:
         lines.append("no privacy ledgers")
     return lines

@@ -209,17 +209,21 @@ def test_status_lists_every_aggregation_and_ledger_as_the_admin_api_does(auth_se
 
     ledgers = {ledger["ledger_id"]: ledger for ledger in _admin_json(auth_server, "/api/v1/ledgers")["ledgers"]}
     header, *rows = _section(out, "privacy ledger")
-    assert header == ["ID", "MECHANISM", "EPSILON", "MAX EPSILON", "DELTA", "RELEASES", "STREAM LEFT"]
+    assert header == ["ID", "MECHANISM", "UNIT", "CLIENT IDS", "EPSILON", "MAX EPSILON", "DELTA", "RELEASES",
+                      "STREAM LEFT"]
     assert sorted(r[0] for r in rows) == sorted(populated["ledgers"]) == sorted(ledgers)
-    for ledger_id, mechanism, epsilon, max_epsilon, delta, releases, left in rows:
+    for ledger_id, mechanism, unit, client_ids, epsilon, max_epsilon, delta, releases, left in rows:
         ledger = ledgers[ledger_id]
         assert mechanism == ledger["mechanism"] and int(releases) == len(ledger["entries"])
+        assert (unit, client_ids) == (ledger["unit"], (ledger["client_ids"] or "-").replace("_", "-"))
         assert float(epsilon) == pytest.approx(ledger["epsilon"], rel=1e-5)
         assert float(max_epsilon) == float(ledger["max_epsilon"]) and float(delta) == ledger["delta"]
         assert left == (f"{ledger['stream']['left']} of 3" if ledger["stream"] else "-")
     independent, banded = (ledgers[i] for i in populated["ledgers"])
     assert independent["epsilon"] > 0 and len(independent["entries"]) == 1 and independent["max_epsilon"] == 20.0
     assert banded["mechanism"] == "banded" and banded["max_epsilon"] == "inf" and banded["stream"]["left"] == 3
+    # The banded stream's participation is enforced per client: ids from credentials (a server with a token).
+    assert (banded["unit"], banded["client_ids"], independent["client_ids"]) == ("example", "credential", "")
 
     assert _status(auth_server, "--state", "finalized") == 0  # and the filter
     filtered = _section(capsys.readouterr().out, "aggregation")[1:]

@@ -381,3 +381,25 @@ def test_clipd_token_prints_a_client_token_that_submits_as_its_client(deployment
         assert framework.submit(agg, {"w": np.ones((1, 3), np.float32)}, client_id="node-4").client_id == "node-4"
     with _client(target, ADMIN) as admin:
         assert admin.finalize(agg).examples == 2
+
+
+def test_per_layer_bounds_and_released_counts_follow_the_client_unit(deployment):
+    """Per-layer uniform bounds clip each client's summed update layer by layer (C / sqrt(2) each), and the
+    released statistics count clients: 3 clients of 5, 1 and 7 examples are 3 contributions."""
+    server, target = deployment
+    rng = np.random.default_rng(11)
+    clients = {name: {"a": rng.normal(0, 1, (n, 4)).astype(np.float32), "b": rng.normal(0, 1, (n, 2)).astype(np.float32)}
+               for name, n in (("x", 5), ("y", 1), ("z", 7))}
+    privacy = Privacy(ledger_id=f"layers-{uuid.uuid4().hex[:8]}", delta=1e-5, noise_multiplier=0.0,
+                      metrics_noise_multiplier=1e-9)
+    with _client(target, ADMIN) as admin:
+        agg = admin.create_aggregation({"a": (4,), "b": (2,)}, policy="per_layer_uniform", l2_norm_clip=CLIP,
+                                       privacy=privacy, unit="client")
+        for name, update in clients.items():
+            admin.submit(agg, update, client_id=name)  # the admin: a trusted submitter
+        release = admin.finalize(agg)
+    bound = CLIP / np.sqrt(2)
+    for layer in ("a", "b"):
+        expected = sum(_clipped(update[layer], bound) for update in clients.values())
+        np.testing.assert_allclose(release.sums[layer], expected, rtol=1e-5)
+    assert release.release.examples == pytest.approx(3, abs=1e-6)  # clients, not the 13 examples

@@ -203,3 +203,25 @@ def test_the_optimized_banded_strategy_is_jax_privacys():
     np.testing.assert_allclose(strategy.coefs_, BANDED[0].coefs_, rtol=1e-4)
     with pytest.raises(ValueError, match=r"bands must be in \[1, min_separation=2\]"):
         _correlated.optimize_banded(100, 4, min_sep=2, max_participations=25)
+
+
+@pytest.mark.parametrize("strategy", [*BANDED, *STRATEGIES])
+def test_a_releases_noise_scale_is_the_norm_of_its_row_of_jax_privacys_c_inverse(strategy):
+    """Release t's noise stddev is sigma * ||row t of C^-1||: against C materialized by jax_privacy and inverted
+    here, and C^-1's coefficients against jax_privacy's ``toeplitz.inverse_coef``."""
+    n = 12
+    banded = isinstance(strategy, BandedToeplitz)
+    stream = _correlated.CorrelatedNoise(
+        "banded" if banded else "blt", n, min_separation=max(1, strategy.bands) if banded else 1, max_participations=3,
+        strategy=strategy.coefs_ if banded else strategy.theta + strategy.omega)
+    with jax.enable_x64():
+        coefs = jax.numpy.asarray(strategy.coefs(n))
+        matrix = np.asarray(toeplitz.materialize_lower_triangular(coefs))
+        inverse = np.asarray(toeplitz.inverse_coef(coefs))
+    rows = np.linalg.norm(np.linalg.inv(matrix), axis=1)
+    ours = [stream.release_noise_scale(t) for t in range(n)]
+    np.testing.assert_allclose(ours, rows, rtol=1e-9)
+    np.testing.assert_allclose(_correlated.inverse_toeplitz_coefs(strategy.coefs(n)), inverse, rtol=1e-9, atol=1e-12)
+    assert ours[0] == pytest.approx(1 / strategy.coefs(1)[0])  # the first release: 1 / c_0
+    with pytest.raises(ValueError, match=r"release must be in \[0, 12\)"):
+        stream.release_noise_scale(n)
