@@ -252,3 +252,27 @@ def stats_to_proto(stats: Stats) -> pb.AggregationStats:
         release=release_to_proto(stats.release) if stats.release is not None else None,
     )
 
+
+class Malformed:
+    """What a request deserializer returns for bytes that do not parse (the handler refuses it)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def lenient(parse):
+    """``parse`` that returns :class:`Malformed` instead of raising: the RPC then gets INVALID_ARGUMENT.
+
+    gRPC's own handling of a raising deserializer is INTERNAL, a traceback per
+    message, and RPCs left half-open.
+    """
+
+    def parse_or_malformed(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # any parse failure: refused by the handler, with one log line
+            return Malformed(f"{type(e).__name__}: {e}")
+
+    return parse_or_malformed

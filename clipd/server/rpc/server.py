@@ -13,8 +13,9 @@ import grpc
 from clipd import wire
 from clipd.server.credentials import bearer_token, same
 from clipd.server.errors import ClipdError, PermissionDenied, Unauthenticated
+from clipd.server.rpc.codec import lenient
 from clipd.server.rpc.limits import StreamSlots
-from clipd.server.rpc.service import ClipdServicer, lenient
+from clipd.server.rpc.service import ClipdServicer
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2
 
@@ -62,7 +63,7 @@ class Guard(grpc.ServerInterceptor):
         token = bearer_token(handler_call_details.invocation_metadata)
         if method in SUBMIT_TOKEN_METHODS or same(token, self._admin_token):
             return handler
-        if token is None or not self._servicer.is_credential(token):
+        if token is None or not self._servicer.auth.is_credential(token):
             return _refusing(handler, self._servicer, Unauthenticated(
                 "a valid 'authorization: Bearer <token>' is required"), method)
         return _refusing(handler, self._servicer, PermissionDenied(

@@ -16,7 +16,7 @@ import grpc
 
 from clipd.server.credentials import CERTIFIED_CLIENT_METADATA, certificate_client_id
 from clipd.server.rpc.server import INGEST_METADATA
-from clipd.server.rpc.service import PEER_METADATA
+from clipd.server.rpc.submit import PEER_METADATA
 from clipd.v1 import clipd_pb2
 
 SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]

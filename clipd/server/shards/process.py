@@ -77,7 +77,7 @@ from clipd.server.errors import (
 )
 from clipd.server.lifecycle import Lifecycle, fail
 from clipd.server.privacy import Ledgers
-from clipd.server.rpc.service import stream_owner
+from clipd.server.rpc.submit import stream_owner
 from clipd.server.settings import Settings
 from clipd.server.shards.forward import _pass, _pass_unary, passing_through
 from clipd.server.shards.local import owner_of
@@ -245,9 +245,10 @@ class ShardProcess:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         from clipd.server.credentials import SubmitTokens
+        from clipd.server.rpc.codec import Malformed, lenient
         from clipd.server.rpc.reflection import enable_reflection
         from clipd.server.rpc.server import OTHER_STREAMS, Guard, server_options
-        from clipd.server.rpc.service import ClipdServicer, Malformed, lenient
+        from clipd.server.rpc.service import ClipdServicer
         from clipd.server.shards.local import Devices
         from clipd.server.stores import open_store
         from clipd.server.tls import grpc_server_credentials
@@ -322,7 +323,7 @@ class ShardProcess:
         """Where the other shard processes take the Submit streams this one forwards to them."""
         self._to_sibling = {
             i: _pass(peer_channel(self.settings, t, self._options).stream_stream(f"/{SERVICE.full_name}/Submit"),
-                     self.index, streaming_in=True, vouch=self.servicer.client_tokens.vouch)
+                     self.index, streaming_in=True, vouch=self.servicer.auth.client_tokens.vouch)
             for i, t in targets.items()}
 
     # Opening an aggregation ------------------------------------------------------------------------
@@ -357,9 +358,9 @@ class ShardProcess:
         if isinstance(message, self._malformed) or not message.aggregation_id:
             return self.index
         record = self.store.get(message.aggregation_id)
-        if record is None or not self.servicer.may_submit(token, record.aggregation_id, record_scope(record)):
+        if record is None or not self.servicer.auth.may_submit(token, record.aggregation_id, record_scope(record)):
             return self.index
-        client = message.client_id or self.servicer.credential_client_id(token, context) or ""
+        client = message.client_id or self.servicer.auth.credential_client_id(token, context) or ""
         return owner_of(wire.shard_of(client, AggregationSpec.from_json(record.spec).shards), self.count)
 
     def _submit(self, raw_requests, context):
@@ -487,7 +488,8 @@ class ShardProcess:
         except Exception:  # noqa: BLE001 (protobuf's DecodeError): as gRPC's own deserializer refuses it
             context.abort(grpc.StatusCode.INTERNAL, "Exception deserializing request!")
         try:
-            self.servicer.authorize(bearer_token(context.invocation_metadata()), message.aggregation_id, "submit to")
+            token = bearer_token(context.invocation_metadata())
+            self.servicer.auth.authorize(token, message.aggregation_id, "submit to")
             record = self.store.get(message.aggregation_id)
             if record is None:
                 raise NotFound(f"no aggregation {message.aggregation_id!r}")
