@@ -1,6 +1,8 @@
-"""Regenerates the Python gRPC code from proto/clipd/v1/clipd.proto (the API) and shard_host.proto (internal).
+"""Regenerates the Python gRPC code from proto/clipd/v1/clipd.proto (the API, into clipd/v1/) and
+proto/clipd/server/internal/v1/shard_host.proto (the server's internal protocol, into clipd/server/internal/v1/,
+where only the server imports it).
 
-Run from anywhere: ``python proto/generate.py`` writes ``clipd/v1/`` of the repository (or under
+Run from anywhere: ``python proto/generate.py`` writes both folders of the repository (or under
 ``OUT_DIR`` with ``python proto/generate.py OUT_DIR``).
 The output is committed; tests/test_proto.py regenerates it into a temporary
 folder and fails on drift.
@@ -42,7 +44,8 @@ import tempfile
 
 PROTO_ROOT = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = PROTO_ROOT.parent
-PROTO_FILES = ("clipd/v1/clipd.proto", "clipd/v1/shard_host.proto")
+PROTO_FILES = ("clipd/v1/clipd.proto", "clipd/server/internal/v1/shard_host.proto")  # the API; the internal one
+GENERATED = {"clipd/v1": ("clipd",), "clipd/server/internal/v1": ("shard_host",)}  # folder: its modules' stems
 
 GENERATOR = "grpcio-tools==1.67.1"
 GENCODE_PROTOBUF = (5, 27, 2)  # what GENERATOR's protoc writes into clipd_pb2.py
@@ -89,7 +92,7 @@ def generator_dir() -> pathlib.Path:
 
 
 def generate(out_dir: pathlib.Path) -> None:
-    """Writes clipd/v1/{clipd,shard_host}_pb2.py, _pb2.pyi and _pb2_grpc.py under ``out_dir``."""
+    """Writes clipd/v1/clipd_pb2*.py(i) and clipd/server/internal/v1/shard_host_pb2*.py(i) under ``out_dir``."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [f"-I{PROTO_ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
@@ -99,7 +102,8 @@ def generate(out_dir: pathlib.Path) -> None:
     if done.returncode != 0:
         raise SystemExit(f"proto/generate.py: protoc failed:\n{done.stderr.strip() or done.stdout.strip()}")
     stamp = "# Protobuf Python Version: {}.{}.{}".format(*GENCODE_PROTOBUF)
-    if any(stamp not in (out_dir / "clipd" / "v1" / f"{name}_pb2.py").read_text() for name in ("clipd", "shard_host")):
+    if any(stamp not in (out_dir / folder / f"{name}_pb2.py").read_text()
+           for folder, names in GENERATED.items() for name in names):
         raise SystemExit(f"proto/generate.py: {GENERATOR} did not write protobuf {GENCODE_PROTOBUF} gencode")
 
 

@@ -31,7 +31,7 @@ from service_helpers import FaultyProxy, ServerProcess, free_port, reference
 from clipd import wire
 from clipd.client import Client, Privacy, ResourceExhaustedError
 from clipd.server.app import create_server
-from clipd.server.rpc import service
+from clipd.server.rpc import submit
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
@@ -129,7 +129,7 @@ def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reuse
     with Client(target, message_bytes=128 * KiB) as client:
         agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
         wait_open(server, agg)
-        assert budget.pooled == 2 * UPDATE_BYTES  # two updates' buffers (service.RECEIVE_BUFFERS), before any came
+        assert budget.pooled == 2 * UPDATE_BYTES  # two updates' buffers (the servicer's RECEIVE_BUFFERS), before any came
         prepared = {array.ctypes.data for entries in budget._pool.values() for _, array in entries}
         v, cs = direction(3), [0.5, 2.0, -3.0]
         for i, c in enumerate(cs):
@@ -271,7 +271,7 @@ def test_a_checkpoint_slower_than_the_idle_timeout_never_closes_the_stream_and_p
 def test_a_connection_cut_inside_an_update_resumes_from_what_the_server_holds(durable_server, monkeypatch):
     # Whatever part the server had read when the connection broke is kept (in-process, the server's reader may
     # lag the bytes on the wire: the least kept, 256 KiB, is not what this test is about).
-    monkeypatch.setattr(service, "RESUME_MIN_BYTES", 1)
+    monkeypatch.setattr(submit, "RESUME_MIN_BYTES", 1)
     server, target = durable_server()
     port = int(target.rsplit(":", 1)[1])
     v, cs = direction(7), [0.5, 0.002]

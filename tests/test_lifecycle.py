@@ -210,8 +210,8 @@ def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is
     trainer's one batch per step), and the step must not wait: the last stream's end wakes the worker."""
     from clipd.engine import ClipPolicy, LayerSpec
     from clipd.server.aggregations import Aggregation, AggregationSpec
-    from clipd.server.shards.worker import DeviceWorker
     from clipd.server.stores.base import MemoryStore
+    from clipd.server.summing.worker import DeviceWorker
 
     worker = DeviceWorker(MemoryStore())
     aggregation = Aggregation("a", AggregationSpec((LayerSpec("w", (3,)),), ClipPolicy()), 8, 1 << 20)

@@ -45,11 +45,11 @@ from service_helpers import (
 from clipd import wire
 from clipd.client import Client
 from clipd.server import aggregations
-from clipd.server import app as server_app
 from clipd.server.app import create_server
 from clipd.server.rpc import limits
 from clipd.server.settings import Settings
-from clipd.server.shards import process as shard_process
+from clipd.server.shards import launchers, protocol
+from clipd.server.summing import devices, memory
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
@@ -252,8 +252,8 @@ def test_one_client_spreads_over_four_devices_and_steps_each(tmp_path):
 
 
 def test_the_doctests_of_the_data_plane_modules():
-    # (the placement rule's doctests are clipd.wire's: tests/test_wire.py); app: adding the processes' loads
-    for module in (limits, shard_process, server_app):
+    # (the placement rule's doctests are clipd.wire's: tests/test_wire.py); protocol: adding the processes' loads
+    for module in (limits, memory, launchers, protocol):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
@@ -391,7 +391,7 @@ def test_every_shard_process_is_counted_in_metrics_readyz_and_the_server_view(be
     token = [("authorization", f"Bearer {created.submit_token}")]
     endpoints = server.devices.endpoints()
     clients = [f"held-{i}" for i in range(7)]
-    owners = [shard_process.owner_of(aggregations.shard_of(c, 2), 2) for c in clients]
+    owners = [devices.owner_of(aggregations.shard_of(c, 2), 2) for c in clients]
     assert set(owners) == {0, 1}
     release = threading.Event()
     acknowledged = threading.Semaphore(0)

@@ -10,8 +10,9 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GENERATED_DIR = ROOT / "clipd" / "v1"
-GENERATED = ["clipd_pb2.py", "clipd_pb2.pyi", "clipd_pb2_grpc.py", "shard_host_pb2.py", "shard_host_pb2.pyi",
-             "shard_host_pb2_grpc.py"]
+GENERATED = ["clipd/v1/clipd_pb2.py", "clipd/v1/clipd_pb2.pyi", "clipd/v1/clipd_pb2_grpc.py",
+             "clipd/server/internal/v1/shard_host_pb2.py", "clipd/server/internal/v1/shard_host_pb2.pyi",
+             "clipd/server/internal/v1/shard_host_pb2_grpc.py"]
 
 
 def _load_generate():
@@ -42,8 +43,8 @@ def _bound(spec: str, operator: str) -> tuple[int, ...]:
 def test_generated_code_matches_the_proto(tmp_path):
     _load_generate().generate(tmp_path)
     for name in GENERATED:
-        fresh = (tmp_path / "clipd" / "v1" / name).read_text()
-        committed = (GENERATED_DIR / name).read_text()
+        fresh = (tmp_path / name).read_text()
+        committed = (ROOT / name).read_text()
         assert fresh == committed, f"{name} is stale: run python proto/generate.py"
 
 

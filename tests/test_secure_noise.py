@@ -295,12 +295,12 @@ def test_a_fixed_point_delta_is_flushed_before_its_limbs_could_overflow(server, 
     """The worker flushes a fixed-point delta into the host's totals before it holds FIXED_POINT_DELTA_ROWS rows.
     With that limit lowered to one step's rows, every step is flushed on its own; the sum stays exact."""
     from clipd.server import aggregations
-    from clipd.server.shards import worker
+    from clipd.server.summing import worker
 
     flushes = []
-    flushed = aggregations.Aggregation.flushed
-    monkeypatch.setattr(aggregations.Aggregation, "flushed",
-                        lambda self, totals, shard: (flushes.append(self.id), flushed(self, totals, shard))[1])
+    absorb = aggregations.Aggregation.absorb  # (the worker's flush: its delta into the shard's totals)
+    monkeypatch.setattr(aggregations.Aggregation, "absorb",
+                        lambda self, shard, *delta: (flushes.append(self.id), absorb(self, shard, *delta))[1])
     privacy = _secure(_ledger(), noise_multiplier=0.0)
     agg = client.create_aggregation({"w": (50,)}, l2_norm_clip=1.0, privacy=privacy)
     rows_per_step = server.registry.get(agg).device_rows

@@ -3,8 +3,11 @@
 Its clients' sequence numbers are kept by :class:`clipd.server.sequences.ClientSequences`.
 
 The device state (the accumulator's delta since the last flush) belongs to the
-worker; everything here is guarded by the aggregation's condition variable and
-read by the servicer and the admin API without touching the device.
+worker. Everything here is written by the aggregation's own methods: under its
+condition variable, but for the adds into a shard's totals, which the one device
+worker of that shard makes through ``add_example`` and ``absorb`` (in place,
+outside the lock: see ``shard_state``). The servicer and the admin API read it
+without touching the device.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState, Unit
+from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState, Unit, add_example
 from clipd.engine import _privacy as dp
 from clipd.engine._correlated import CorrelatedNoise
 from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
@@ -188,7 +191,8 @@ class Aggregation:
 
     A state machine (:data:`TRANSITIONS`): WARMING_UP -> OPEN -> FINALIZING -> FINALIZED, or FAILED or
     CANCELLED on the way. Its fields are read from outside and written only by its own methods, under
-    :attr:`cond`.
+    :attr:`cond` (a shard's totals: by that shard's device worker, through :meth:`add_example` and
+    :meth:`absorb`).
 
     Each client's batch sequence numbers are kept by :class:`ClientSequences`: accepted (taken in: queued or
     summed) >= summed >= durable (in a committed checkpoint). Streams acknowledge ``durable`` only;
@@ -232,7 +236,7 @@ class Aggregation:
         # replaced (another server took over) are refused. None: no claim (one server owns the store).
         self._epochs: list[int | None] = [None] * shards
         # Each shard's totals as of its last flush.
-        self.shard_totals = [r if r is not None else PartialState.empty(layers) for r in recovered]
+        self._shard_totals = [r if r is not None else PartialState.empty(layers) for r in recovered]
         totals = self.totals
         self._sequences = ClientSequences(totals.clients, max_clients)
         self._on_last_stream: list[Callable[[], Any]] = []  # told when its last open stream ends (see detach)
@@ -313,7 +317,7 @@ class Aggregation:
     @property
     def totals(self) -> PartialState:
         """Every shard's totals merged (as of each shard's last flush)."""
-        return PartialState.merge_all(self.shard_totals)
+        return PartialState.merge_all(self._shard_totals)
 
     def shard_of(self, client_id: str) -> int:
         return shard_of(client_id, self.shards)
@@ -474,11 +478,37 @@ class Aggregation:
             self._sample_locked(now)
             self.cond.notify_all()
 
-    def flushed(self, totals: PartialState, shard: int = 0) -> None:
-        """The worker added the shard's device delta into ``totals`` (the delta restarts from zero)."""
+    # The totals. A shard's are written by the one device worker that sums the shard, through the three methods
+    # below, and by no one else: adds of an example or a delta (gigabytes, for a large model) run in place, outside
+    # the condition, on that worker's thread alone; the new state is published under the condition. Everyone else
+    # reads a shard's state as of its last flush (shard_state), or the merge of every shard (totals).
+    def shard_state(self, shard: int) -> PartialState:
+        """The shard's totals as of its last flush (read-only: the worker adds into them in place)."""
+        return self._shard_totals[shard]
+
+    def add_example(self, shard: int, example, scales) -> None:
+        """Adds one measured example into the shard's host sums, in place (``engine.add_example``); the device
+        worker of the shard only."""
+        sums = self._shard_totals[shard].sums
+        assert sums is not None  # (an open shard's totals hold their sums)
+        add_example(sums, example, scales)
+
+    def absorb(self, shard: int, delta, marks, batches: int, nbytes: int) -> PartialState:
+        """Adds the shard's device delta (and the client marks, batches and bytes it covers) into its totals, in
+        place, and publishes them (the delta restarts from zero); the device worker of the shard only."""
+        totals = self._shard_totals[shard].absorb(delta, marks, batches, nbytes, in_place=True)
         with self.cond:
-            self.shard_totals[shard] = totals
+            self._shard_totals[shard] = totals
             self._device_stats[shard] = None
+        return totals
+
+    def prefault(self, shard: int) -> None:
+        """Writes the zeros of the shard's new (lazily mapped) totals, so the first flush does not page-fault them
+        in (for a large model, gigabytes of fresh pages); a no-op once it holds anything."""
+        totals = self._shard_totals[shard]
+        if not (totals.examples or totals.batches or totals.clients):
+            for total in totals.sums:
+                total.fill(0.0)
 
     def observe(self, states: dict[int, PartialState], clients: int = 0) -> None:
         """The control process of shard processes: their shards' totals as of now (for the statistics), and the
@@ -488,10 +518,10 @@ class Aggregation:
                 return
             self._observed_clients = clients
             for shard, state in states.items():
-                self.shard_totals[shard] = state
-            self._examples = sum(s.examples for s in self.shard_totals)  # the counts only: no sums are added
-            self._batches = sum(s.batches for s in self.shard_totals)
-            self._bytes = sum(s.bytes for s in self.shard_totals)
+                self._shard_totals[shard] = state
+            self._examples = sum(s.examples for s in self._shard_totals)  # the counts only: no sums are added
+            self._batches = sum(s.batches for s in self._shard_totals)
+            self._bytes = sum(s.bytes for s in self._shard_totals)
             now = self._updated = time.time()
             if not self._rates or now - self._rates[-1][0] >= 0.25:
                 self._rates.append((now, self._examples))
@@ -577,7 +607,7 @@ class Aggregation:
                 self._check_not_ended()
                 if released is not None:
                     self.release, self.released_sums = released.fields, released.sums
-                self.shard_totals = list(shard_totals)
+                self._shard_totals = list(shard_totals)
                 self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
                 self._sample_locked(time.time())
                 self._device_stats = [None] * self.shards
@@ -599,7 +629,7 @@ class Aggregation:
 
     def _keep_result_only_locked(self) -> None:
         """Drops the float64 sums once the result holds the sums in their dtypes (the store keeps them)."""
-        self.shard_totals = [totals.without_sums() for totals in self.shard_totals]
+        self._shard_totals = [totals.without_sums() for totals in self._shard_totals]
 
     def _result_locked(self) -> Result:
         if self.privacy is not None:
@@ -653,7 +683,7 @@ class Aggregation:
 
     def _live_locked(self, shard: int) -> PartialState:
         stats = self._device_stats[shard]
-        return self.shard_totals[shard] if stats is None else self.shard_totals[shard].absorb(stats)
+        return self._shard_totals[shard] if stats is None else self._shard_totals[shard].absorb(stats)
 
     def _raw_stats_locked(self) -> Stats:
         t = PartialState.merge_all([self._live_locked(k) for k in range(self.shards)], with_sums=False)

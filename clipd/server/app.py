@@ -18,10 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clipd.server.aggregations import Aggregation, AggregationSpec, Registry
 from clipd.server.credentials import SubmitTokens
+from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import Lifecycle, Shards, claims_shards, fail
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers, Release
-from clipd.server.rpc.limits import trim_heap
 from clipd.server.rpc.reflection import enable_reflection
 from clipd.server.rpc.server import (
     OTHER_STREAMS,
@@ -33,14 +33,15 @@ from clipd.server.rpc.server import (
 from clipd.server.rpc.service import ClipdServicer
 from clipd.server.settings import Settings
 from clipd.server.shards.forward import reserve_port
-from clipd.server.shards.local import Devices
+from clipd.server.shards.protocol import describe_load, sum_loads
 from clipd.server.stores import open_store
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
-from clipd.v1 import shard_host_pb2 as host_pb
+from clipd.server.summing.devices import Devices
+from clipd.server.summing.memory import trim_heap
 
 if TYPE_CHECKING:  # imported where they are used: FastAPI, the shard processes (and Ray) load only when asked for
     from clipd.server.admin.app import AdminServer
-    from clipd.server.shards.process import ShardProcesses
+    from clipd.server.shards.hosts import ShardHosts
 
 log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
@@ -79,42 +80,15 @@ class ServerSnapshot:
         return sum(p["restarts"] for p in self.shard_processes)
 
 
-def sum_loads(loads: list[host_pb.Load]) -> host_pb.Load:
-    """Processes' loads added up, field by field (the refusal maps key by key).
-
-    >>> total = sum_loads([host_pb.Load(active_streams=2, rejections={"INVALID_ARGUMENT": 1}),
-    ...                    host_pb.Load(active_streams=3, rejections={"INVALID_ARGUMENT": 4, "UNAVAILABLE": 1})])
-    >>> total.active_streams, dict(sorted(total.rejections.items()))
-    (5, {'INVALID_ARGUMENT': 5, 'UNAVAILABLE': 1})
-    """
-    total = host_pb.Load()
-    for load in loads:
-        for field in ("active_streams", "stream_limit", "refused_streams", "buffered_bytes", "buffer_limit",
-                      "refused_batches"):
-            setattr(total, field, getattr(total, field) + getattr(load, field))
-        for name in ("rejections", "participation_refusals"):
-            into = getattr(total, name)
-            for key, count in getattr(load, name).items():
-                into[key] += count
-    return total
 
 
-def describe_load(load: host_pb.Load | None) -> dict:
-    """A shard process's load as the admin API shows it; every value None until it reported (``load`` None)."""
-    if load is None:
-        return {"streams": None, "buffered_bytes": None, "refused_batches": None, "rejections": None,
-                "participation_refusals": None}
-    return {"streams": {"active": load.active_streams, "limit": load.stream_limit, "refused": load.refused_streams},
-            "buffered_bytes": {"used": load.buffered_bytes, "limit": load.buffer_limit},
-            "refused_batches": load.refused_batches, "rejections": dict(sorted(load.rejections.items())),
-            "participation_refusals": dict(sorted(load.participation_refusals.items()))}
 
 
 class ClipdServer:
     """The running service: gRPC server, device workers, registry, and (optionally) the admin API.
 
     With ``settings.processes`` = N > 0, this is the control process: it serves gRPC on a private
-    unix socket only, and N shard processes (:mod:`clipd.server.shards.process`) listen on the gRPC
+    unix socket only, and N shard processes (:mod:`clipd.server.shards.host`) listen on the gRPC
     port (and each on its own), receive, clip and sum, and forward every other call to it.
     """
 
@@ -128,17 +102,15 @@ class ClipdServer:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations, settings.max_total_parameters or None, settings.memory)
-        self.devices: Devices | ShardProcesses  # ShardProcesses: Ray shard hosts too (data_plane_elsewhere)
-        if settings.processes:  # the port is held here, bound (not listening) until the shard processes take it
-            from clipd.server.shards.process import ShardProcesses
+        # The topology, read here once: this process's own devices sum, or shard hosts that a launcher starts
+        # (local subprocesses, Ray actors) do, under one supervisor (ShardHosts); self.hosts is None without them.
+        self.hosts: ShardHosts | None = None
+        self.devices: Devices | ShardHosts
+        if settings.processes or settings.ray_address:
+            from clipd.server.shards.hosts import ShardHosts
 
-            self._port_holder = reserve_port(settings.host, settings.grpc_port)
-            self.port = self._port_holder.getsockname()[1]
-            self.devices = ShardProcesses(settings, self.store, self.port)
-        elif settings.ray_address:  # shard hosts on the cluster's nodes receive and sum themselves
-            from clipd.server.shards.ray_hosts import RayShardHosts
-
-            self.devices = RayShardHosts(settings, self.store, settings.grpc_port)
+            self.launcher = self._launcher(settings)
+            self.devices = self.hosts = ShardHosts(settings, self.store, self.launcher)
         else:  # every shard on a local device
             self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
                                    settings.warmup_timeout)
@@ -165,8 +137,10 @@ class ClipdServer:
         enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
         from clipd.server.tls import grpc_server_credentials
 
-        if settings.processes:  # the shard processes listen on the port (and terminate TLS)
-            self.grpc.add_insecure_port(f"unix:{os.path.join(self._shard_processes.private_dir, 'control.sock')}")
+        listen = self.launcher.control_address if self.hosts is not None else None
+        if listen is not None:  # the shard processes listen on the public port (and terminate TLS)
+            self.grpc.add_insecure_port(listen)
+            self.port = self.launcher.port
         else:
             address = f"{settings.host}:{settings.grpc_port}"
             credentials = grpc_server_credentials(settings)  # TLS, or mutual TLS with tls_client_ca_file
@@ -204,15 +178,14 @@ class ClipdServer:
 
     def start(self) -> ClipdServer:
         self.grpc.start()
-        if self.settings.ray_address:  # the hosts reach this server's port for everything but Submit
-            from clipd.server.shards.ray_hosts import RayShardHosts, cluster_address
+        if self.hosts is not None:
+            if self.settings.ray_address:  # the hosts reach this server's port for everything but Submit
+                from clipd.server.shards.ray_hosts import cluster_address
 
-            assert isinstance(self.devices, RayShardHosts)  # settings.ray_address: __init__ made them
-            self.devices.control = f"{cluster_address(self.settings.host)}:{self.port}"
-        if self.data_plane_elsewhere:
+                self.launcher.control = f"{cluster_address(self.settings.host)}:{self.port}"
             # The processes that forward calls here (the only ones counted so); returns once each is ready.
-            self.guard.ingest_indexes = frozenset(str(i) for i in range(self._shard_processes.count))
-            self._shard_processes.start(self.registry)
+            self.guard.ingest_indexes = frozenset(str(i) for i in range(self.hosts.count))
+            self.hosts.start(self.registry)
         self._janitor.start()
         self._trimmer.start()
         for name in ("", SERVICE_NAME):
@@ -235,10 +208,10 @@ class ClipdServer:
                            participation_refusals=self.ledgers.participation_refusals)
         processes: list[dict] = []
         loads = [own]
-        if self.data_plane_elsewhere:  # they take the Submit streams: their slots and buffers, not this process's
+        if self.hosts is not None:  # they take the Submit streams: their slots and buffers, not this process's
             own.stream_limit = own.buffer_limit = 0
-            seen = self._shard_processes.loads()
-            processes = self._shard_processes.describe_processes()
+            seen = self.hosts.loads()
+            processes = self.hosts.describe_processes()
             for process in processes:
                 load = seen.get(process["index"])
                 process["calls"] = self.guard.forwarded.get(str(process["index"]), 0)
@@ -254,19 +227,27 @@ class ClipdServer:
             queue_depth=self.devices.queue_depth, queued_bytes=self.devices.queued_bytes,
             device_kind=self.devices.device_kind, devices=self.devices.describe(), shard_processes=processes,
             payload_bytes_received=servicer.payload_bytes,
-            shard_payload_bytes=self._shard_processes.payload_bytes if self.data_plane_elsewhere else None)
+            shard_payload_bytes=self.hosts.payload_bytes if self.hosts is not None else None)
+
+    @staticmethod
+    def _launcher(settings: Settings):
+        """What starts the shard hosts: local subprocesses (``--processes``; the public port is held here, bound
+        and not listening, until they take it) or Ray actors (``--ray``)."""
+        if settings.processes:
+            from clipd.server.shards.launchers import LocalProcesses
+
+            holder = reserve_port(settings.host, settings.grpc_port)
+            launcher = LocalProcesses(settings, holder.getsockname()[1])
+            launcher.port_holder = holder  # (kept open until the processes listen)
+            return launcher
+        from clipd.server.shards.ray_hosts import RayActors
+
+        return RayActors(settings, settings.grpc_port)
 
     @property
     def data_plane_elsewhere(self) -> bool:
-        """Shard processes (``--processes``) or Ray shard hosts (``--ray``) receive and sum; this process is the
-        control plane."""
-        return bool(self.settings.processes or self.settings.ray_address)
-
-    @property
-    def _shard_processes(self) -> ShardProcesses:
-        """The shard processes or Ray shard hosts that receive and sum (``data_plane_elsewhere``)."""
-        assert not isinstance(self.devices, Devices), "this process's own devices sum: no shard processes"
-        return self.devices
+        """Shard hosts (``--processes``, ``--ray``) receive and sum; this process is the control plane."""
+        return self.hosts is not None
 
     @property
     def serving(self) -> bool:

@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 class Shards(Protocol):
     """Where an aggregation's accepted batches are clipped and summed: one seam, three kinds, one summing runtime.
 
-    :class:`~clipd.server.shards.local.Devices` (this process's JAX devices, a device worker each),
-    :class:`~clipd.server.shards.process.ShardProcesses` (``--processes N``: each runs ``Devices``) and
-    :class:`~clipd.server.shards.ray_hosts.RayShardHosts` (``--ray``: the same shard processes as Ray actors).
+    :class:`~clipd.server.summing.devices.Devices` (this process's JAX devices, a device worker each),
+    and :class:`~clipd.server.shards.hosts.ShardHosts` (shard hosts that each run ``Devices``: local
+    subprocesses of ``--processes N`` or Ray actors of ``--ray``, started by their launcher).
     tests/shards_contract.py is the contract each of them is run against.
     """
 

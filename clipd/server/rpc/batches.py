@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 
@@ -11,26 +10,8 @@ from clipd import wire
 from clipd.engine import LayerSpec
 from clipd.server.errors import InvalidArgument, ResourceExhausted
 from clipd.server.rpc.codec import dtype_of
-from clipd.server.rpc.limits import ByteBudget, Reservation, aligned_empty
-
-
-class Batch(NamedTuple):
-    """A complete, validated batch: one ``(rows, *shape)`` array per layer.
-
-    ``reservation`` holds its bytes in the server's buffer budget until the
-    device worker has copied it (or it is dropped): whoever lets go of a batch
-    calls :meth:`give_back`.
-    """
-
-    sequence: int
-    rows: int
-    layers: list[np.ndarray]
-    nbytes: int
-    reservation: Reservation | None = None
-
-    def give_back(self) -> None:
-        if self.reservation is not None:
-            self.reservation.give_back()
+from clipd.server.summing.batch import Batch
+from clipd.server.summing.memory import ByteBudget, Reservation, aligned_empty
 
 
 class _Partial:

@@ -34,10 +34,11 @@ from clipd.server.lifecycle import Lifecycle
 from clipd.server.logs import event
 from clipd.server.rpc import codec
 from clipd.server.rpc.auth import Authenticator, check_id
-from clipd.server.rpc.limits import ByteBudget, StreamSlots
+from clipd.server.rpc.limits import StreamSlots
 from clipd.server.rpc.resume import ParkedBatches
 from clipd.server.rpc.submit import SubmitSession, stream_owner
 from clipd.server.settings import Settings
+from clipd.server.summing.memory import ByteBudget
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 

@@ -12,7 +12,7 @@ import dataclasses
 import queue
 import time
 from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import grpc
 
@@ -23,9 +23,6 @@ from clipd.server.errors import ClipdError, FailedPrecondition, InvalidArgument,
 from clipd.server.rpc import codec
 from clipd.server.rpc.batches import BatchAssembler
 from clipd.v1 import clipd_pb2 as pb
-
-if TYPE_CHECKING:  # (the servicer makes a session per stream)
-    from clipd.server.rpc.service import ClipdServicer
 
 RESUME_MIN_BYTES = 256 << 10  # a broken stream's batch is kept for a resuming stream from this much received on
 PROGRESS_PERIOD = 0.5  # seconds between progress messages of a stream whose batches the server is working on
@@ -88,7 +85,9 @@ class SubmitSession:
     which the response side reads for its progress messages and idle timeout.
     """
 
-    def __init__(self, servicer: ClipdServicer, token: str | None, certified: str | None = None) -> None:
+    def __init__(self, servicer: Any, token: str | None, certified: str | None = None) -> None:
+        """``servicer``: the ClipdServicer that opened the stream (its settings, auth, lifecycle, budget, slots,
+        parked batches and refusals)."""
         self.servicer = servicer
         self.token = token
         self.certified = certified  # the client id of the caller's client certificate (mutual TLS), if any

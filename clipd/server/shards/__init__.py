@@ -1,12 +1,11 @@
-"""The shards: where accepted batches are clipped and summed, one shard of an aggregation at a time.
+"""The processes that sum: shard processes on this host and Ray shard hosts, and what passes a call between them.
 
-Three kinds, one interface (:class:`clipd.server.lifecycle.Shards`) and one summing runtime: the
-local devices of this process (:mod:`.local`, one :mod:`.worker` thread per JAX device), shard
-processes on this host (:mod:`.process`, each with its own local devices), and the same shard
-processes as Ray actors on a cluster's nodes (:mod:`.ray_hosts`); :mod:`.forward` passes a call on
-to the process that answers it, byte for byte.
+The summing runtime itself (a device worker per JAX device) is :mod:`clipd.server.summing`; this package hosts it
+in processes of its own: shard processes on this host (:mod:`.process`, each with its own local devices) and the
+same shard processes as Ray actors on a cluster's nodes (:mod:`.ray_hosts`); :mod:`.forward` passes a call on to
+the process that answers it, byte for byte. Each kind is a :class:`clipd.server.lifecycle.Shards`.
 
-May import: clipd.engine, clipd.v1, and of clipd.server the lifecycle (aggregations), the
-stores, errors, settings, credentials, tls, logs, and the RPC surface (a shard process serves
-Clipd itself). Nothing imports a shard kind but :mod:`clipd.server.app`.
+May import: clipd.engine, clipd.v1, and of clipd.server the summing runtime, the RPC surface (a shard process
+serves Clipd itself), the lifecycle, the stores, errors, settings, credentials, tls, logs and the internal
+protocol. Nothing imports a shard kind but :mod:`clipd.server.app`.
 """

@@ -1,6 +1,6 @@
 """Forwarding a call, byte for byte, from a shard process to the process that answers it.
 
-A shard process (:mod:`clipd.server.shards.process`, and the shard hosts of ``--ray``) passes every call but
+A shard host (:mod:`clipd.server.shards.host`: a shard process of ``--processes``, a Ray host) passes every call but
 Submit to the control process, and a Submit for another process's shard to that process: the caller's
 metadata (its bearer token) goes along, with which process forwarded it, and the answer's status comes back
 as it was. Also the port the shard processes share (:func:`reserve_port`).

@@ -5,7 +5,7 @@ each a Ray actor on a node of the cluster, receiving and summing their own shard
 store. The clipd server is the control plane (Create, GetStats, Finalize, ledgers, the admin API) and never
 sees a payload byte: clients stream to ``ray_ingest_port`` on any node (the hosts of a node share it) or,
 routed by ``GetPlacement``, to the host of their shard. A host is a
-:class:`~clipd.server.shards.process.ShardProcess`, so it takes the data plane's every path (large updates
+:class:`~clipd.server.shards.host.ShardHost`, so it takes the data plane's every path (large updates
 streamed into the sum, resumes, secure sums) and its faults are handled the same way: Ray restarts a host
 that dies, which claims its shards' epochs and opens its aggregations from their checkpoints; its clients
 resume after their last acknowledgement.
@@ -28,12 +28,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import grpc
 
-from clipd.server.errors import ClipdError
-from clipd.server.shards.process import CALLS, ShardProcesses, host_error
-from clipd.server.stores.base import Store
-from clipd.v1 import shard_host_pb2 as host_pb
+from clipd.server.errors import ClipdError, Unavailable
+from clipd.server.internal.v1 import shard_host_pb2 as host_pb
+from clipd.server.shards.protocol import CALLS, host_error
 
-__all__ = ["RayShardHosts", "cluster_address"]
+__all__ = ["RayActors", "cluster_address"]
 
 
 def cluster_address(host: str) -> str:
@@ -42,10 +41,10 @@ def cluster_address(host: str) -> str:
 
 
 # Shard hosts: receive and sum on the cluster's nodes ----------------------------------------------
-class _ShardHost:
+class _HostActor:
     """A shard process on a Ray node (``--ray-shard-hosts N``): it receives, clips and sums its own shards.
 
-    The same :class:`clipd.server.shards.process.ShardProcess` as ``--processes`` runs, with TCP instead of unix
+    The same :class:`clipd.server.shards.host.ShardHost` as ``--processes`` runs, with TCP instead of unix
     sockets: clients connect to ``ray_ingest_port`` on any node (or, routed, to the host's own port), a Submit
     for another host's shard goes to that host's own port, every other call to the clipd server. The server's
     calls (open, finish, statistics, forget) are this actor's :meth:`call`. Ray restarts a dead host, which
@@ -54,11 +53,11 @@ class _ShardHost:
 
     def __init__(self, fields: dict, index: int, control: str) -> None:
         from clipd.server.settings import Settings
-        from clipd.server.shards.process import ShardProcess
+        from clipd.server.shards.host import ShardHost
 
         settings = Settings(**fields)
         self.host = cluster_address(settings.advertise_host or settings.host)  # as clients and hosts reach it
-        self.process = ShardProcess(settings, index, settings.ray_ingest_port, 0, None, control=control).start()
+        self.process = ShardHost(settings, index, settings.ray_ingest_port, 0, None, control=control).start()
         self.process.handle("Serve", host_pb.ServeRequest())
 
     def endpoint(self) -> str:
@@ -86,26 +85,25 @@ class _ShardHost:
 
 # Several calls at once: a long Open or Finish must not hold up the server's endpoint and pid checks.
 # (Ray's overloads of ray.remote(...) list the options of a remote function only, not an actor's.)
-ShardHost = ray.remote(  # type: ignore[call-overload]
-    max_restarts=-1, max_task_retries=0, num_cpus=0.25, max_concurrency=16)(_ShardHost)
+HostActor = ray.remote(  # type: ignore[call-overload]
+    max_restarts=-1, max_task_retries=0, num_cpus=0.25, max_concurrency=16)(_HostActor)
 
 
-class RayShardHosts(ShardProcesses):
-    """The server's shard hosts on a Ray cluster: the calls of :class:`~clipd.server.shards.process.ShardProcesses`
-    over actors instead of child processes (placement, finalize, statistics are the same)."""
+class RayActors:
+    """Shard hosts as Ray actors, one a node (``--ray-shard-hosts N``, or one on each node): the
+    :class:`~clipd.server.shards.hosts.HostLauncher` of ``--ray``. Ray places them (spread over the nodes, with
+    ``ray_gpus_per_host`` GPUs each) and restarts one that dies; the control's calls are actor calls."""
 
-    def __init__(self, settings, store: Store, port: int) -> None:
+    def __init__(self, settings, port: int) -> None:
         import dataclasses
 
-        from clipd.server.errors import Unavailable
-
-        self._unavailable = Unavailable
-        self.settings, self.store, self.port = settings, store, port
+        self.settings, self.port = settings, port
         if not ray.is_initialized():
             ray.init(address=settings.ray_address, log_to_driver=False)
         # As many as asked for, or one on each node of the cluster.
         self.count = settings.ray_shard_hosts or sum(1 for node in ray.nodes() if node.get("Alive"))
         self.control = ""  # the server's address as the nodes reach it (set once its port is bound)
+        self.control_address = None  # the server listens on its public port (the hosts reach it there)
         self.actors: list = []
         self._endpoints = [""] * self.count
         self._pids: list = [None] * self.count
@@ -113,28 +111,19 @@ class RayShardHosts(ShardProcesses):
         self.restarts = [0] * self.count
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._started = False
-        self.registry = None
-        self._seen: dict = {}
-        self._empty: dict = {}
-        self._fenced: set[str] = set()
-        self._threads = [threading.Thread(target=self._watch, name="clipd-hosts-watch", daemon=True),
-                         threading.Thread(target=self._pump, name="clipd-hosts-stats", daemon=True)]
+        self._watcher = threading.Thread(target=self._watch, name="clipd-hosts-watch", daemon=True)
         # What a host needs: the store, limits, the admin token (Submit's check), its count and port.
         self._fields = dataclasses.asdict(dataclasses.replace(
             settings, ray_address="", ray_shard_hosts=0, processes=self.count))
 
-    def start(self, registry) -> RayShardHosts:
-        self.registry = registry
+    def start(self) -> None:
+        """Creates the actors and returns once each answers (its endpoint and pid); then watches them."""
         options: dict[str, Any] = dict(scheduling_strategy="SPREAD")
         if self.settings.ray_gpus_per_host:
             options["num_gpus"] = self.settings.ray_gpus_per_host
-        self.actors = [ShardHost.options(**options).remote(self._fields, i, self.control) for i in range(self.count)]
+        self.actors = [HostActor.options(**options).remote(self._fields, i, self.control) for i in range(self.count)]
         self._refresh(timeout=300)
-        self._started = True
-        for thread in self._threads:
-            thread.start()
-        return self
+        self._watcher.start()
 
     def _refresh(self, timeout: float = 30) -> bool:
         """Reads every host's endpoint and pid; tells them each other's endpoints if one moved. True if all answer."""
@@ -169,12 +158,13 @@ class RayShardHosts(ShardProcesses):
             with contextlib.suppress(Exception):
                 self._refresh(timeout=5)
 
-    def _transport(self, index: int, name: str, request, timeout: float):
+    def call(self, index: int, name: str, request, timeout: float):
+        """One of the control's calls to host ``index``, serialized through its actor (:class:`HostLauncher`)."""
         try:
             code, message, answer = ray.get(self.actors[index].call.remote(name, request.SerializeToString()),
                                             timeout=timeout)
         except Exception as e:  # the actor died or is being restarted, or the call timed out
-            raise self._unavailable(f"shard host {index}: {type(e).__name__}") from None
+            raise Unavailable(f"shard host {index}: {type(e).__name__}") from None
         if code:
             raise host_error(f"shard host {index}", grpc.StatusCode[code], message)
         return CALLS[name][1].FromString(answer)
@@ -183,14 +173,17 @@ class RayShardHosts(ShardProcesses):
         with self._lock:
             return list(self._endpoints)
 
-    def describe_processes(self) -> list[dict]:
+    def processes(self) -> list[dict]:
         with self._lock:
             return [{"index": i, "pid": self._pids[i], "alive": self._served[i], "serving": self._served[i],
-                     "restarts": self.restarts[i], "endpoint": self._endpoints[i],
-                     "payload_bytes": self._seen[i].payload_bytes if i in self._seen else None}
-                    for i in range(self.count)]
+                     "restarts": self.restarts[i], "endpoint": self._endpoints[i]} for i in range(self.count)]
 
-    def stop(self, timeout: float | None = None) -> None:
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return all(self._served)
+
+    def stop(self, timeout: float) -> None:
         self._stopping.set()
         for actor in self.actors:
             with contextlib.suppress(Exception):

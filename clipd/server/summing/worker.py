@@ -1,6 +1,6 @@
 """The device worker: the one thread that owns the JAX device state of the shards on one device.
 
-A server runs one worker per local JAX device (:class:`clipd.server.shards.local.Devices`);
+A server runs one worker per local JAX device (:class:`clipd.server.summing.devices.Devices`);
 each aggregation is split into shards by client id and every shard is summed
 by one worker. Everything below is about one worker and its shards.
 
@@ -65,13 +65,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState, add_example
+from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState
 from clipd.server.aggregations import Aggregation, State
 from clipd.server.errors import Unavailable
 from clipd.server.lifecycle import fail
-from clipd.server.rpc.batches import Batch
-from clipd.server.rpc.limits import ALIGNMENT, aligned_empty
 from clipd.server.stores.base import Store
+from clipd.server.summing.batch import Batch
+from clipd.server.summing.memory import ALIGNMENT, aligned_empty
 
 log = logging.getLogger(__name__)
 STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming
@@ -119,12 +119,6 @@ def _program_keys(aggregation: Aggregation, device) -> list[tuple]:
             for rows, kind in _programs(aggregation, device)]
 
 
-def _prefault(totals: PartialState) -> None:
-    """Writes the zeros of new (lazily mapped) totals during warm-up, so the first flush does not page-fault
-    them in on the device worker (for a large model, gigabytes of fresh pages)."""
-    if not (totals.examples or totals.batches or totals.clients):
-        for total in totals.sums:
-            total.fill(0.0)
 
 
 def _aligned_rows(batch: Batch, start: int, rows: int) -> list[np.ndarray] | None:
@@ -594,9 +588,8 @@ class DeviceWorker:
         while slot.unadded and self._slots.get((aggregation, shard)) is slot:
             inflight = slot.unadded.pop(0)
             try:
-                sums, example = aggregation.shard_totals[shard].sums, inflight.example
-                assert sums is not None and example is not None  # (an open shard's totals; a measured example)
-                add_example(sums, example, inflight.scales)
+                assert inflight.example is not None  # (a measured example)
+                aggregation.add_example(shard, inflight.example, inflight.scales)
             except Exception as e:
                 inflight.give_back()
                 self._fail(aggregation, f"adding an example failed: {type(e).__name__}: {e}")
@@ -624,19 +617,18 @@ class DeviceWorker:
         self._finish_inflight()
         slot = self._slots.get((aggregation, shard))
         if slot is None or not slot.steps:
-            return aggregation.shard_totals[shard]
+            return aggregation.shard_state(shard)
         with self._cond:  # the totals are added to in place: never while the committer writes them
             self._cond.wait_for(lambda: not slot.committing)
         self._add_measured(aggregation, shard, slot)
         if self._slots.get((aggregation, shard)) is not slot:
-            return aggregation.shard_totals[shard]  # it failed meanwhile
+            return aggregation.shard_state(shard)  # it failed meanwhile
         delta = jax.device_get(slot.delta)  # on the CPU, views of the device buffers
-        totals = aggregation.shard_totals[shard].absorb(delta, slot.marks, slot.batches, slot.nbytes, in_place=True)
+        totals = aggregation.absorb(shard, delta, slot.marks, slot.batches, slot.nbytes)
         del delta
         if aggregation.device_rows > 1 or slot.delta.sum_chunks is None:  # (a delta of one example a step with
             slot.delta = aggregation.accumulator.reset(slot.delta)  # sums: the next, fresh, step writes over it)
         slot.marks, slot.batches, slot.nbytes, slot.steps = {}, 0, 0, 0
-        aggregation.flushed(totals, shard)
         return totals
 
     def _checkpoint(self, aggregation: Aggregation, shard: int) -> None:
@@ -749,7 +741,7 @@ class DeviceWorker:
             with _warm_lock:
                 _warm_programs.update(_program_keys(aggregation, self.device))
             for shard in self._shards.get(aggregation, ()):
-                _prefault(aggregation.shard_totals[shard])
+                aggregation.prefault(shard)
             if then is not None and aggregation in self._warming:
                 then(aggregation)
         except Exception as e:

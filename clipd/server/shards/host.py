@@ -1,4 +1,5 @@
-"""Shard processes: ``clipd serve --processes N``. The process that receives a batch clips and sums it.
+"""A shard host: one of the processes that sum (``clipd serve --processes N``, or a Ray actor of ``--ray``).
+The process that receives a batch clips and sums it.
 
 Layout (one host)::
 
@@ -42,97 +43,39 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import json
-import logging
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from typing import Any
 
 import grpc
-import numpy as np
 
 from clipd import wire
-from clipd.engine import PartialState
-from clipd.server.aggregations import (
-    TAKES_BATCHES,
-    Aggregation,
-    AggregationSpec,
-    Registry,
-    State,
-)
+from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, State
 from clipd.server.credentials import bearer_token
-from clipd.server.errors import (
-    ClipdError,
-    DeadlineExceeded,
-    FailedPrecondition,
-    NotFound,
-    Unavailable,
-)
-from clipd.server.lifecycle import Lifecycle, fail
+from clipd.server.errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
+from clipd.server.internal.v1 import shard_host_pb2 as host_pb
+from clipd.server.internal.v1 import shard_host_pb2_grpc as host_grpc
+from clipd.server.lifecycle import Lifecycle
 from clipd.server.privacy import Ledgers
 from clipd.server.rpc.submit import stream_owner
 from clipd.server.settings import Settings
 from clipd.server.shards.forward import _pass, _pass_unary, passing_through
-from clipd.server.shards.local import owner_of
-from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
+from clipd.server.shards.protocol import SERVICE, stats_to_proto
+from clipd.server.stores.base import CLOSING, FAILED, FINALIZED
+from clipd.server.summing.devices import owner_of
 from clipd.server.tls import peer_channel
 from clipd.v1 import clipd_pb2
-from clipd.v1 import shard_host_pb2 as host_pb
-from clipd.v1 import shard_host_pb2_grpc as host_grpc
-
-log = logging.getLogger(__name__)
-SERVICE = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
-# The control's calls to a shard host (proto/clipd/v1/shard_host.proto), by name: request and answer types.
-CALLS: dict[str, tuple[Any, Any]] = {
-    "Open": (host_pb.OpenRequest, host_pb.OpenResponse),
-    "Finish": (host_pb.FinishRequest, host_pb.FinishResponse),
-    "Stats": (host_pb.StatsRequest, host_pb.StatsResponse),
-    "Forget": (host_pb.ForgetRequest, host_pb.ForgetResponse),
-    "Serve": (host_pb.ServeRequest, host_pb.ServeResponse),
-}
-_STAT_COUNTS = ("examples", "non_finite", "batches", "bytes")
-_STAT_ARRAYS = ("clip_counts", "layer_histograms", "example_histogram", "norm_sum", "norm_max")
-
-# A host's refusal that the control raises as such; any other failure of a call is the host's: Unavailable.
-_ERRORS = {grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition, grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-           grpc.StatusCode.NOT_FOUND: NotFound}
-
-
-def host_error(host: str, code: grpc.StatusCode, message: str) -> ClipdError:
-    """The error a failed call to a shard host raises on the control's side: the host's own refusal as it said
-    it, anything else (the host unreachable, restarting, a timeout) as ``Unavailable``."""
-    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-        return _ERRORS[code](message)
-    return _ERRORS.get(code, Unavailable)(f"{host}: {code.name}: {message}")
-
-
-def stats_to_proto(state: PartialState) -> host_pb.ShardStats:
-    """A shard's statistics (no sums, no client marks) for the control process."""
-    fields: dict[str, Any] = {f: int(getattr(state, f)) for f in _STAT_COUNTS}
-    fields.update({f: getattr(state, f).ravel().tolist() for f in _STAT_ARRAYS})
-    return host_pb.ShardStats(**fields)
-
-
-def stats_from_proto(empty: PartialState, stats: host_pb.ShardStats) -> PartialState:
-    """:func:`stats_to_proto`'s shard as a partial state whose sums stay zero (read from checkpoints at finalize)."""
-    fields: dict[str, Any] = {f: int(getattr(stats, f)) for f in _STAT_COUNTS}
-    fields.update({f: np.asarray(getattr(stats, f), getattr(empty, f).dtype).reshape(getattr(empty, f).shape)
-                   for f in _STAT_ARRAYS})
-    return dataclasses.replace(empty, **fields)
 
 
 class _ShardHostService(host_grpc.ShardHostServicer):
     """The ShardHost service on a shard process's private socket: each call runs on the process; a
     ``ClipdError`` it raises is the call's status."""
 
-    def __init__(self, process: ShardProcess) -> None:
+    def __init__(self, process: ShardHost) -> None:
         self.process = process
 
     def _run(self, name: str, request, context):
@@ -233,7 +176,7 @@ class _ShardRegistry(Registry):
         return scope
 
 
-class ShardProcess:
+class ShardHost:
     """One shard process: its own gRPC ports, device workers and partial states; see the module doc."""
 
     def __init__(self, settings: Settings, index: int, public_port: int, data_port: int, private_dir: str | None,
@@ -249,8 +192,8 @@ class ShardProcess:
         from clipd.server.rpc.reflection import enable_reflection
         from clipd.server.rpc.server import OTHER_STREAMS, Guard, server_options
         from clipd.server.rpc.service import ClipdServicer
-        from clipd.server.shards.local import Devices
         from clipd.server.stores import open_store
+        from clipd.server.summing.devices import Devices
         from clipd.server.tls import grpc_server_credentials
 
         self.settings, self.index, self.count = settings, index, settings.processes
@@ -502,7 +445,7 @@ class ShardProcess:
         return placement.SerializeToString()
 
     # Running -------------------------------------------------------------------------------------
-    def start(self) -> ShardProcess:
+    def start(self) -> ShardHost:
         if self.private is not None:
             self.private.start()
         self.public.start()
@@ -524,7 +467,7 @@ def socket_path(private_dir: str, index: int) -> str:
 
 
 def main() -> None:
-    """A shard process (``python -m clipd.server.shards.process``, started by the control process).
+    """A shard process (``python -m clipd.server.shards.host``, started by the control process).
 
     Reads its orders as one JSON line on stdin, answers ``ready <its own port>`` on stdout once it
     listens, and serves until SIGTERM, or until the control process (its parent) is gone.
@@ -538,7 +481,7 @@ def main() -> None:
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the control stops us
-    process = ShardProcess(settings, orders["index"], orders["port"], orders["data_port"],
+    process = ShardHost(settings, orders["index"], orders["port"], orders["data_port"],
                            orders["private_dir"]).start()
     print(f"ready {process.data_port}", flush=True)
     while not done.wait(0.5):
@@ -546,354 +489,6 @@ def main() -> None:
             break
     process.stop(settings.shutdown_grace if done.is_set() else 0.0)
     os._exit(0)
-
-
-# The control process's side -------------------------------------------------------------------------
-def _gpu_count() -> int:
-    return sum(1 for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit()) \
-        if os.path.isdir("/dev") else 0
-
-
-def child_environment(index: int, processes: int, environ=os.environ) -> dict[str, str]:
-    """A shard process's environment: its GPU (one each when there are enough), its share of GPU memory.
-
-    >>> env = child_environment(1, 4, {})
-    >>> env["XLA_PYTHON_CLIENT_PREALLOCATE"], env["XLA_PYTHON_CLIENT_MEM_FRACTION"]
-    ('false', '0.225')
-    """
-    env = dict(environ)
-    gpus = _gpu_count()
-    if gpus >= processes and "CUDA_VISIBLE_DEVICES" not in environ:
-        env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
-    sharing = processes if gpus < processes else 1  # processes on one GPU
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / sharing:.3f}")
-    return env
-
-
-class ShardProcesses:
-    """The control process's shards: N shard processes, started, watched and restarted; the calls that span them.
-
-    It has the calls of :class:`~clipd.server.shards.local.Devices` that the servicer uses, so the servicer is the
-    same in every mode.
-    """
-
-    def __init__(self, settings: Settings, store: Store, port: int) -> None:
-        self.settings, self.store, self.port = settings, store, port
-        self.count = settings.processes
-        self.private_dir = tempfile.mkdtemp(prefix="clipd-shards-")  # 0700: the sockets are private
-        self.data_ports = [settings.shard_ports + i if settings.shard_ports else 0 for i in range(self.count)]
-        self._processes: list[subprocess.Popen | None] = [None] * self.count
-        self._served = [False] * self.count
-        self._told: list[str] = []  # the endpoints the serving shard processes answer GetPlacement with
-        self.restarts = [0] * self.count
-        self._channels = [grpc.insecure_channel(f"unix:{socket_path(self.private_dir, i)}") for i in range(self.count)]
-        self._hosts = [host_grpc.ShardHostStub(channel) for channel in self._channels]
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._started = False
-        self.registry: Registry | None = None
-        self._seen: dict[int, host_pb.StatsResponse] = {}  # the last Stats answer of each process
-        self._empty: dict[str, PartialState] = {}
-        self._fenced: set[str] = set()  # aggregations whose shards this control claimed at finalize
-        self._threads = [threading.Thread(target=self._watch, name="clipd-shards-watch", daemon=True),
-                         threading.Thread(target=self._pump, name="clipd-shards-stats", daemon=True)]
-
-    def __len__(self) -> int:
-        return self.count
-
-    # Starting and watching -----------------------------------------------------------------------------
-    def _spawn(self, index: int, timeout: float = 120.0) -> bool:
-        """A new interpreter (not a fork: this process has gRPC and JAX threads); True once it is ready."""
-        process = subprocess.Popen([sys.executable, "-m", "clipd.server.shards.process"], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, env=child_environment(index, self.count))
-        orders = {"settings": dataclasses.asdict(self.settings), "port": self.port, "index": index,
-                  "data_port": self.data_ports[index], "private_dir": self.private_dir}
-        stdin, stdout = process.stdin, process.stdout
-        assert stdin is not None and stdout is not None  # (PIPE both)
-        with contextlib.suppress(OSError):
-            stdin.write(json.dumps(orders) + "\n")
-            stdin.close()
-        answer: list[str] = []
-        reader = threading.Thread(target=lambda: answer.append(stdout.readline()), name="clipd-shard-ready",
-                                  daemon=True)
-        reader.start()
-        reader.join(timeout)
-        failed = not answer or not answer[0].startswith("ready ")
-        with self._lock:
-            self._processes[index] = process
-            stopping = self._stopping.is_set()
-            if failed and not stopping:
-                self.restarts[index] += 1  # a start-up retry is a restart too
-        if stopping or failed:
-            with contextlib.suppress(OSError):
-                process.kill()
-            process.wait()
-            log.warning("shard process %d did not start (exit status %s); trying again", index, process.returncode,
-                        extra={"event": "shard_process.start_failed"})
-            if self.data_ports[index] and not self.settings.shard_ports:
-                self.data_ports[index] = 0  # its old port may be taken: any free one (clients ask again)
-            return False
-        stdout.close()
-        self.data_ports[index] = int(answer[0].split()[1])
-        return True
-
-    def _bring_up(self, index: int, serve: bool = True) -> None:
-        """Starts process ``index`` until one is ready (or the server stops); ``serve``: then lets it serve."""
-        while not self._stopping.is_set():
-            if self._spawn(index) and (not serve or self._serve(index)):
-                return
-            self._stopping.wait(0.5)
-
-    def _serve(self, index: int) -> bool:
-        """Process ``index`` says SERVING on its health service (once every process is up).
-
-        One that can't be told is killed (never two live owners of the same shards): it starts again.
-        """
-        endpoints = self.endpoints()  # what its GetPlacement answers
-        try:
-            self._hosts[index].Serve(host_pb.ServeRequest(endpoints=endpoints), timeout=30, wait_for_ready=True)
-            told = True
-        except grpc.RpcError:
-            told = False
-        with self._lock:
-            process = self._processes[index]
-            if told and process is not None and process.poll() is None:
-                self._served[index] = True
-                others = [i for i in range(self.count) if i != index and self._served[i]]
-            else:
-                others = None
-        if others is not None:
-            if endpoints != self._told:  # it came back on another port: the others answer GetPlacement too
-                for other in others:
-                    with contextlib.suppress(grpc.RpcError):
-                        self._hosts[other].Serve(host_pb.ServeRequest(endpoints=endpoints), timeout=5)
-                self._told = endpoints
-            return True
-        if process is not None:
-            with contextlib.suppress(OSError):
-                process.kill()
-            process.wait()
-        with self._lock:
-            self.restarts[index] += 1  # it starts again
-        return False
-
-    def start(self, registry: Registry) -> ShardProcesses:
-        """Starts every shard process and returns once each is ready (one that dies meanwhile starts again)."""
-        self.registry = registry
-        while not self._stopping.is_set():
-            down = [i for i in range(self.count) if not self._served[i]]
-            if not down:
-                break
-            threads = [threading.Thread(target=self._bring_up, args=(i, False), name="clipd-shard-start", daemon=True)
-                       for i in down]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            for index in down:  # every one is up: they serve (one that died meanwhile starts again above)
-                self._serve(index)
-        self._started = True
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def _watch(self) -> None:
-        """Restarts a shard process that exits (on a thread of its own: the others go on serving)."""
-        while not self._stopping.wait(0.2):
-            for index in range(self.count):
-                with self._lock:
-                    process = self._processes[index]
-                    dead = self._served[index] and process is not None and process.poll() is not None
-                    if dead:
-                        self._served[index] = False
-                        self.restarts[index] += 1
-                if dead and process is not None and not self._stopping.is_set():
-                    log.warning("shard process %d (pid %d) exited with %s; starting another", index, process.pid,
-                                process.returncode, extra={"event": "shard_process.restarted"})
-                    threading.Thread(target=self._bring_up, args=(index,), name="clipd-shard-start",
-                                     daemon=True).start()
-
-    def _call(self, index: int, name: str, request, timeout: float, quiet: bool = False):
-        """One of the control's calls (:data:`CALLS`) to host ``index``: its answer message; None if it failed
-        (``quiet``), else its error raised (:func:`host_error`)."""
-        try:
-            return self._transport(index, name, request, timeout)
-        except ClipdError:
-            if quiet:
-                return None
-            raise
-
-    def _transport(self, index: int, name: str, request, timeout: float):
-        try:
-            return getattr(self._hosts[index], name)(request, timeout=timeout)
-        except grpc.RpcError as e:
-            raise host_error(f"shard process {index}", e.code(), e.details()) from None
-
-    # The servicer's calls --------------------------------------------------------------------------------
-    def warm_up(self, aggregation: Aggregation) -> None:
-        """Every shard process opens the aggregation (compiles its programs); it is OPEN once they all have."""
-        if not self._started:  # recovery, before the shard processes start: they open it when first asked
-            aggregation.mark_open()
-            return
-
-        def open_everywhere():
-            for index in range(min(self.count, aggregation.shards)):
-                self._call(index, "Open", host_pb.OpenRequest(aggregation_id=aggregation.id),
-                           timeout=self.settings.warmup_timeout, quiet=True)
-            aggregation.mark_open()
-
-        threading.Thread(target=open_everywhere, name=f"clipd-open-{aggregation.id}", daemon=True).start()
-
-    def submit(self, aggregation, client: str, writer: str, batch) -> None:
-        raise Unavailable("the control process sums nothing: Submit goes to the shard processes")
-
-    def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
-        """Closes the aggregation in every shard process, fences them out and reads back every final checkpoint."""
-        deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
-        if aggregation.id not in self._fenced:  # a retry after the fence reads the checkpoints again
-            self.store.set_state(aggregation.id, CLOSING)
-            owners = sorted({owner_of(k, self.count) for k in range(aggregation.shards)})
-            with concurrent.futures.ThreadPoolExecutor(len(owners), thread_name_prefix="clipd-finish") as pool:
-                try:
-                    for finished in [pool.submit(self._finish, i, aggregation, deadline) for i in owners]:
-                        finished.result()
-                except FailedPrecondition as e:  # a shard process failed it: so does the aggregation
-                    fail(aggregation, self.store, str(e))
-                    raise
-            for k in range(aggregation.shards):  # from here on, no shard process's checkpoint can land
-                self.store.claim_shard(aggregation.id, k)
-            self._fenced.add(aggregation.id)
-        totals = [self.store.load_checkpoint(aggregation.id, shard=k, newest_only=True)
-                  for k in range(aggregation.shards)]
-        read = [t for t in totals if t is not None]
-        if len(read) < len(totals):
-            missing = totals.index(None)
-            raise FailedPrecondition(f"aggregation {aggregation.id}: the final checkpoint of shard {missing}"
-                                     " can't be read back")
-        return read
-
-    def _finish(self, index: int, aggregation: Aggregation, deadline: float) -> None:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceeded(f"aggregation {aggregation.id}: shard process {index} did not commit its"
-                                       " final checkpoints in time")
-            try:
-                self._call(index, "Finish", host_pb.FinishRequest(aggregation_id=aggregation.id, timeout_seconds=left),
-                           timeout=left + 1.0)
-                return
-            except Unavailable:
-                time.sleep(0.1)  # restarting: it opens the aggregation from the store again
-
-    def forget(self, aggregation: Aggregation) -> None:
-        for index in range(self.count):
-            self._call(index, "Forget", host_pb.ForgetRequest(aggregation_id=aggregation.id), timeout=10.0, quiet=True)
-        self._empty.pop(aggregation.id, None)
-        self._fenced.discard(aggregation.id)
-
-    def finished(self, aggregation: Aggregation) -> None:
-        """Finalized (the store says so): the shard processes drop their copies (a late Submit is refused)."""
-        threading.Thread(target=self.forget, args=(aggregation,), name="clipd-forget", daemon=True).start()
-
-    def endpoints(self) -> list[str]:
-        host = self.settings.advertise_host or self.settings.host
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return [f"{host}:{port}" for port in self.data_ports]
-
-    # Statistics: polled from the shard processes ----------------------------------------------------------
-    def _pump(self, period: float = 0.5) -> None:
-        while not self._stopping.wait(period):
-            with contextlib.suppress(Exception):
-                self.poll()
-
-    def poll(self) -> None:
-        """Reads every shard process's statistics of the open aggregations into the control's aggregations."""
-        if self.registry is None:  # not started
-            return
-        live = [a for a in self.registry.all() if a.state in (*TAKES_BATCHES, State.FINALIZING)]
-        ids = [a.id for a in live]
-        answers = {}
-        for index in range(self.count):
-            answer = self._call(index, "Stats", host_pb.StatsRequest(aggregation_ids=ids), timeout=5.0, quiet=True)
-            if answer is not None:
-                answers[index] = self._seen[index] = answer
-        for aggregation in live:
-            empty = self._empty.get(aggregation.id)
-            if empty is None:
-                empty = self._empty[aggregation.id] = PartialState.empty(aggregation.layers)
-            states, failed, clients = {}, "", 0
-            for answer in answers.values():
-                if aggregation.id in answer.aggregations:
-                    found = answer.aggregations[aggregation.id]
-                    states.update({k: stats_from_proto(empty, v) for k, v in found.shards.items()})
-                    failed = failed or found.failure_reason
-                    clients += found.clients
-            if failed and aggregation.state in TAKES_BATCHES:
-                fail(aggregation, self.store, failed)
-            elif states:
-                aggregation.observe(states, clients)
-
-    @property
-    def payload_bytes(self) -> int:
-        """Submit payload bytes the shard processes received (as of their last statistics)."""
-        return sum(a.payload_bytes for a in self._seen.values())
-
-    def loads(self) -> dict[int, host_pb.Load]:
-        """Each shard process's streams, buffers and refusals, as of its last statistics (absent until then)."""
-        return {index: answer.load for index, answer in self._seen.items()}
-
-    # The server ----------------------------------------------------------------------------------------
-    @property
-    def ready(self) -> bool:
-        with self._lock:
-            return self._started and all(self._served)
-
-    @property
-    def queued_bytes(self) -> int:
-        return sum(a.queued_bytes for a in self._seen.values())
-
-    @property
-    def queue_depth(self) -> int:
-        return sum(a.queue_depth for a in self._seen.values())
-
-    @property
-    def device_kind(self) -> str:
-        devices = self.describe()
-        return devices[0]["kind"] if devices else "shard processes"
-
-    def describe(self) -> list[dict]:
-        """Every shard process's devices (as of its last statistics), with the process's index."""
-        return [{"id": d.id, "kind": d.kind, "platform": d.platform, "steps": d.steps, "process": i}
-                for i, a in sorted(self._seen.items()) for d in a.devices]
-
-    def describe_processes(self) -> list[dict]:
-        with self._lock:
-            return [{"index": i, "pid": p.pid if p else None, "alive": bool(p and p.poll() is None),
-                     "serving": self._served[i], "restarts": self.restarts[i], "endpoint": e,
-                     "payload_bytes": self._seen[i].payload_bytes if i in self._seen else None}
-                    for i, (p, e) in enumerate(zip(self._processes, self.endpoints()))]
-
-    def stop(self, timeout: float | None = None) -> None:
-        grace = 10.0 if timeout is None else timeout
-        self._stopping.set()
-        with self._lock:
-            processes = [p for p in self._processes if p is not None]
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()  # SIGTERM: it stops its gRPC ports with ``grace``, commits, exits
-        deadline = time.monotonic() + grace + 2.0
-        for process in processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for channel in self._channels:
-            channel.close()
-        import shutil
-
-        shutil.rmtree(self.private_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from clipd.v1 import shard_host_pb2 as clipd_dot_v1_dot_shard__host__pb2
+from clipd.server.internal.v1 import shard_host_pb2 as clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2
 
 GRPC_GENERATED_VERSION = '1.67.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in clipd/v1/shard_host_pb2_grpc.py depends on'
+        + f' but the generated code in clipd/server/internal/v1/shard_host_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -35,29 +35,29 @@ class ShardHostStub(object):
             channel: A grpc.Channel.
         """
         self.Open = channel.unary_unary(
-                '/clipd.internal.v1.ShardHost/Open',
-                request_serializer=clipd_dot_v1_dot_shard__host__pb2.OpenRequest.SerializeToString,
-                response_deserializer=clipd_dot_v1_dot_shard__host__pb2.OpenResponse.FromString,
+                '/clipd.server.internal.v1.ShardHost/Open',
+                request_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.OpenRequest.SerializeToString,
+                response_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.OpenResponse.FromString,
                 _registered_method=True)
         self.Finish = channel.unary_unary(
-                '/clipd.internal.v1.ShardHost/Finish',
-                request_serializer=clipd_dot_v1_dot_shard__host__pb2.FinishRequest.SerializeToString,
-                response_deserializer=clipd_dot_v1_dot_shard__host__pb2.FinishResponse.FromString,
+                '/clipd.server.internal.v1.ShardHost/Finish',
+                request_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.FinishRequest.SerializeToString,
+                response_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.FinishResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
-                '/clipd.internal.v1.ShardHost/Stats',
-                request_serializer=clipd_dot_v1_dot_shard__host__pb2.StatsRequest.SerializeToString,
-                response_deserializer=clipd_dot_v1_dot_shard__host__pb2.StatsResponse.FromString,
+                '/clipd.server.internal.v1.ShardHost/Stats',
+                request_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.StatsRequest.SerializeToString,
+                response_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.Forget = channel.unary_unary(
-                '/clipd.internal.v1.ShardHost/Forget',
-                request_serializer=clipd_dot_v1_dot_shard__host__pb2.ForgetRequest.SerializeToString,
-                response_deserializer=clipd_dot_v1_dot_shard__host__pb2.ForgetResponse.FromString,
+                '/clipd.server.internal.v1.ShardHost/Forget',
+                request_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ForgetRequest.SerializeToString,
+                response_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ForgetResponse.FromString,
                 _registered_method=True)
         self.Serve = channel.unary_unary(
-                '/clipd.internal.v1.ShardHost/Serve',
-                request_serializer=clipd_dot_v1_dot_shard__host__pb2.ServeRequest.SerializeToString,
-                response_deserializer=clipd_dot_v1_dot_shard__host__pb2.ServeResponse.FromString,
+                '/clipd.server.internal.v1.ShardHost/Serve',
+                request_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ServeRequest.SerializeToString,
+                response_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ServeResponse.FromString,
                 _registered_method=True)
 
 
@@ -104,34 +104,34 @@ def add_ShardHostServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Open': grpc.unary_unary_rpc_method_handler(
                     servicer.Open,
-                    request_deserializer=clipd_dot_v1_dot_shard__host__pb2.OpenRequest.FromString,
-                    response_serializer=clipd_dot_v1_dot_shard__host__pb2.OpenResponse.SerializeToString,
+                    request_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.OpenRequest.FromString,
+                    response_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.OpenResponse.SerializeToString,
             ),
             'Finish': grpc.unary_unary_rpc_method_handler(
                     servicer.Finish,
-                    request_deserializer=clipd_dot_v1_dot_shard__host__pb2.FinishRequest.FromString,
-                    response_serializer=clipd_dot_v1_dot_shard__host__pb2.FinishResponse.SerializeToString,
+                    request_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.FinishRequest.FromString,
+                    response_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.FinishResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=clipd_dot_v1_dot_shard__host__pb2.StatsRequest.FromString,
-                    response_serializer=clipd_dot_v1_dot_shard__host__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.StatsRequest.FromString,
+                    response_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.StatsResponse.SerializeToString,
             ),
             'Forget': grpc.unary_unary_rpc_method_handler(
                     servicer.Forget,
-                    request_deserializer=clipd_dot_v1_dot_shard__host__pb2.ForgetRequest.FromString,
-                    response_serializer=clipd_dot_v1_dot_shard__host__pb2.ForgetResponse.SerializeToString,
+                    request_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ForgetRequest.FromString,
+                    response_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ForgetResponse.SerializeToString,
             ),
             'Serve': grpc.unary_unary_rpc_method_handler(
                     servicer.Serve,
-                    request_deserializer=clipd_dot_v1_dot_shard__host__pb2.ServeRequest.FromString,
-                    response_serializer=clipd_dot_v1_dot_shard__host__pb2.ServeResponse.SerializeToString,
+                    request_deserializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ServeRequest.FromString,
+                    response_serializer=clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ServeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'clipd.internal.v1.ShardHost', rpc_method_handlers)
+            'clipd.server.internal.v1.ShardHost', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('clipd.internal.v1.ShardHost', rpc_method_handlers)
+    server.add_registered_method_handlers('clipd.server.internal.v1.ShardHost', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -152,9 +152,9 @@ class ShardHost(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/clipd.internal.v1.ShardHost/Open',
-            clipd_dot_v1_dot_shard__host__pb2.OpenRequest.SerializeToString,
-            clipd_dot_v1_dot_shard__host__pb2.OpenResponse.FromString,
+            '/clipd.server.internal.v1.ShardHost/Open',
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.OpenRequest.SerializeToString,
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.OpenResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -179,9 +179,9 @@ class ShardHost(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/clipd.internal.v1.ShardHost/Finish',
-            clipd_dot_v1_dot_shard__host__pb2.FinishRequest.SerializeToString,
-            clipd_dot_v1_dot_shard__host__pb2.FinishResponse.FromString,
+            '/clipd.server.internal.v1.ShardHost/Finish',
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.FinishRequest.SerializeToString,
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.FinishResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -206,9 +206,9 @@ class ShardHost(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/clipd.internal.v1.ShardHost/Stats',
-            clipd_dot_v1_dot_shard__host__pb2.StatsRequest.SerializeToString,
-            clipd_dot_v1_dot_shard__host__pb2.StatsResponse.FromString,
+            '/clipd.server.internal.v1.ShardHost/Stats',
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.StatsRequest.SerializeToString,
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -233,9 +233,9 @@ class ShardHost(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/clipd.internal.v1.ShardHost/Forget',
-            clipd_dot_v1_dot_shard__host__pb2.ForgetRequest.SerializeToString,
-            clipd_dot_v1_dot_shard__host__pb2.ForgetResponse.FromString,
+            '/clipd.server.internal.v1.ShardHost/Forget',
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ForgetRequest.SerializeToString,
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ForgetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -260,9 +260,9 @@ class ShardHost(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/clipd.internal.v1.ShardHost/Serve',
-            clipd_dot_v1_dot_shard__host__pb2.ServeRequest.SerializeToString,
-            clipd_dot_v1_dot_shard__host__pb2.ServeResponse.FromString,
+            '/clipd.server.internal.v1.ShardHost/Serve',
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ServeRequest.SerializeToString,
+            clipd_dot_server_dot_internal_dot_v1_dot_shard__host__pb2.ServeResponse.FromString,
             options,
             channel_credentials,
             insecure,

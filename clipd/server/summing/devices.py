@@ -28,9 +28,9 @@ import jax
 from clipd.engine import PartialState
 from clipd.server.aggregations import Aggregation
 from clipd.server.errors import DeadlineExceeded, Unavailable
-from clipd.server.rpc.batches import Batch
-from clipd.server.shards.worker import DeviceWorker
 from clipd.server.stores.base import Store
+from clipd.server.summing.batch import Batch
+from clipd.server.summing.worker import DeviceWorker
 
 
 def owner_of(shard: int, processes: int) -> int:
