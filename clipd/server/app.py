@@ -10,27 +10,17 @@ import signal
 import sys
 import threading
 import time
-from concurrent import futures
 from typing import TYPE_CHECKING
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from clipd.server.aggregations import Aggregation, AggregationSpec, Registry
-from clipd.server.credentials import SubmitTokens
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
-from clipd.server.lifecycle import Lifecycle, Shards, claims_shards, fail
+from clipd.server.lifecycle import Shards, claims_shards, fail
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers, Release
-from clipd.server.rpc.reflection import enable_reflection
 from clipd.server.rpc.server import (
-    OTHER_STREAMS,
-    SERVICE_NAME,
-    Guard,
     clipd_handlers,
-    server_options,
 )
-from clipd.server.rpc.service import ClipdServicer
+from clipd.server.rpc.serving import listen, serving_process
 from clipd.server.settings import Settings
 from clipd.server.shards.forward import reserve_port
 from clipd.server.shards.protocol import describe_load, sum_loads
@@ -41,7 +31,7 @@ from clipd.server.summing.memory import trim_heap
 
 if TYPE_CHECKING:  # imported where they are used: FastAPI, the shard processes (and Ray) load only when asked for
     from clipd.server.admin.app import AdminServer
-    from clipd.server.shards.hosts import ShardHosts
+    from clipd.server.shards.hosts import HostLauncher, ShardHosts
 
 log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
@@ -95,59 +85,38 @@ class ClipdServer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.started = time.time()
-        if settings.compilation_cache_dir:
-            import jax
-
-            jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.store = open_store(settings.data_dir)
         self.registry = Registry(settings.max_aggregations, settings.max_total_parameters or None, settings.memory)
         # The topology, read here once: this process's own devices sum, or shard hosts that a launcher starts
         # (local subprocesses, Ray actors) do, under one supervisor (ShardHosts); self.hosts is None without them.
         self.hosts: ShardHosts | None = None
-        self.devices: Devices | ShardHosts
-        if settings.processes or settings.ray_address:
+        self.launcher = self._launcher(settings) if settings.processes or settings.ray_address else None
+
+        def make_shards() -> Devices | ShardHosts:
+            if self.launcher is None:  # every shard on a local device
+                return Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
+                               settings.warmup_timeout)
             from clipd.server.shards.hosts import ShardHosts
 
-            self.launcher = self._launcher(settings)
-            self.devices = self.hosts = ShardHosts(settings, self.store, self.launcher)
-        else:  # every shard on a local device
-            self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
-                                   settings.warmup_timeout)
-        self.ledgers = Ledgers(self.store)
-        recover(self.store, self.registry, self.devices, settings, self.ledgers)
-        tokens = SubmitTokens(self.store.submit_token_key())
-        self.lifecycle = Lifecycle(settings, self.registry, self.devices, self.store, self.ledgers)
-        self.servicer = ClipdServicer(settings, self.lifecycle, tokens)
-        if not self.data_plane_elsewhere:  # this process receives the updates its devices sum
-            self.servicer.prepare_receive_buffers(self.devices)
-        self.health = health.HealthServicer()
-        self.guard = Guard(settings.admin_token, self.servicer)
-        # Threads: one per Submit stream (max_streams), one per other stream, and unary_workers more
-        # that only unary RPCs and health checks can use, whatever the streams do. No global RPC cap
-        # (gRPC's refuses health checks too): Submit streams beyond max_streams are refused, others wait.
-        self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=settings.max_streams + OTHER_STREAMS + settings.unary_workers,
-                                       thread_name_prefix="clipd-grpc"),
-            options=server_options(settings),
-            interceptors=[self.guard],
-        )
-        self.grpc.add_generic_rpc_handlers(clipd_handlers(self.servicer))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
-        from clipd.server.tls import grpc_server_credentials
+            self.hosts = ShardHosts(settings, self.store, self.launcher)
+            return self.hosts
 
-        listen = self.launcher.control_address if self.hosts is not None else None
-        if listen is not None:  # the shard processes listen on the public port (and terminate TLS)
-            self.grpc.add_insecure_port(listen)
-            self.port = self.launcher.port
+        serving = serving_process(settings, self.store, self.registry, make_shards,
+                                  admin_token=settings.admin_token, handlers=clipd_handlers, role="control")
+        self.devices: Devices | ShardHosts = serving.shards  # type: ignore[assignment]  # (what make_shards made)
+        self.ledgers, self.lifecycle = serving.ledgers, serving.lifecycle
+        self.serving_process = serving
+        self.servicer, self.guard, self.grpc = serving.servicer, serving.guard, serving.grpc
+        self.health = serving.health
+        recover(self.store, self.registry, self.devices, settings, self.ledgers)
+        if self.hosts is None:  # this process receives the updates its devices sum
+            self.servicer.prepare_receive_buffers(self.devices)
+        launcher = self.launcher
+        if launcher is not None and launcher.control_address is not None:  # the hosts take the public port (and
+            self.grpc.add_insecure_port(launcher.control_address)  # terminate TLS): the control listens for them
+            self.port = launcher.port
         else:
-            address = f"{settings.host}:{settings.grpc_port}"
-            credentials = grpc_server_credentials(settings)  # TLS, or mutual TLS with tls_client_ca_file
-            if credentials is not None:
-                self.port = self.grpc.add_secure_port(address, credentials)
-            else:
-                self.port = self.grpc.add_insecure_port(address)
+            self.port = listen(self.grpc, settings, settings.grpc_port)  # TLS, or mutual TLS with a client CA
         self.admin: AdminServer | None = None
         self.stopped = threading.Event()
         self._janitor = threading.Thread(target=self._expire_results, name="clipd-janitor", daemon=True)
@@ -178,18 +147,14 @@ class ClipdServer:
 
     def start(self) -> ClipdServer:
         self.grpc.start()
-        if self.hosts is not None:
-            if self.settings.ray_address:  # the hosts reach this server's port for everything but Submit
-                from clipd.server.shards.ray_hosts import cluster_address
-
-                self.launcher.control = f"{cluster_address(self.settings.host)}:{self.port}"
+        if self.hosts is not None and self.launcher is not None:
+            self.launcher.reach_control_at(self.settings.host, self.port)  # (hosts that dial it: for all but Submit)
             # The processes that forward calls here (the only ones counted so); returns once each is ready.
             self.guard.ingest_indexes = frozenset(str(i) for i in range(self.hosts.count))
             self.hosts.start(self.registry)
         self._janitor.start()
         self._trimmer.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.serving_process.set_serving(True)
         log.info("clipd gRPC on %s:%d (%d x %s)", self.settings.host, self.port, len(self.devices),
                  self.devices.device_kind)
         if self.settings.admin_port >= 0:
@@ -230,7 +195,7 @@ class ClipdServer:
             shard_payload_bytes=self.hosts.payload_bytes if self.hosts is not None else None)
 
     @staticmethod
-    def _launcher(settings: Settings):
+    def _launcher(settings: Settings) -> HostLauncher:
         """What starts the shard hosts: local subprocesses (``--processes``; the public port is held here, bound
         and not listening, until they take it) or Ray actors (``--ray``)."""
         if settings.processes:

@@ -59,8 +59,6 @@ from clipd.server.credentials import bearer_token
 from clipd.server.errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.internal.v1 import shard_host_pb2_grpc as host_grpc
-from clipd.server.lifecycle import Lifecycle
-from clipd.server.privacy import Ledgers
 from clipd.server.rpc.submit import stream_owner
 from clipd.server.settings import Settings
 from clipd.server.shards.forward import _pass, _pass_unary, passing_through
@@ -185,34 +183,15 @@ class ShardHost:
         (:class:`clipd.server.shards.ray_hosts.ShardHost`):
         ``control`` is then the server's address, the siblings' are set by :meth:`set_siblings` and the
         control's calls are the actor's methods."""
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-        from clipd.server.credentials import SubmitTokens
         from clipd.server.rpc.codec import Malformed, lenient
-        from clipd.server.rpc.reflection import enable_reflection
-        from clipd.server.rpc.server import OTHER_STREAMS, Guard, server_options
-        from clipd.server.rpc.service import ClipdServicer
+        from clipd.server.rpc.server import OTHER_STREAMS, server_options
+        from clipd.server.rpc.serving import listen, serving_process
         from clipd.server.stores import open_store
         from clipd.server.summing.devices import Devices
-        from clipd.server.tls import grpc_server_credentials
 
         self.settings, self.index, self.count = settings, index, settings.processes
         self.private_dir = private_dir
         self._malformed, self._parse = Malformed, lenient(wire.parse_submit_request)
-        if settings.compilation_cache_dir:
-            import jax
-
-            jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        self.store = open_store(settings.data_dir, sibling=True)
-        self.devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
-                               settings.warmup_timeout, process=(index, self.count))
-        self.registry = _ShardRegistry(self.store, self._open_from_store)
-        self.ledgers = Ledgers(self.store)
-        self.servicer = ClipdServicer(settings, Lifecycle(settings, self.registry, self.devices, self.store,
-                                                          self.ledgers),
-                                      SubmitTokens(self.store.submit_token_key()))
-        self.servicer.prepare_receive_buffers(self.devices)
         limit = settings.max_message_bytes + (1 << 16)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         self._options = options
@@ -220,33 +199,28 @@ class ShardHost:
             assert private_dir is not None  # (a shard process of --processes: the control's unix socket)
             control = f"unix:{os.path.join(private_dir, 'control.sock')}"
         self.control = peer_channel(settings, control, options)
+        self._placement: list[str] = []  # every shard process's endpoint, from the control (Serve)
+        self._pass_placement = _pass_unary(self.control.unary_unary(f"/{SERVICE.full_name}/GetPlacement"), index)
+        store = open_store(settings.data_dir, sibling=True)
+        # The public port and this process's own port: TLS and limits as one process has them. Roles are
+        # checked where each call is handled: Submit here, everything else by the control process.
+        self.serving = serving_process(
+            settings, store, _ShardRegistry(store, self._open_from_store),
+            lambda: Devices(store, settings.checkpoint_interval, settings.checkpoint_max_duty, settings.warmup_timeout,
+                            process=(index, self.count)), admin_token="",
+            handlers=lambda servicer: [passing_through(self.control, index, submit=self._submit,
+                                                       placement=self._get_placement)],
+            role="shard", options=[*[(k, v) for k, v in server_options(settings)
+                                                if k != "grpc.so_reuseport"], ("grpc.so_reuseport", 1)])
+        self.serving.set_serving(False)  # until the control process says every shard process is up
+        self.store, self.registry, self.ledgers = store, self.serving.registry, self.serving.ledgers
+        self.devices: Devices = self.serving.shards  # type: ignore[assignment]  # (the Devices made above)
+        self.servicer, self.public = self.serving.servicer, self.serving.grpc
+        self.servicer.prepare_receive_buffers(self.devices)
         self._to_sibling: dict = {}
         if private_dir is not None:
             self.set_siblings({i: f"unix:{socket_path(private_dir, i)}" for i in range(self.count) if i != index})
-        workers = settings.max_streams + OTHER_STREAMS + settings.unary_workers
-        # The public port and this process's own port: TLS and limits as one process has them. Roles are
-        # checked where each call is handled: Submit here, everything else by the control process.
-        self.public = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="clipd-shard"),
-                                  options=[*[(k, v) for k, v in server_options(settings) if k != "grpc.so_reuseport"],
-                                           ("grpc.so_reuseport", 1)],
-                                  interceptors=[Guard("", self.servicer)])
-        self._placement: list[str] = []  # every shard process's endpoint, from the control (Serve)
-        self._pass_placement = _pass_unary(self.control.unary_unary(f"/{SERVICE.full_name}/GetPlacement"), index)
-        self.public.add_generic_rpc_handlers((passing_through(self.control, index, submit=self._submit,
-                                                              placement=self._get_placement),))
-        self.health = health.HealthServicer()
-        self._serving = health_pb2.HealthCheckResponse.SERVING
-        for name in ("", SERVICE.full_name):  # until the control process says every shard process is up
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.public)
-        enable_reflection((SERVICE.full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
-                          self.public)
-        credentials = grpc_server_credentials(settings)
-        ports = []
-        for port in (public_port, data_port):
-            address = f"{settings.host}:{port}"
-            ports.append(self.public.add_secure_port(address, credentials) if credentials is not None
-                         else self.public.add_insecure_port(address))
+        ports = [listen(self.public, settings, port) for port in (public_port, data_port)]
         if public_port and ports[0] != public_port:
             raise RuntimeError(f"shard process {index}: bound port {ports[0]}, not {public_port}")
         self.data_port = ports[1]
@@ -254,6 +228,7 @@ class ShardHost:
         if private_dir is None:
             return
         # The private socket: Submit forwarded by the other shard processes, and the control's calls.
+        workers = settings.max_streams + OTHER_STREAMS + settings.unary_workers
         self.private = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="clipd-shard-in"),
                                    options=server_options(settings))
         self.private.add_generic_rpc_handlers((
@@ -410,8 +385,7 @@ class ShardHost:
     def _serve(self, request: host_pb.ServeRequest) -> host_pb.ServeResponse:
         """Says SERVING; ``endpoints``: every shard process's, for GetPlacement (sent again when one moved)."""
         self.set_placement(list(request.endpoints))
-        for name in ("", SERVICE.full_name):
-            self.health.set(name, self._serving)
+        self.serving.set_serving(True)
         return host_pb.ServeResponse()
 
     def set_placement(self, endpoints: list[str]) -> None:
@@ -454,7 +428,7 @@ class ShardHost:
         return self
 
     def stop(self, grace: float) -> None:
-        self.health.enter_graceful_shutdown()
+        self.serving.health.enter_graceful_shutdown()
         self.public.stop(grace).wait(grace + 1.0)
         if self.private is not None:
             self.private.stop(0)

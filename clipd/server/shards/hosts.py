@@ -31,7 +31,11 @@ class HostLauncher(Protocol):
     """How a server's shard hosts are started, reached, watched and stopped."""
 
     count: int  # how many hosts
+    port: int  # the public port: the local processes' (held by the control until they take it), else the control's
     control_address: str | None  # where the control listens for the hosts' calls; None: its public port
+
+    def reach_control_at(self, host: str, port: int) -> None:
+        """The control's public address, once bound, for hosts that dial it (Ray's, on other nodes)."""
 
     def start(self) -> None:
         """Starts every host and returns once each is serving; from then on restarts one that dies."""

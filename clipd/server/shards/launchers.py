@@ -74,7 +74,7 @@ class LocalProcesses:
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="clipd-shards-watch", daemon=True)
         # Where the control process listens for the processes' calls (they take the public port).
-        self.control_address = f"unix:{os.path.join(self.private_dir, 'control.sock')}"
+        self.control_address: str | None = f"unix:{os.path.join(self.private_dir, 'control.sock')}"
         self.port_holder: socket.socket | None = None  # holds the public port until the processes listen on it
 
     # Starting and watching -----------------------------------------------------------------------------
@@ -192,6 +192,9 @@ class LocalProcesses:
             return getattr(self._hosts[index], name)(request, timeout=timeout)
         except grpc.RpcError as e:
             raise host_error(f"shard process {index}", e.code(), e.details()) from None
+
+    def reach_control_at(self, host: str, port: int) -> None:
+        """(They reach the control on its unix socket, ``control_address``.)"""
 
     def endpoints(self) -> list[str]:
         host = self.settings.advertise_host or self.settings.host

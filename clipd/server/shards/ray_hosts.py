@@ -103,7 +103,7 @@ class RayActors:
         # As many as asked for, or one on each node of the cluster.
         self.count = settings.ray_shard_hosts or sum(1 for node in ray.nodes() if node.get("Alive"))
         self.control = ""  # the server's address as the nodes reach it (set once its port is bound)
-        self.control_address = None  # the server listens on its public port (the hosts reach it there)
+        self.control_address: str | None = None  # the server listens on its public port (the hosts reach it there)
         self.actors: list = []
         self._endpoints = [""] * self.count
         self._pids: list = [None] * self.count
@@ -115,6 +115,10 @@ class RayActors:
         # What a host needs: the store, limits, the admin token (Submit's check), its count and port.
         self._fields = dataclasses.asdict(dataclasses.replace(
             settings, ray_address="", ray_shard_hosts=0, processes=self.count))
+
+    def reach_control_at(self, host: str, port: int) -> None:
+        """The server's address as the cluster's nodes reach it (this node's address for a wildcard host)."""
+        self.control = f"{cluster_address(host)}:{port}"
 
     def start(self) -> None:
         """Creates the actors and returns once each answers (its endpoint and pid); then watches them."""
