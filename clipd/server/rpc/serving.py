@@ -72,8 +72,9 @@ def serving_process(settings: Settings, store: Store, registry, make_shards: Cal
     ``admin_token``: the credential the guard takes as the admin's ("": the guard lets every call through to the
     handlers, which check Submit's roles themselves). ``handlers(servicer)``: the gRPC handlers to serve. The pool
     has a thread for each Submit stream (``max_streams``), each other stream, and ``unary_workers`` more that only
-    unary RPCs and health checks can use, whatever the streams do; its threads are named ``clipd-grpc-<role>``. No global
-    RPC cap (gRPC's refuses health checks too): Submit streams beyond ``max_streams`` are refused, others wait.
+    unary RPCs and health checks can use, whatever the streams do; its threads are named ``clipd-grpc-<role>``.
+    No global RPC cap (gRPC's refuses health checks too): Submit streams beyond ``max_streams`` are refused, others
+    wait.
     """
     use_compilation_cache(settings)  # before anything compiles (devices run a first program as they start)
     shards = make_shards()
