@@ -15,7 +15,7 @@ from conftest import ADMIN_TOKEN, TEST_SETTINGS
 from service_helpers import LAYERS, make_updates, reference
 
 from clipd.client import Client, NotFoundError
-from clipd.server.admin.app import quantile_from_histogram
+from clipd.server.admin.views import quantile_from_histogram
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 

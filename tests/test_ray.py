@@ -165,7 +165,7 @@ def test_shard_hosts_on_ray_under_mutual_tls_sum_with_no_byte_through_the_server
         wait_until(lambda: server.devices.describe_processes()[0]["restarts"] >= 1, 30, "the killed host restarted",
                    step=0.2)
         # The server counts its hosts' slots and what they received (their loads come with their statistics).
-        wait_until(lambda: server.snapshot().stream_limit == 2 * settings.max_streams, 15,
+        wait_until(lambda: server.snapshot().load.stream_limit == 2 * settings.max_streams, 15,
                    lambda: f"both hosts' slots counted: {server.snapshot()}", step=0.1)
         assert server.snapshot().shard_payload_bytes == sum(p["payload_bytes"] for p in server.snapshot().shard_processes) > 0
     finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -12,6 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from clipd.server.admin.facade import ServerSnapshot
 from clipd.server.aggregations import Aggregation, AggregationSpec, Registry
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import Shards, claims_shards, fail
@@ -34,46 +34,6 @@ if TYPE_CHECKING:  # imported where they are used: FastAPI, the shard processes 
     from clipd.server.shards.hosts import HostLauncher, ShardHosts
 
 log = logging.getLogger(__name__)
-@dataclasses.dataclass(frozen=True)
-class ServerSnapshot:
-    """The server's own state as the admin API shows it, read at one moment (:meth:`ClipdServer.snapshot`):
-    the admin app reads this, its aggregations (``registry``), ledgers and lifecycle, nothing else of it."""
-
-    serving: bool
-    started_unix_seconds: float  # when this server started
-    # Summed over every process that receives: this one, or its shard processes (or Ray shard hosts).
-    active_streams: int
-    stream_limit: int
-    refused_streams: int
-    buffered_bytes: int
-    buffer_limit: int
-    refused_batches: int
-    rejections: dict[str, int]  # gRPC status name -> requests refused with it
-    participation_refusals: dict[str, int]  # ledger id -> clients refused by its stream's participation
-    queue_depth: int
-    queued_bytes: int
-    device_kind: str  # what the devices are ("cpu", a GPU's name)
-    devices: list[dict]  # each device at work: id, kind, platform, steps, ...
-    # Shard processes or Ray shard hosts, each with the calls it forwarded here and its own load (streams, buffers,
-    # refusals: None until its first statistics) and restarts (start-up retries included).
-    shard_processes: list[dict]
-    payload_bytes_received: int  # Submit payload this process received itself
-    shard_payload_bytes: int | None  # ... and, with shard processes or hosts, what they received
-
-    @property
-    def streams_saturated(self) -> bool:
-        return self.active_streams >= self.stream_limit
-
-    @property
-    def restarts(self) -> int:
-        """Restarts of every shard process or host (0 without them)."""
-        return sum(p["restarts"] for p in self.shard_processes)
-
-
-
-
-
-
 class ClipdServer:
     """The running service: gRPC server, device workers, registry, and (optionally) the admin API.
 
@@ -182,17 +142,28 @@ class ClipdServer:
                 process["calls"] = self.guard.forwarded.get(str(process["index"]), 0)
                 process.update(describe_load(load))
                 loads.append(load or host_pb.Load())
-        total = sum_loads(loads)
         return ServerSnapshot(
-            serving=self.serving, started_unix_seconds=self.started, active_streams=total.active_streams,
-            stream_limit=total.stream_limit, refused_streams=total.refused_streams,
-            buffered_bytes=total.buffered_bytes, buffer_limit=total.buffer_limit,
-            refused_batches=total.refused_batches, rejections=dict(total.rejections),
-            participation_refusals=dict(total.participation_refusals),
+            serving=self.serving, started_unix_seconds=self.started, load=sum_loads(loads),
             queue_depth=self.devices.queue_depth, queued_bytes=self.devices.queued_bytes,
             device_kind=self.devices.device_kind, devices=self.devices.describe(), shard_processes=processes,
             payload_bytes_received=servicer.payload_bytes,
             shard_payload_bytes=self.hosts.payload_bytes if self.hosts is not None else None)
+
+    # What the admin API reads and does (admin.facade.ServerFacade) ----------------------------------------------
+    def aggregations(self) -> list[Aggregation]:
+        return self.registry.all()
+
+    def aggregation(self, aggregation_id: str) -> Aggregation:
+        return self.registry.get(aggregation_id)
+
+    def cancel(self, aggregation_id: str) -> Aggregation:
+        return self.lifecycle.cancel(aggregation_id)
+
+    def ledger_ids(self) -> list[str]:
+        return self.ledgers.ledger_ids()
+
+    def ledger(self, ledger_id: str) -> dict | None:
+        return self.ledgers.describe(ledger_id)
 
     @staticmethod
     def _launcher(settings: Settings) -> HostLauncher:
