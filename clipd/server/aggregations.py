@@ -27,7 +27,7 @@ import numpy as np
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState, Unit, add_example
 from clipd.engine import _privacy as dp
 from clipd.engine._correlated import CorrelatedNoise
-from clipd.server.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
+from clipd.server.errors import FailedPrecondition, NotFound, ResourceExhausted
 from clipd.server.sequences import ClientSequences
 from clipd.server.settings import DELTA_BYTES_PER_PARAMETER, TOTALS_BYTES_PER_PARAMETER
 from clipd.wire import shard_of
@@ -573,49 +573,35 @@ class Aggregation:
             return self.cond.wait_for(
                 lambda: self._pending == 0 or self._state in (State.CANCELLED, State.FAILED), timeout)
 
-    def finalize(self, commit_final, timeout: float, release=None) -> Result:
-        """Closes, waits for every accepted batch, commits the final state, keeps ``Result``.
+    @property
+    def finalize_lock(self) -> threading.Lock:
+        """Held by whoever finalizes it (``Lifecycle.finalize``): one finalize at a time, a second waits for the
+        first and returns its result."""
+        return self._finalize_lock
 
-        ``commit_final()`` flushes every shard's device delta, commits each
-        shard's totals as its final checkpoint and returns them, one per shard
-        (merged here: a client in two shards is refused, ``OverlapError``). A second call returns the same result.
-        ``DeadlineExceeded`` if the accepted batches are not summed within ``timeout``.
-        Under a privacy policy, ``commit_final`` commits the raw totals without
-        finishing and ``release(totals)`` commits the private release (and the
-        FINALIZED state); the result is that release. If it refuses (the budget),
-        the aggregation FAILS with its reason.
-        """
-        with self._finalize_lock:
-            if self.result is not None:
-                return self.result
-            self.close()
-            if not self.wait_drained(timeout):
-                raise DeadlineExceeded(
-                    f"aggregation {self.id}: {self.pending} accepted batches not summed after {timeout:g} s")
-            with self.cond:
-                self._check_not_ended()
-            shard_totals = commit_final()
-            totals = PartialState.merge_all(shard_totals)
-            released = None
-            if release is not None:
-                try:
-                    released = release(totals)
-                except FailedPrecondition as e:
-                    self.fail(str(e))
-                    raise
-            with self.cond:
-                self._check_not_ended()
-                if released is not None:
-                    self.release, self.released_sums = released.fields, released.sums
-                self._shard_totals = list(shard_totals)
-                self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
-                self._sample_locked(time.time())
-                self._device_stats = [None] * self.shards
-                self.mark_durable(totals.clients)
-                self._move_locked(State.FINALIZED)
-                self.result = self._result_locked()
-                self._keep_result_only_locked()
-                return self.result
+    def check_not_ended(self) -> None:
+        """FAILED_PRECONDITION if it failed or was cancelled (with the reason)."""
+        with self.cond:
+            self._check_not_ended()
+
+    def finish(self, shard_totals: list[PartialState], released=None) -> Result:
+        """The last step of a finalize: every shard's final totals committed (``shard_totals``, merged here: a
+        client in two shards is refused, ``OverlapError``), and under a privacy policy the committed release
+        (``released``: its ``fields`` and noised ``sums``); FINALIZED, its result kept (its float64 sums dropped)."""
+        totals = PartialState.merge_all(shard_totals)
+        with self.cond:
+            self._check_not_ended()
+            if released is not None:
+                self.release, self.released_sums = released.fields, released.sums
+            self._shard_totals = list(shard_totals)
+            self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
+            self._sample_locked(time.time())
+            self._device_stats = [None] * self.shards
+            self.mark_durable(totals.clients)
+            self._move_locked(State.FINALIZED)
+            self.result = self._result_locked()
+            self._keep_result_only_locked()
+            return self.result
 
     def restore_result(self, finished: float | None, release=None) -> None:
         """Marks a recovered aggregation FINALIZED with its recovered totals (or its release) as the result."""

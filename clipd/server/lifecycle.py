@@ -13,8 +13,8 @@ itself, in the same store transaction as the ledger's entry.
     create   spec checked -> (privacy: ledger admits the release) -> store record -> shards warm up
     submit   finite? (policy REJECT) -> Aggregation.accept (sequence numbers; unit client: one batch)
              -> (unit client: the batch's rows summed) -> Shards.submit
-    finalize close -> Shards.commit_final (every shard's last checkpoint) -> merge
-             -> FINALIZED in the store, or the private release (noise, ledger) does that itself
+    finalize close -> drain -> Shards.commit_final (every shard's last checkpoint) -> FINALIZED in the store,
+             or the private release (noise, ledger and FINALIZED in one commit) -> Aggregation.finish
     cancel   registry, ledger reservation, store record, shards' state: gone
     fail     FAILED in memory and in the store; streams and Finalize answer with the reason
 """
@@ -32,7 +32,7 @@ import numpy as np
 from clipd.engine import BoundKind, NonFinite, PartialState, Unit, client_contribution
 from clipd.engine import _privacy as dp
 from clipd.server.aggregations import CREDENTIAL, SELF_ASSERTED, Aggregation, AggregationSpec, Registry, Result
-from clipd.server.errors import AlreadyExists, ClipdError, InvalidArgument
+from clipd.server.errors import AlreadyExists, ClipdError, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers
 from clipd.server.settings import Settings
@@ -235,26 +235,33 @@ class Lifecycle:
 
     # finalize and release --------------------------------------------------------------------------
     def finalize(self, aggregation_id: str) -> Result:
-        """Closes the aggregation, waits for its last batch, commits and keeps the result (idempotent)."""
+        """Closes the aggregation, waits for its last batch, commits and keeps the result (idempotent): close,
+        drain, commit every shard's final checkpoint, release (under a privacy policy: noise, ledger and FINALIZED
+        in one commit; a release the ledger refuses fails the aggregation), finish (FINALIZED, the result kept)."""
         aggregation = self.registry.get(aggregation_id)
         timeout = self.settings.finalize_timeout
-        first = aggregation.result is None
-        private = aggregation.privacy is not None
-
-        def commit_final() -> list:
-            """Every shard's final checkpoint; without privacy, then FINALIZED (a release does that itself)."""
+        with aggregation.finalize_lock:
+            if aggregation.result is not None:  # finalized already (a retry, or a second caller that waited)
+                return aggregation.result
+            aggregation.close()
+            if not aggregation.wait_drained(timeout):
+                raise DeadlineExceeded(f"aggregation {aggregation.id}: {aggregation.pending} accepted batches not"
+                                       f" summed after {timeout:g} s")
+            aggregation.check_not_ended()
             shard_totals = self.shards.commit_final(aggregation, timeout)
-            if not private:
+            released = None
+            if aggregation.privacy is None:
                 self.store.set_state(aggregation.id, FINALIZED, finished=time.time())
-            return shard_totals
-
-        def release(totals):
-            return self.ledgers.release(aggregation, totals, aggregation.accumulator.sum_dtypes)
-
-        result = aggregation.finalize(commit_final, timeout, release=release if private else None)
-        if first:
-            event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
-            self.shards.finished(aggregation)
+            else:
+                try:
+                    released = self.ledgers.release(aggregation, PartialState.merge_all(shard_totals),
+                                                    aggregation.accumulator.sum_dtypes)
+                except FailedPrecondition as e:
+                    aggregation.fail(str(e))
+                    raise
+            result = aggregation.finish(shard_totals, released)
+        event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
+        self.shards.finished(aggregation)
         return result
 
     # cancel -------------------------------------------------------------------------------------
