@@ -281,7 +281,7 @@ def test_max_clients_counts_a_spread_submission_once_and_frees_a_client_that_lef
 
 
 def test_a_warm_up_that_takes_too_long_fails_its_aggregation_with_the_reason(monkeypatch):
-    monkeypatch.setattr("clipd.server.summing.worker._warm_programs", set())  # compiled by another test: not here
+    monkeypatch.setattr("clipd.server.summing.programs._warm_programs", set())  # compiled by another test: not here
     server, port = create_server(Settings(**{**TEST_SETTINGS, "warmup_timeout": 0.001}))
     try:
         with Client(f"127.0.0.1:{port}", retry_timeout=1) as client:

@@ -56,7 +56,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -71,54 +70,21 @@ from clipd.server.errors import Unavailable
 from clipd.server.lifecycle import fail
 from clipd.server.stores.base import Store
 from clipd.server.summing.batch import Batch
+from clipd.server.summing.checkpoints import CHECKPOINT_FAILED, Committer, checkpoint_due_at
 from clipd.server.summing.memory import ALIGNMENT, aligned_empty
+from clipd.server.summing.programs import (
+    already_compiled,
+    bucket_for,
+    bucket_sizes,
+    compile_programs,
+    sums_on_host,
+)
 
 log = logging.getLogger(__name__)
 STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming
 FILL_WAIT = 0.002  # how long a step less than half full waits for more batches (seconds)
 FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
 LARGE_PARAMETERS = 1 << 22  # an aggregation this large warms up on a thread even when compiled (its totals)
-CHECKPOINT_FAILED = object()  # a slot's ``queued`` once the committer could not write them
-
-
-def bucket_sizes(device_rows: int) -> list[int]:
-    """The padded batch sizes compiled for an aggregation: 1, 4, 16, ..., and ``device_rows``.
-
-    Powers of 4, not 2: each size costs about a second of compilation on these
-    CPUs, and under load the worker fills whole ``device_rows`` steps anyway.
-    """
-    return sorted({4**i for i in range(16) if 4**i < device_rows} | {device_rows})
-
-
-# The (device, program) pairs already compiled and run once in this process: an aggregation whose every
-# bucket is here opens at once (a DP-SGD trainer creates one aggregation per step, all alike).
-_warm_programs: set[tuple] = set()
-_warm_lock = threading.Lock()
-
-
-def sums_on_host(aggregation: Aggregation, device) -> bool:
-    """Whether the shard's steps measure examples and the worker adds them into the host totals itself (one
-    example a step on the CPU: a large model's update is read in place, and no float32 delta the size of
-    the model is kept), rather than summing them into a device delta (see :meth:`ClipAccumulator.measure`)."""
-    return aggregation.device_rows == 1 and not aggregation.accumulator.fixed_point_step and device.platform == "cpu"
-
-
-def _programs(aggregation: Aggregation, device) -> list[tuple[int, str]]:
-    """The ``(rows, kind)`` steps an aggregation runs (``kind`` as in ``ClipAccumulator.program_key``): every
-    bucket size; with one example a step (a large model), on the CPU a step that measures it
-    (:func:`sums_on_host`), elsewhere a step whose delta was flushed is not zeroed first: it writes over it
-    (``fresh``)."""
-    if sums_on_host(aggregation, device):
-        return [(1, "measure")]
-    buckets = bucket_sizes(aggregation.device_rows)
-    return [(b, "sum") for b in buckets] + ([(1, "fresh")] if aggregation.device_rows == 1 else [])
-
-
-def _program_keys(aggregation: Aggregation, device) -> list[tuple]:
-    return [(device.platform, device.id, aggregation.accumulator.program_key(rows, kind))
-            for rows, kind in _programs(aggregation, device)]
-
-
 
 
 def _aligned_rows(batch: Batch, start: int, rows: int) -> list[np.ndarray] | None:
@@ -131,10 +97,6 @@ def _aligned_rows(batch: Batch, start: int, rows: int) -> list[np.ndarray] | Non
     if all(v.flags.c_contiguous and v.ctypes.data % ALIGNMENT == 0 for v in views):
         return views
     return None
-
-
-def bucket_for(rows: int, buckets: list[int]) -> int:
-    return next(b for b in buckets if b >= rows)
 
 
 @dataclasses.dataclass
@@ -223,7 +185,6 @@ class DeviceWorker:
         self._warming: set[Aggregation] = set()  # compiling; their batches are parked meanwhile
         self._parked: dict[Aggregation, list[_Work]] = {}
         self._inflight: _InFlight | None = None
-        self._commits: queue.Queue = queue.Queue()
         self.device = device if device is not None else jax.devices()[0]  # every step of this worker runs here
         self.device_kind = self.device.device_kind
         self.steps = 0  # clip-and-sum steps dispatched, over every aggregation
@@ -231,9 +192,8 @@ class DeviceWorker:
         self.on_failed: Callable[[Aggregation], Any] | None = None  # told when this worker fails an aggregation
         self.records_failures = True  # False in a shard process: the control process owns the state in the store
         self._thread = threading.Thread(target=self._run, name=f"clipd-device-worker-{self.device.id}", daemon=True)
-        self._committer = threading.Thread(target=self._commit_loop, name="clipd-committer", daemon=True)
+        self._committer = Committer(store, self._written)
         self._thread.start()
-        self._committer.start()
 
     # Producer side (gRPC handler threads) -----------------------------------------
     def submit(self, aggregation: Aggregation, shard: int, client: str, writer: str, batch: Batch) -> None:
@@ -278,8 +238,7 @@ class DeviceWorker:
         with self._cond:
             self._warming.add(aggregation)
             self._shards[aggregation] = tuple(shards)
-        with _warm_lock:
-            compiled = _warm_programs.issuperset(_program_keys(aggregation, self.device))
+        compiled = already_compiled(aggregation, self.device)
         if compiled and aggregation.parameters < LARGE_PARAMETERS and then is None:  # compiled by an earlier one
             self.call_soon(lambda: self._open(aggregation))
             return
@@ -315,7 +274,7 @@ class DeviceWorker:
             slot = self._slots.get((aggregation, shard))
             totals = self._flush(aggregation, shard)
             self._slots.pop((aggregation, shard), None)
-            self._commits.put((aggregation, shard, totals, finished, slot))  # the committer decides: write or not
+            self._committer.put((aggregation, shard, totals, finished, slot))  # the committer decides: write or not
 
         def failed(call: concurrent.futures.Future) -> None:
             if (error := call.exception()) is not None:
@@ -363,8 +322,7 @@ class DeviceWorker:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._commits.put(None)
-        self._committer.join(timeout)
+        self._committer.stop(timeout)
 
     # The worker thread ----------------------------------------------------------------
     def _take(self, timeout: float | None):
@@ -407,7 +365,7 @@ class DeviceWorker:
         now = time.monotonic()
         with self._cond:
             queued = {(w.aggregation, w.shard) for w in self._queue if isinstance(w, _Work)}
-            due = [at for key, s in self._slots.items() if (at := self._due_at(key, s, now, queued)) is not None]
+            due = [at for key, s in self._slots.items() if (at := checkpoint_due_at(key, s, now, queued)) is not None]
         return max(0.0, min(due) - now) if due else None
 
     def _run(self) -> None:
@@ -640,83 +598,43 @@ class DeviceWorker:
         with self._cond:
             slot.committing, slot.dirty, slot.queued, slot.unsaved_bytes = True, False, totals, 0
             slot.full_since = None
-        self._commits.put((aggregation, shard, totals, None, slot))
-
-    def _due_at(self, key: tuple[Aggregation, int], slot: _Slot, now: float, queued) -> float | None:
-        """When the shard's next checkpoint may start (None: nothing to write, or it is being written).
-
-        Every ``checkpoint_interval``, spaced so that writing takes at most ``checkpoint_max_duty`` of the
-        time; at once when the batches waiting for it hold at least half the bytes it writes (whole updates
-        of a large model: spacing those would only delay their acknowledgements, which their clients wait
-        for) and no batch of the shard is queued (summed first: one checkpoint for both), or, while a stream
-        is receiving a batch of the shard, once that had as long as the last checkpoint took to write
-        (waiting less than a checkpoint takes costs this one less than a second checkpoint costs that one).
-        """
-        if not slot.dirty or slot.committing or key in queued:
-            return None
-        aggregation, shard = key
-        if 2 * slot.unsaved_bytes < aggregation.parameters * 8:
-            return slot.checkpoint_due
-        if slot.full_since is None:
-            slot.full_since = now
-        if aggregation.arriving(shard) > 0:
-            return min(slot.checkpoint_due, slot.full_since + slot.last_commit_seconds)
-        return now
+        self._committer.put((aggregation, shard, totals, None, slot))
 
     def _checkpoint_due(self) -> None:
         """Adds the measured examples the committer held back, then starts the checkpoints that are due
-        (:meth:`_due_at`)."""
+        (:func:`~clipd.server.summing.checkpoints.checkpoint_due_at`)."""
         for (aggregation, shard), slot in list(self._slots.items()):
             if slot.unadded and not slot.committing:
                 self._add_measured(aggregation, shard, slot)
         now = time.monotonic()
         with self._cond:
             queued = {(w.aggregation, w.shard) for w in self._queue if isinstance(w, _Work)}
-            due = [key for key, s in self._slots.items() if (at := self._due_at(key, s, now, queued)) is not None
+            due = [key for key, s in self._slots.items() if (at := checkpoint_due_at(key, s, now, queued)) is not None
                    and now >= at]
         for aggregation, shard in due:
             self._checkpoint(aggregation, shard)
 
-    def _commit_loop(self) -> None:
-        """The committer thread: writes checkpoints in order, then acknowledges what they cover."""
-        while True:
-            item = self._commits.get()
-            if item is None:
-                return
-            aggregation, shard, totals, final, slot = item
-            # In order: a final commit's checkpoint before it has been written (or failed) by now.
-            queued = slot.queued if slot is not None and final is not None else None
-            started = time.monotonic()
-            try:
-                if queued is CHECKPOINT_FAILED:  # the checkpoint this final commit relies on
-                    raise Unavailable(f"the last checkpoint of aggregation {aggregation.id} failed")
-                if queued is not totals:  # else: nothing summed since that checkpoint, which holds these totals
-                    self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epoch(shard))
-            except Exception as e:
-                if final is None and slot.queued is totals:
-                    with self._cond:
-                        slot.queued = CHECKPOINT_FAILED
-                log.exception("checkpoint of aggregation %s failed", aggregation.id)
-                if final is not None:
-                    final.set_exception(e)
-                reason = f"checkpoint failed: {type(e).__name__}: {e}"
-                # (bound now: the loop's next item must not change whom this fails)
-                self.call_soon(functools.partial(self._fail, aggregation, reason))
-            else:
-                aggregation.mark_durable(totals.clients)
-                if final is not None:
-                    final.set_result(totals)
-            took = time.monotonic() - started
-            log.debug("checkpoint of aggregation %s shard %d: %d batches in %.3f s", aggregation.id, shard,
-                      totals.batches, took)
-            with self._cond:
-                slot = self._slots.get((aggregation, shard))
-                if slot is not None and final is None:
-                    slot.committing = False
-                    slot.checkpoint_due = started + max(self.checkpoint_interval, took / self.checkpoint_max_duty)
-                    slot.last_commit_seconds = took
-                self._recheck = True
-                self._cond.notify_all()
+    def _written(self, item, started: float, took: float, error: Exception | None) -> None:
+        """The committer wrote one checkpoint (or could not: ``error``): the shard's next one may be scheduled,
+        and a failed one fails its aggregation (on the worker thread)."""
+        aggregation, shard, totals, final, slot = item
+        if error is not None:
+            if final is None and slot.queued is totals:
+                with self._cond:
+                    slot.queued = CHECKPOINT_FAILED
+            reason = f"checkpoint failed: {type(error).__name__}: {error}"
+            # (bound now: the committer's next item must not change whom this fails)
+            self.call_soon(functools.partial(self._fail, aggregation, reason))
+        log.debug("checkpoint of aggregation %s shard %d: %d batches in %.3f s", aggregation.id, shard,
+                  totals.batches, took)
+        with self._cond:
+            slot = self._slots.get((aggregation, shard))
+            if slot is not None and final is None:
+                slot.committing = False
+                slot.checkpoint_due = started + max(self.checkpoint_interval, took / self.checkpoint_max_duty)
+                slot.last_commit_seconds = took
+            self._recheck = True
+            self._cond.notify_all()
 
     def call_soon(self, fn: Callable[[], Any]) -> None:
         """Runs ``fn`` on the worker thread later, without waiting for it."""
@@ -725,21 +643,9 @@ class DeviceWorker:
     def _compile(self, aggregation: Aggregation, then: Callable[[Aggregation], Any] | None = None) -> None:
         """The warm-up thread: compiles (and runs once, on zeros) every step program not compiled yet, writes
         the zeros of new totals (see :func:`_prefault`) and runs ``then``; then the aggregation opens."""
-        acc = aggregation.accumulator
         try:
-            with _warm_lock:
-                compiled = _warm_programs.issuperset(_program_keys(aggregation, self.device))
-            with jax.default_device(self.device):
-                for rows, kind in [] if compiled else _programs(aggregation, self.device):
-                    if aggregation not in self._warming:
-                        return
-                    layers = [np.zeros((rows, *layer.shape), layer.dtype) for layer in aggregation.layers]
-                    if kind == "measure":
-                        jax.block_until_ready(acc.measure(acc.init(sums=False), layers, np.zeros(rows, bool)))
-                    else:
-                        jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(rows, bool), kind == "fresh"))
-            with _warm_lock:
-                _warm_programs.update(_program_keys(aggregation, self.device))
+            if not compile_programs(aggregation, self.device, lambda: aggregation in self._warming):
+                return
             for shard in self._shards.get(aggregation, ()):
                 aggregation.prefault(shard)
             if then is not None and aggregation in self._warming:

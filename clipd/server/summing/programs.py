@@ -1,0 +1,82 @@
+"""The step programs of an aggregation on a device, and the programs this process has already compiled.
+
+A device worker compiles an aggregation's programs once while it warms up (a few bucket sizes of padded batches,
+so a step never recompiles); an aggregation whose every program was compiled before (a DP-SGD trainer makes one
+aggregation per step, all alike) opens at once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+
+from clipd.server.aggregations import Aggregation
+
+
+def bucket_sizes(device_rows: int) -> list[int]:
+    """The padded batch sizes compiled for an aggregation: 1, 4, 16, ..., and ``device_rows``.
+
+    Powers of 4, not 2: each size costs about a second of compilation on these
+    CPUs, and under load the worker fills whole ``device_rows`` steps anyway.
+    """
+    return sorted({4**i for i in range(16) if 4**i < device_rows} | {device_rows})
+
+
+# The (device, program) pairs already compiled and run once in this process: an aggregation whose every
+# bucket is here opens at once (a DP-SGD trainer creates one aggregation per step, all alike).
+_warm_programs: set[tuple] = set()
+_warm_lock = threading.Lock()
+
+
+def sums_on_host(aggregation: Aggregation, device) -> bool:
+    """Whether the shard's steps measure examples and the worker adds them into the host totals itself (one
+    example a step on the CPU: a large model's update is read in place, and no float32 delta the size of
+    the model is kept), rather than summing them into a device delta (see :meth:`ClipAccumulator.measure`)."""
+    return aggregation.device_rows == 1 and not aggregation.accumulator.fixed_point_step and device.platform == "cpu"
+
+
+def programs(aggregation: Aggregation, device) -> list[tuple[int, str]]:
+    """The ``(rows, kind)`` steps an aggregation runs (``kind`` as in ``ClipAccumulator.program_key``): every
+    bucket size; with one example a step (a large model), on the CPU a step that measures it
+    (:func:`sums_on_host`), elsewhere a step whose delta was flushed is not zeroed first: it writes over it
+    (``fresh``)."""
+    if sums_on_host(aggregation, device):
+        return [(1, "measure")]
+    buckets = bucket_sizes(aggregation.device_rows)
+    return [(b, "sum") for b in buckets] + ([(1, "fresh")] if aggregation.device_rows == 1 else [])
+
+
+def program_keys(aggregation: Aggregation, device) -> list[tuple]:
+    return [(device.platform, device.id, aggregation.accumulator.program_key(rows, kind))
+            for rows, kind in programs(aggregation, device)]
+
+
+def bucket_for(rows: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= rows)
+
+
+def already_compiled(aggregation: Aggregation, device) -> bool:
+    """Whether every step program of ``aggregation`` on ``device`` was compiled in this process already."""
+    with _warm_lock:
+        return _warm_programs.issuperset(program_keys(aggregation, device))
+
+
+def compile_programs(aggregation: Aggregation, device, still_wanted=lambda: True) -> bool:
+    """Compiles (and runs once, on zeros) every step program of ``aggregation`` on ``device`` not compiled in this
+    process yet; False if ``still_wanted()`` turned false on the way (the aggregation went)."""
+    acc = aggregation.accumulator
+    compiled = already_compiled(aggregation, device)
+    with jax.default_device(device):
+        for rows, kind in [] if compiled else programs(aggregation, device):
+            if not still_wanted():
+                return False
+            layers = [np.zeros((rows, *layer.shape), layer.dtype) for layer in aggregation.layers]
+            if kind == "measure":
+                jax.block_until_ready(acc.measure(acc.init(sums=False), layers, np.zeros(rows, bool)))
+            else:
+                jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(rows, bool), kind == "fresh"))
+    with _warm_lock:
+        _warm_programs.update(program_keys(aggregation, device))
+    return True
