@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# Each smoke run: its command and its timeout (s).
+RUNS = {
+    "service": ([sys.executable, str(ROOT / "benchmarks" / "service.py"), "--quick"], 120),
+    "engine": ([sys.executable, str(ROOT / "benchmarks" / "engine.py"), "--quick"], 180),
+    "privacy": ([sys.executable, str(ROOT / "benchmarks" / "privacy.py"), "--quick"], 300),
+    "scale": ([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick"], 300),
+    "round": ([sys.executable, str(ROOT / "benchmarks" / "round.py"), "--clients", "100", "--client-processes", "2", "--repeats", "1"], 300),
+    "sinks": ([sys.executable, str(ROOT / "benchmarks" / "round.py"), "--sinks", "--clients", "40", "--client-processes", "2", "--repeats", "1"], 300),
+    "training": ([sys.executable, str(ROOT / "benchmarks" / "training.py"), "--quick"], 300),
+    "large": ([sys.executable, str(ROOT / "benchmarks" / "large.py"), "--quick"], 120),
+}
+TESTS = {"test_service_benchmark_quick_run": "service", "test_engine_benchmark_quick_run": "engine",
+         "test_privacy_benchmark_quick_run": "privacy", "test_scale_benchmark_quick_run": "scale",
+         "test_round_benchmark_small_round_is_exact_without_errors": "round",
+         "test_round_benchmark_compares_bare_sync_and_aio_sinks": "sinks",
+         "test_training_benchmark_quick_run": "training", "test_large_benchmark_quick_run": "large"}
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request):
+    """The selected smoke runs, started together, two at a time: each is a subprocess that waits on its own
+    servers and clients part of the time, so two overlap on two cores (they check output, not speed)."""
+    wanted = [TESTS[item.originalname] for item in request.session.items
+              if item.module is request.module and item.originalname in TESTS]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield {name: pool.submit(subprocess.run, RUNS[name][0], capture_output=True, text=True, timeout=RUNS[name][1],
+                                 cwd=ROOT) for name in dict.fromkeys(wanted)}
 
 
 def _positive(text: str) -> float:
@@ -16,11 +47,8 @@ def _positive(text: str) -> float:
     return value
 
 
-def test_service_benchmark_quick_run():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "service.py"), "--quick"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )
+def test_service_benchmark_quick_run(smoke_runs):
+    out = smoke_runs["service"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
 
@@ -64,20 +92,16 @@ def test_service_benchmark_quick_run():
     assert "durable data_dir" in out.stdout and "memory data_dir 'memory'" in out.stdout, out.stdout
 
 
-def test_engine_benchmark_quick_run():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "engine.py"), "--quick"],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )
+def test_engine_benchmark_quick_run(smoke_runs):
+    out = smoke_runs["engine"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 new compilations" in out.stdout
     last = out.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"engine_vs_optax_median_ratio=\d+\.\d{3}", last), out.stdout
 
 
-def test_privacy_benchmark_quick_run():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "privacy.py"), "--quick"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_privacy_benchmark_quick_run(smoke_runs):
+    out = smoke_runs["privacy"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split("|") for line in out.stdout.splitlines() if line.count("|") == 3 and line.strip()[0].isdigit()]
     assert len(rows) == 3  # one Finalize size, two ledger lengths
@@ -90,9 +114,8 @@ def test_privacy_benchmark_quick_run():
     assert out.stdout.strip().splitlines()[-1] == f"noise: secure_over_default={ratio:.1f}", out.stdout
 
 
-def test_scale_benchmark_quick_run():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_scale_benchmark_quick_run(smoke_runs):
+    out = smoke_runs["scale"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     header = next(line for line in lines if line.startswith("mode "))
@@ -115,11 +138,9 @@ def test_scale_benchmark_quick_run():
     assert abs(float(two[5]) - float(two[1]) / float(rows["bare gRPC, 2 processes"][1])) <= 0.01 * float(two[5]) + 0.002
 
 
-def test_round_benchmark_small_round_is_exact_without_errors():
+def test_round_benchmark_small_round_is_exact_without_errors(smoke_runs):
     """The cross-device round in small: 100 clients, one update each, every one summed exactly, no error."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "round.py"), "--clients", "100",
-                          "--client-processes", "2", "--repeats", "1"], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
+    out = smoke_runs["round"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and "wall" not in line}
@@ -130,11 +151,9 @@ def test_round_benchmark_small_round_is_exact_without_errors():
     assert abs(float(match[1]) - expected) <= 0.02 * expected + 0.002, out.stdout
 
 
-def test_round_benchmark_compares_bare_sync_and_aio_sinks():
+def test_round_benchmark_compares_bare_sync_and_aio_sinks(smoke_runs):
     """``round.py --sinks``: the gRPC runtime alone, sync and grpc.aio, each acknowledging every message."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "round.py"), "--sinks", "--clients", "40",
-                          "--client-processes", "2", "--repeats", "1"], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
+    out = smoke_runs["sinks"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and "wall" not in line}
@@ -150,10 +169,9 @@ def test_round_benchmark_compares_bare_sync_and_aio_sinks():
         assert abs(float(got) - expected) <= 0.02 * expected + 0.002, out.stdout
 
 
-def test_training_benchmark_quick_run():
+def test_training_benchmark_quick_run(smoke_runs):
     """benchmarks/training.py: Opacus' local step beside clipd's (a real `clipd serve`), and where it goes."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "training.py"), "--quick"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = smoke_runs["training"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in out.stdout.splitlines() if "|" in line}
     for name in ("opacus (all local)", "clipd, pipelined (default)", "clipd, sequential"):
@@ -164,11 +182,10 @@ def test_training_benchmark_quick_run():
     assert last.startswith("training: opacus_ms=") and "overhead_ms=" in last and "service_ms=" in last
 
 
-def test_large_benchmark_quick_run():
+def test_large_benchmark_quick_run(smoke_runs):
     """benchmarks/large.py --quick: 4 whole-model updates (P = 2^22) on the memory and durable stores, and the same
     bytes as 1 MiB examples; every row exact, without a reconnect; the ratios recomputed from the rows."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "large.py"), "--quick"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = smoke_runs["large"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
     header = next(line for line in lines if line.startswith("case "))
