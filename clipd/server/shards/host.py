@@ -47,6 +47,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -220,7 +221,9 @@ class ShardHost:
         self._to_sibling: dict = {}
         if private_dir is not None:
             self.set_siblings({i: f"unix:{socket_path(private_dir, i)}" for i in range(self.count) if i != index})
-        ports = [listen(self.public, settings, port) for port in (public_port, data_port)]
+        # (Its own port is bound with SO_REUSEPORT too, the server's option: a port 0 would then let the kernel hand
+        # out one that a shard process of a control that just died still holds. A free one is picked first.)
+        ports = [listen(self.public, settings, port) for port in (public_port, data_port or _free_port(settings.host))]
         if public_port and ports[0] != public_port:
             raise RuntimeError(f"shard process {index}: bound port {ports[0]}, not {public_port}")
         self.data_port = ports[1]
@@ -436,6 +439,14 @@ class ShardHost:
         self.store.close()
 
 
+def _free_port(host: str) -> int:
+    """A port no socket holds now (bound without SO_REUSEPORT, then let go)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host.strip("[]"), 0))
+        return probe.getsockname()[1]
+
+
 def socket_path(private_dir: str, index: int) -> str:
     return os.path.join(private_dir, f"shard-{index}.sock")
 
@@ -456,7 +467,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the control stops us
     process = ShardHost(settings, orders["index"], orders["port"], orders["data_port"],
-                           orders["private_dir"]).start()
+                        orders["private_dir"]).start()
     print(f"ready {process.data_port}", flush=True)
     while not done.wait(0.5):
         if os.getppid() != parent:  # the control process died (SIGKILL): a new one starts new shard processes
