@@ -272,12 +272,16 @@ def serve(settings: Settings, grace: float | None = None) -> None:
     """
     grace = settings.shutdown_grace if grace is None else grace
     server, port = create_server(settings)
-    done = threading.Event()
+    # A plain flag, polled: the handler takes no lock (an Event's set() from a signal handler takes its
+    # condition's lock, which the interrupted main thread may be holding), and the main thread's sleep is
+    # interrupted by the signal, so the handler runs at once.
+    stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, lambda *_: stop.append(True))
     admin = f", admin API on {server.admin.scheme}://{settings.host}:{server.admin.port}" if server.admin else ""
     print(f"clipd serving gRPC on {settings.host}:{port}{admin}", flush=True)
-    done.wait()
+    while not stop:
+        time.sleep(0.2)
     log.info("stopping (grace %g s)", grace, extra={"event": "server.stopping"})
     stopper = threading.Thread(target=server.stop, args=(grace,), name="clipd-stop", daemon=True)
     stopper.start()

@@ -463,16 +463,17 @@ def main() -> None:
 
     logs.configure(settings.log_level, settings.log_format)
     parent = os.getppid()
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    stop: list[bool] = []  # (a flag the handler appends to: it takes no lock, see clipd.server.app.serve)
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the control stops us
     process = ShardHost(settings, orders["index"], orders["port"], orders["data_port"],
                         orders["private_dir"]).start()
     print(f"ready {process.data_port}", flush=True)
-    while not done.wait(0.5):
+    while not stop:
         if os.getppid() != parent:  # the control process died (SIGKILL): a new one starts new shard processes
             break
-    process.stop(settings.shutdown_grace if done.is_set() else 0.0)
+        time.sleep(0.5)
+    process.stop(settings.shutdown_grace if stop else 0.0)
     os._exit(0)
 
 
