@@ -403,3 +403,25 @@ def test_per_layer_bounds_and_released_counts_follow_the_client_unit(deployment)
         expected = sum(_clipped(update[layer], bound) for update in clients.values())
         np.testing.assert_allclose(release.sums[layer], expected, rtol=1e-5)
     assert release.release.examples == pytest.approx(3, abs=1e-6)  # clients, not the 13 examples
+
+
+def test_adaptive_clipping_tracks_the_quantile_of_client_norms(deployment):
+    """Adaptive clipping under unit client counts clients: of 3 clients (13 examples), 2 whose summed update is
+    within C = 1, so b = (2 - 3/2) / 3 + 1/2 = 2/3 and C' = exp(-0.2 (2/3 - 1/2)) = 0.967216 (worked by hand; at
+    z = 0 nothing is noised)."""
+    server, target = deployment
+    from clipd.client import Adaptive
+
+    privacy = Privacy(ledger_id=f"adaptive-{uuid.uuid4().hex[:8]}", delta=1e-5, noise_multiplier=0.0,
+                      public_denominator=3.0, adaptive=Adaptive(target_unclipped_quantile=0.5, learning_rate=0.2,
+                                                                initial_bound=1.0))
+    updates = {"x": np.full((5, 4), 0.05, np.float32),  # sum (0.25, ...): norm 0.5, within the bound
+               "y": np.array([[0.3, 0.0, 0.0, 0.0]], np.float32),  # norm 0.3
+               "z": np.full((7, 4), 3 / 14, np.float32)}  # sum (1.5, ...): norm 3, clipped
+    with _client(target, ADMIN) as admin:
+        agg = admin.create_aggregation({"w": (4,)}, l2_norm_clip=1.0, privacy=privacy, unit="client")
+        for name, rows in updates.items():
+            admin.submit(agg, {"w": rows}, client_id=name)
+        release = admin.finalize(agg).release
+    assert release.unclipped_fraction == pytest.approx(2 / 3, rel=1e-9)
+    assert release.next_bound == pytest.approx(0.967216, abs=1e-6)
