@@ -35,6 +35,7 @@ from clipd.v1 import clipd_pb2 as pb
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a refusal about the server's load
 AUTHORIZATION_KEY = "authorization"  # "Bearer <token>": the admin token or an aggregation's submit token
 BEARER = "Bearer "
+CLIENT_TOKEN_PREFIX = "cct1_"  # a client token: "cct1_<its fields, JSON in base64url>.<the server's MAC>"
 SUBMIT_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Clipd'].full_name}/Submit"
 FINALIZE_MIN_CHUNK_BYTES = 64 * 1024  # Finalize's max_chunk_bytes: the least a server accepts...
 FINALIZE_DEFAULT_CHUNK_BYTES = 1 << 20  # ...and what 0 means

@@ -23,6 +23,7 @@ from conftest import TEST_SETTINGS
 
 from clipd import cli, wire
 from clipd.client import (
+    AlreadyExistsError,
     Client,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -341,6 +342,9 @@ def test_bad_units_and_token_requests_are_refused_with_what_to_do(deployment):
         with pytest.raises(ValueError, match="unit must be one of"):
             admin.create_aggregation({"w": (3,)}, unit="household")
         agg = admin.create_aggregation({"w": (3,)}, l2_norm_clip=CLIP, unit="client")
+        assert admin.create_aggregation({"w": (3,)}, l2_norm_clip=CLIP, unit="client", aggregation_id=agg) == agg
+        with pytest.raises(AlreadyExistsError, match="exists with another spec"):  # the same, but per example
+            admin.create_aggregation({"w": (3,)}, l2_norm_clip=CLIP, aggregation_id=agg)
         for call, error, message in [
             (lambda: admin.client_token("alice", aggregation="no-such"), NotFoundError, "no aggregation 'no-such'"),
             (lambda: admin.client_token("alice~1", aggregation=agg), InvalidArgumentError, "client_id: 1-128"),

@@ -307,6 +307,7 @@ class Client:
     def cancel(self, aggregation_id: str) -> pb.Aggregation:
         cancelled = self._call(self._stub.CancelAggregation, pb.CancelAggregationRequest(aggregation_id=aggregation_id))
         self._layers.pop(aggregation_id, None)  # what this client kept of it (a trainer cancels one per step)
+        self._units.pop(aggregation_id, None)
         self._forget_placement(aggregation_id)
         return cancelled
 
@@ -317,12 +318,6 @@ class Client:
         if aggregation_id not in self._layers:
             self._describe(aggregation_id)
         return self._layers[aggregation_id]
-
-    def unit(self, aggregation_id: str) -> str:
-        """The aggregation's privacy unit: ``example`` or ``client``."""
-        if aggregation_id not in self._units:
-            self._describe(aggregation_id)
-        return self._units[aggregation_id][0]
 
     def _describe(self, aggregation_id: str) -> None:
         aggregation = self.get_aggregation(aggregation_id)
@@ -382,7 +377,7 @@ class Client:
             wire_dtype = self.wire_dtype
         wire.check_wire_dtype(wire_dtype)
         layers = self.layers(aggregation_id)
-        unit, client_ids = self._units.get(aggregation_id) or (self.unit(aggregation_id), "")
+        unit, client_ids = self._units[aggregation_id]  # (described with its layers)
         if client_id is None:
             # Where a credential names the client (a certificate), the server says who it is: name none.
             client_id = self.token_client_id or ("" if client_ids == "credential" else uuid.uuid4().hex)
@@ -597,9 +592,9 @@ def client_token_id(token: str | None) -> str | None:
     >>> client_token_id("cct1_eyJyb2xlIjoiY2xpZW50IiwiY2xpZW50X2lkIjoiYWxpY2UifQ.sig")
     'alice'
     """
-    if not token or not token.startswith("cct1_"):
+    if not token or not token.startswith(wire.CLIENT_TOKEN_PREFIX):
         return None
-    payload = token[len("cct1_"):].partition(".")[0]
+    payload = token[len(wire.CLIENT_TOKEN_PREFIX):].partition(".")[0]
     try:
         fields = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
     except ValueError:
@@ -856,11 +851,11 @@ class _BatchStream:
     def greet(self, response: pb.SubmitResponse) -> None:
         """Takes the server's answer to a hello: where this client stands."""
         with self._cond:
+            if response.client_id and not self.client_id:  # counted under its credential's client id
+                self.client_id = response.client_id
             if self._next_sequence is None:  # a new submission: number after what the server has
                 self._next_sequence = response.accepted_sequence + 1
                 self.acked = response.acknowledged_sequence
-            if response.client_id and not self.client_id:  # counted under its credential's client id
-                self.client_id = response.client_id
             elif (self._window and response.writer_id not in ("", self.writer_id)
                   and response.accepted_sequence >= self._window[0].sequence):
                 raise FailedPreconditionError(

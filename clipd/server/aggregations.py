@@ -137,11 +137,19 @@ class AggregationSpec:
             raise ValueError(f"client_ids: {CREDENTIAL!r}, {SELF_ASSERTED!r} or '', got {self.client_ids!r}")
 
     @property
-    def counts_identities(self) -> bool:
-        """Whether a client's identity bounds what it can do: one contribution (unit CLIENT), or a correlated
-        stream's participation rules that the server enforces per client."""
+    def identity_limits(self) -> list[str]:
+        """What a client's identity bounds, in words (empty: nothing): one contribution (unit CLIENT), and a
+        correlated stream's participation rules that the server enforces per client."""
         stream = self.privacy.correlated if self.privacy is not None else None
-        return self.unit is Unit.CLIENT or (stream is not None and not stream.declared)
+        return [why for why, given in (
+            ("its unit is client: one contribution per client", self.unit is Unit.CLIENT),
+            ("its ledger's correlated noise stream limits each client's participation",
+             stream is not None and not stream.declared)) if given]
+
+    @property
+    def counts_identities(self) -> bool:
+        """Whether a client's identity bounds what it can do (:attr:`identity_limits`)."""
+        return bool(self.identity_limits)
 
     def to_json(self) -> str:
         """The layers, the policy (with the bound in use), the privacy policy and the shard count, as JSON."""
@@ -860,12 +868,6 @@ class Registry:
         if aggregation is None:
             raise NotFound(f"no aggregation {aggregation_id!r}")
         return aggregation
-
-    def created(self, aggregation_id: str) -> float | None:
-        """When the aggregation was created (its submit token is bound to it), None if it is unknown here."""
-        with self._lock:
-            aggregation = self._by_id.get(aggregation_id)
-        return None if aggregation is None else aggregation.created
 
     def identities(self) -> list[tuple[str, float]]:
         """(id, created) of every aggregation known here: what the submit tokens are bound to."""

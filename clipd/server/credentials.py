@@ -37,7 +37,7 @@ from clipd import wire
 
 KEY_FILE = "submit-token.key"
 TOKEN_PREFIX = "cst1_"
-CLIENT_TOKEN_PREFIX = "cct1_"
+CLIENT_TOKEN_PREFIX = wire.CLIENT_TOKEN_PREFIX
 CLIENT, SUBMITTER = "client", "submitter"  # the roles of a client token
 # Metadata a clipd process adds to a call it forwards to another: the client id of the caller's verified client
 # certificate, and its MAC under the server's key (so the receiving process trusts it from clipd only).

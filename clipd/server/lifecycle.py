@@ -164,7 +164,7 @@ class Lifecycle:
             self.shards.warm_up(aggregation)
 
         aggregation, created = self.registry.create(requested_id, make, publish)
-        if not created and not _same_request(aggregation, layers, policy, reject, privacy, spec):
+        if not created and not _same_request(aggregation, spec):
             raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
         if created:
             event(log, "aggregation.created", aggregation=aggregation.id, layers=len(layers),
@@ -277,12 +277,14 @@ class Lifecycle:
         return aggregation
 
 
-def _same_request(aggregation: Aggregation, layers, policy, reject, privacy, spec: AggregationSpec) -> bool:
-    """Whether a create request repeats the existing aggregation's (an adaptive bound may have moved since)."""
-    if privacy is not None and privacy.adaptive is not None:
-        policy = dataclasses.replace(policy, l2_norm_clip=aggregation.policy.l2_norm_clip)
-    return (aggregation.layers, aggregation.policy, aggregation.reject_non_finite, aggregation.privacy,
-            aggregation.unit, aggregation.client_ids) == (layers, policy, reject, privacy, spec.unit, spec.client_ids)
+def _same_request(aggregation: Aggregation, spec: AggregationSpec) -> bool:
+    """Whether a create request (its ``spec``) repeats the existing aggregation's: the same but for its shards (a
+    server's setting) and, with adaptive clipping, its bound (it may have moved since)."""
+    asked = dataclasses.replace(spec, shards=aggregation.shards)
+    if spec.privacy is not None and spec.privacy.adaptive is not None:
+        asked = dataclasses.replace(asked, policy=dataclasses.replace(spec.policy,
+                                                                      l2_norm_clip=aggregation.policy.l2_norm_clip))
+    return asked == aggregation.spec
 
 
 def check_finite(batch, aggregation: Aggregation) -> None:

@@ -59,9 +59,8 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
     of each row of its state) and the noise stddev of every release."""
     config: dict[str, Any] = {"accountant": policy.accountant.value, "neighbouring": policy.neighbouring.value,
                               "delta": policy.delta, "max_epsilon": policy.max_epsilon,
-                              "mechanism": Mechanism.INDEPENDENT.value, "unit": Unit(unit).value}
-    if client_ids:
-        config["client_ids"] = client_ids
+                              "mechanism": Mechanism.INDEPENDENT.value, "unit": Unit(unit).value,
+                              "client_ids": client_ids}
     stream = policy.correlated
     if stream is not None:
         config["mechanism"] = stream.mechanism.value
@@ -79,9 +78,7 @@ _CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value, "unit": Unit.EXAMP
 
 
 def _same_config(stored: dict, wanted: dict) -> bool:
-    return all(stored.get(k, _CONFIG_DEFAULTS.get(k)) == wanted.get(k, _CONFIG_DEFAULTS.get(k))
-               for k in {*stored, *wanted} - {"stream", "noise_stddev"}) and all(
-        stored.get(k) == wanted[k] for k in ("stream", "noise_stddev") if k in wanted)
+    return all(stored.get(k, _CONFIG_DEFAULTS.get(k)) == v for k, v in wanted.items())
 
 
 def _ids(client_ids: str | None) -> str:

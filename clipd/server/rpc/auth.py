@@ -18,7 +18,6 @@ import math
 import time
 
 from clipd import wire
-from clipd.engine import Unit
 from clipd.server.aggregations import SELF_ASSERTED, Aggregation
 from clipd.server.credentials import (
     CERTIFIED_CLIENT_METADATA,
@@ -144,22 +143,19 @@ class Authenticator:
         if self.is_admin(token) or (client is not None and client.role == SUBMITTER) \
                 or not aggregation.counts_identities:
             return check_client_id(named)
-        if certified is not None and (aggregation.client_ids != SELF_ASSERTED or not named
-                                      or client_of(named) == certified):
+        if certified is not None and not (aggregation.client_ids == SELF_ASSERTED and named):
             if not codec.ID_PATTERN.match(certified):
                 raise PermissionDenied(f"the client certificate's Common Name {certified[:64]!r} is not a client id"
                                        " (1-128 letters, digits, '-', '_' or '.')")
             return _as_credential(certified, named, "the client certificate")
         if aggregation.client_ids == SELF_ASSERTED:
             return check_client_id(named)
+        limits = "; ".join(aggregation.spec.identity_limits)
         raise PermissionDenied(
-            f"aggregation {aggregation.id} counts client identities ({_why_identities(aggregation)}), so a client id"
-            " comes from a credential: submit with a client token (the admin issues one: IssueClientToken,"
-            " `clipd token`), or with a client certificate (mutual TLS); its submit token may not name client ids"
-            " unless it was created with self_asserted_client_ids")
-
-
-
+            f"aggregation {aggregation.id} counts client identities ({limits}), so a client id comes from a"
+            " credential: submit with a client token (the admin issues one: IssueClientToken, `clipd token`), or"
+            " with a client certificate (mutual TLS); its submit token may not name client ids unless it was created"
+            " with self_asserted_client_ids")
 
 
 def _as_credential(client_id: str, named: str, what: str) -> str:
@@ -169,16 +165,6 @@ def _as_credential(client_id: str, named: str, what: str) -> str:
     if named != client_id and client_of(check_client_id(named)) != client_id:
         raise PermissionDenied(f"{what} is for client {client_id!r}; it may not submit as {named!r}")
     return named
-
-
-
-def _why_identities(aggregation: Aggregation) -> str:
-    stream = aggregation.privacy.correlated if aggregation.privacy is not None else None
-    return "; ".join(why for why, given in (
-        ("its unit is client: one contribution per client", aggregation.unit is Unit.CLIENT),
-        ("its ledger's correlated noise stream limits each client's participation",
-         stream is not None and not stream.declared)) if given)
-
 
 
 def check_client_id(value: str) -> str:

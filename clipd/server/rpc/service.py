@@ -62,14 +62,6 @@ def _status_on_error(method):
     return wrapper
 
 
-
-
-
-
-
-
-
-
 class ClipdServicer(pb_grpc.ClipdServicer):
     """Clipd's RPCs: who may call, what the request says (``codec``), then one call on the ``lifecycle``."""
 

@@ -154,15 +154,6 @@ class _ShardRegistry(Registry):
             self.add(aggregation)
             return aggregation
 
-    def created(self, aggregation_id: str) -> float | None:
-        """From the store's record: an aggregation this process has not opened (or has dropped, finalized)
-        is still one whose submit token is known here."""
-        created = super().created(aggregation_id)
-        if created is None:
-            record = self._store.get(aggregation_id)
-            created = None if record is None else record.created
-        return created
-
     def identities(self) -> list[tuple[str, float]]:
         return [(r.aggregation_id, r.created) for r in self._store.records()]
 
