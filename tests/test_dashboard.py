@@ -24,8 +24,9 @@ from helpers import wait_until
 from service_helpers import LAYERS, make_updates
 
 from clipd.client import Client, FailedPreconditionError, NotFoundError, Privacy
-from clipd.server.aggregations import THROUGHPUT_SECONDS, Aggregation, AggregationSpec
+from clipd.server.aggregations import Aggregation, AggregationSpec
 from clipd.server.app import create_server
+from clipd.server.progress import THROUGHPUT_SECONDS
 from clipd.server.settings import Settings
 
 ARTIFACTS = pathlib.Path(__file__).resolve().parent / ".artifacts" / "dashboard"

@@ -12,7 +12,6 @@ without touching the device.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import json
@@ -28,13 +27,13 @@ from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, 
 from clipd.engine import _privacy as dp
 from clipd.engine._correlated import CorrelatedNoise
 from clipd.server.errors import FailedPrecondition, NotFound, ResourceExhausted
+from clipd.server.progress import Counts, Progress
 from clipd.server.sequences import ClientSequences
 from clipd.server.settings import DELTA_BYTES_PER_PARAMETER, TOTALS_BYTES_PER_PARAMETER
 from clipd.wire import shard_of
 
 CREDENTIAL = "credential"  # client ids come from credentials: client tokens, client certificates, trusted submitters
 SELF_ASSERTED = "self_asserted"  # any name the submitter chooses (opted in at creation, or a server without auth)
-THROUGHPUT_SECONDS = 240  # the throughput series keeps the last 240 seconds in which examples arrived
 
 
 class State(str, enum.Enum):
@@ -248,17 +247,8 @@ class Aggregation:
         totals = self.totals
         self._sequences = ClientSequences(totals.clients, max_clients)
         self._on_last_stream: list[Callable[[], Any]] = []  # told when its last open stream ends (see detach)
-        self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
-        self._rate_base = self._examples
+        self._progress = Progress(self.created, totals.examples, totals.batches, totals.bytes)
         self._device_stats: list = [None] * shards  # per shard: statistics of its device delta since its flush
-        self._updated = self.created
-        self._rates: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
-        # The throughput series (:meth:`throughput`): (unix second, examples at its end) of each second in which
-        # examples arrived, the last THROUGHPUT_SECONDS of them; and the examples before its first second.
-        self._series: collections.deque[tuple[int, int]] = collections.deque(maxlen=THROUGHPUT_SECONDS)
-        self._series_base = self._examples
-        self._series_truncated = False  # older seconds dropped out
-        self._observed_clients = 0  # the control process of shard processes: the clients they have seen
         self.result: Result | None = None
         self.released_sums: tuple[np.ndarray, ...] = ()
         self._finalize_lock = threading.Lock()
@@ -362,7 +352,7 @@ class Aggregation:
     @property
     def examples(self) -> int:
         """Examples in the sum so far (durable or about to be); 0 when withheld (a privacy policy)."""
-        return 0 if self.withheld else self._examples
+        return 0 if self.withheld else self._progress.examples
 
     def _check_takes_batches(self) -> None:
         self._check_not_ended()
@@ -472,18 +462,12 @@ class Aggregation:
         """Marks ``(client, writer, sequence, rows, nbytes)`` batches summed, with the shard's delta statistics."""
         now = time.time()
         with self.cond:
-            for client, _, sequence, rows, nbytes in done:
+            for client, _, sequence, _, _ in done:
                 self._sequences.mark_summed(client, sequence)
-                self._examples += rows
-                self._bytes += nbytes
-                self._batches += 1
                 self._pending = max(0, self._pending - 1)  # a failure on another shard already set it to 0
+            self._progress.count(sum(d[3] for d in done), len(done), sum(d[4] for d in done), now)
             if device_stats is not None:
                 self._device_stats[shard] = device_stats
-            self._updated = now
-            if not self._rates or now - self._rates[-1][0] >= 0.25:  # 64 samples cover >= 16 s
-                self._rates.append((now, self._examples))
-            self._sample_locked(now)
             self.cond.notify_all()
 
     # The totals. A shard's are written by the one device worker that sums the shard, through the three methods
@@ -517,24 +501,6 @@ class Aggregation:
         if not (totals.examples or totals.batches or totals.clients):
             for total in totals.sums:
                 total.fill(0.0)
-
-    def observe(self, states: dict[int, PartialState], clients: int = 0) -> None:
-        """The control process of shard processes: their shards' totals as of now (for the statistics), and the
-        clients they have seen (summed over them)."""
-        with self.cond:
-            if self._state not in (*TAKES_BATCHES, State.FINALIZING):
-                return
-            self._observed_clients = clients
-            for shard, state in states.items():
-                self._shard_totals[shard] = state
-            self._examples = sum(s.examples for s in self._shard_totals)  # the counts only: no sums are added
-            self._batches = sum(s.batches for s in self._shard_totals)
-            self._bytes = sum(s.bytes for s in self._shard_totals)
-            now = self._updated = time.time()
-            if not self._rates or now - self._rates[-1][0] >= 0.25:
-                self._rates.append((now, self._examples))
-            self._sample_locked(now)
-            self.cond.notify_all()
 
     def mark_durable(self, clients: Mapping[str, tuple[int, str]]) -> None:
         """A checkpoint holding these client marks was committed: acknowledge up to them."""
@@ -602,8 +568,7 @@ class Aggregation:
             if released is not None:
                 self.release, self.released_sums = released.fields, released.sums
             self._shard_totals = list(shard_totals)
-            self._examples, self._batches, self._bytes = totals.examples, totals.batches, totals.bytes
-            self._sample_locked(time.time())
+            self._progress.count_to(totals.examples, totals.batches, totals.bytes, time.time())
             self._device_stats = [None] * self.shards
             self.mark_durable(totals.clients)
             self._move_locked(State.FINALIZED)
@@ -646,13 +611,25 @@ class Aggregation:
 
     # Reading ------------------------------------------------------------------------
     def stats(self) -> Stats:
+        """Its statistics, from its own totals and counts (in the process that sums it)."""
         with self.cond:
             return self._stats_locked()
 
-    def _stats_locked(self) -> Stats:
+    def stats_over(self, totals: PartialState, counts: Counts, clients: int) -> Stats:
+        """Its statistics over numbers kept elsewhere: the control's view of an aggregation that shard hosts sum
+        (``shards.hosts.HostedAggregation``) hands in their reported totals (no sums), counts and clients; the
+        state, spec, release and what is withheld are the aggregation's own."""
+        with self.cond:
+            return self._stats_locked(totals, counts, clients)
+
+    def _stats_locked(self, totals: PartialState | None = None, counts: Counts | None = None,
+                      clients: int = 0) -> Stats:
         if self.withheld:
             return self._withheld_stats_locked()
-        stats = self._raw_stats_locked()
+        if totals is None or counts is None:
+            totals = PartialState.merge_all([self._live_locked(k) for k in range(self.shards)], with_sums=False)
+            counts, clients = self._progress.counts(), self._sequences.submitted(totals.clients)
+        stats = self._raw_stats_locked(totals, counts, clients)
         if self.privacy is not None:
             return dataclasses.replace(stats, release=self.release, privacy_notice=(
                 f"DEBUG: raw statistics of a differentially private aggregation; the epsilon of ledger"
@@ -679,8 +656,7 @@ class Aggregation:
         stats = self._device_stats[shard]
         return self._shard_totals[shard] if stats is None else self._shard_totals[shard].absorb(stats)
 
-    def _raw_stats_locked(self) -> Stats:
-        t = PartialState.merge_all([self._live_locked(k) for k in range(self.shards)], with_sums=False)
+    def _raw_stats_locked(self, t: PartialState, counts: Counts, clients: int) -> Stats:
         counted = t.layer_histograms.sum(axis=1)
         bounds = self._layer_bounds()
         layers = tuple(
@@ -698,75 +674,37 @@ class Aggregation:
         return Stats(
             aggregation_id=self.id,
             state=self.state,
-            examples=self._examples,
-            batches=self._batches,
-            bytes=self._bytes,
+            examples=counts.examples,
+            batches=counts.batches,
+            bytes=counts.bytes,
             non_finite=t.non_finite,
             clipped=clipped,
             layers=layers,
             bucket_upper_bounds=RATIO_BUCKETS,
             example_norm_histogram=tuple(int(c) for c in t.example_histogram),
             example_bound=self.policy.example_bound(self.layers),
-            updated_unix_seconds=self._updated,
-            examples_per_second=self._rate(),
+            updated_unix_seconds=counts.updated_unix_seconds,
+            examples_per_second=counts.examples_per_second,
             failure_reason=self.failure_reason,
-            clients=max(self._sequences.submitted(t.clients), self._observed_clients),
+            clients=clients,
         )
 
     def submitted_clients(self) -> int:
         """Distinct clients with batches in it: accepted here, or in a shard's totals (spread streams of one client
         count once)."""
         with self.cond:
-            marks = [c for k in range(self.shards) for c in self._live_locked(k).clients]
-            return max(self._sequences.submitted(marks), self._observed_clients)
-
-    def _sample_locked(self, now: float) -> None:
-        """Notes the examples so far in the throughput series: the current second's point moves, or a new second
-        (one in which examples arrived) is added; the oldest drops out once THROUGHPUT_SECONDS are kept."""
-        second = int(now)
-        if self._series and second <= self._series[-1][0]:  # the same second (or the clock stepped back)
-            self._series[-1] = (self._series[-1][0], self._examples)
-        elif self._examples != (self._series[-1][1] if self._series else self._series_base):
-            if len(self._series) == self._series.maxlen:
-                self._series_base, self._series_truncated = self._series[0][1], True
-            self._series.append((second, self._examples))
+            return self._sequences.submitted([c for k in range(self.shards) for c in self._live_locked(k).clients])
 
     def throughput(self) -> tuple[list[tuple[int, int]], bool]:
-        """Examples per second, second by second: ``([(unix second, examples summed in it), ...], truncated)``.
-
-        Read from the series that the worker's :meth:`record` (or, with shard processes, :meth:`observe`) keeps:
-        the seconds in which examples arrived (the last THROUGHPUT_SECONDS of them), with a 0 on each side of
-        an idle gap, and, unless older seconds dropped out (``truncated``), a 0 the second before the first.
-        The same on every read until more examples arrive; raw data (see :attr:`withheld`).
-        """
+        """Examples per second, second by second (:meth:`Progress.throughput`), from the series that the
+        worker's :meth:`record` keeps; raw data (see :attr:`withheld`)."""
         with self.cond:
-            series, base = list(self._series), self._series_base
-            truncated = self._series_truncated
-        points: list[tuple[int, int]] = []
-        if series and not truncated:
-            points.append((series[0][0] - 1, 0))
-        last_second, last = None, base
-        for second, examples in series:
-            if last_second is not None and second - last_second > 1:
-                points.append((last_second + 1, 0))
-                if second - last_second > 2:
-                    points.append((second - 1, 0))
-            points.append((second, examples - last))
-            last_second, last = second, examples
-        return points, truncated
+            return self._progress.throughput()
 
     def _layer_bounds(self) -> list[float]:
         """Each layer's bound (the global C for every layer of a GLOBAL policy)."""
         bounds = self.accumulator.bounds
         return [float(bounds[i if self.policy.is_per_layer else 0]) for i in range(len(self.layers))]
-
-    def _rate(self, window: float = 10.0) -> float:
-        """Examples per second over the last ``window`` seconds (0 once idle that long)."""
-        now = time.time()
-        start = max(self.created, now - window)
-        before = [n for t, n in self._rates if t <= start]
-        base = before[-1] if before else self._rate_base
-        return (self._examples - base) / (now - start) if now > start else 0.0
 
 
 class Registry:

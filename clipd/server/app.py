@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from clipd.server.admin.facade import ServerSnapshot
-from clipd.server.aggregations import Aggregation, AggregationSpec, Registry
+from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, Stats
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import Shards, claims_shards, fail
 from clipd.server.logs import event
@@ -155,6 +155,12 @@ class ClipdServer:
 
     def aggregation(self, aggregation_id: str) -> Aggregation:
         return self.registry.get(aggregation_id)
+
+    def stats(self, aggregation: Aggregation) -> Stats:
+        return self.devices.stats(aggregation)
+
+    def throughput(self, aggregation: Aggregation) -> tuple[list[tuple[int, int]], bool]:
+        return self.devices.throughput(aggregation)
 
     def cancel(self, aggregation_id: str) -> Aggregation:
         return self.lifecycle.cancel(aggregation_id)

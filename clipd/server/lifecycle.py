@@ -31,7 +31,15 @@ import numpy as np
 
 from clipd.engine import BoundKind, NonFinite, PartialState, Unit, client_contribution
 from clipd.engine import _privacy as dp
-from clipd.server.aggregations import CREDENTIAL, SELF_ASSERTED, Aggregation, AggregationSpec, Registry, Result
+from clipd.server.aggregations import (
+    CREDENTIAL,
+    SELF_ASSERTED,
+    Aggregation,
+    AggregationSpec,
+    Registry,
+    Result,
+    Stats,
+)
 from clipd.server.errors import AlreadyExists, ClipdError, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from clipd.server.logs import event
 from clipd.server.privacy import Ledgers
@@ -71,6 +79,12 @@ class Shards(Protocol):
 
     def finished(self, aggregation: Aggregation) -> None:
         """The aggregation is finalized: the shards may drop their copies."""
+
+    def stats(self, aggregation: Aggregation) -> Stats:
+        """Its statistics where its numbers are: its own (summed here), or its shard hosts' reports."""
+
+    def throughput(self, aggregation: Aggregation) -> tuple[list[tuple[int, int]], bool]:
+        """Its examples per second, second by second (``Progress.throughput``), counted where it is summed."""
 
     @property
     def ready(self) -> bool:

@@ -2,7 +2,7 @@
 
 The app is its routers (:mod:`.routers`: aggregations, ledgers, the server, metrics, pages) over the server's
 facade (:mod:`.facade`), with one authentication: the admin token, as a bearer header or the dashboard's
-session cookie. Every route reads host-side snapshots (``Aggregation.stats()``); none runs JAX.
+session cookie. Every route reads host-side snapshots (``ServerFacade.stats``); none runs JAX.
 """
 
 from __future__ import annotations

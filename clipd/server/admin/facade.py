@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from clipd.server.aggregations import THROUGHPUT_SECONDS, Aggregation, Stats
+from clipd.server.aggregations import Aggregation, Stats
 from clipd.server.credentials import bearer_token, same
 from clipd.server.errors import NotFound
 from clipd.server.internal.v1.shard_host_pb2 import Load
+from clipd.server.progress import THROUGHPUT_SECONDS
 from clipd.server.settings import Settings
 
 __all__ = ["THROUGHPUT_SECONDS", "Aggregation", "Load", "NotFound", "ServerFacade", "ServerSnapshot", "Settings",
@@ -59,6 +60,12 @@ class ServerFacade(Protocol):
 
     def aggregation(self, aggregation_id: str) -> Aggregation:
         """One aggregation (``NotFound`` if there is none)."""
+
+    def stats(self, aggregation: Aggregation) -> Stats:
+        """Its statistics now, from wherever it is summed (this process, or its shard hosts' reports)."""
+
+    def throughput(self, aggregation: Aggregation) -> tuple[list[tuple[int, int]], bool]:
+        """Its examples per second, second by second: ``([(unix second, examples), ...], truncated)``."""
 
     def cancel(self, aggregation_id: str) -> Aggregation:
         """Drops an aggregation (or a finished one's result): what a DELETE does."""

@@ -18,7 +18,7 @@ class SnapshotCollector:
 
     def collect(self):
         server = self.server
-        views = [(a, a.stats()) for a in server.aggregations()]
+        views = [(a, server.stats(a)) for a in server.aggregations()]
         examples = CounterMetricFamily("clipd_examples", "Examples accumulated.", labels=["aggregation"])
         batches = CounterMetricFamily("clipd_batches", "Batches accumulated.", labels=["aggregation"])
         received = CounterMetricFamily("clipd_received_bytes", "Update bytes accumulated.", labels=["aggregation"])

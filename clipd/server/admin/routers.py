@@ -54,7 +54,7 @@ def aggregations(server: ServerFacade, access: Access) -> APIRouter:
     def list_aggregations() -> dict[str, Any]:
         listed = server.aggregations()
         debug = sorted({a.privacy.ledger_id for a in listed if a.privacy and a.privacy.debug_raw_statistics})
-        return {"aggregations": [aggregation_view(a) for a in listed],
+        return {"aggregations": [aggregation_view(a, server.stats(a)) for a in listed],
                 "now_unix_seconds": time.time(),  # the server's clock: what ages are counted against
                 "device_kind": server.snapshot().device_kind,
                 "privacy_debug_notice": (f"DEBUG MODE: raw statistics of differentially private aggregations are shown;"
@@ -62,11 +62,11 @@ def aggregations(server: ServerFacade, access: Access) -> APIRouter:
 
     @router.get("/{aggregation_id}", dependencies=[access.read])
     def get_aggregation(aggregation: AggregationParam) -> dict[str, Any]:
-        return aggregation_view(aggregation)
+        return aggregation_view(aggregation, server.stats(aggregation))
 
     @router.get("/{aggregation_id}/throughput", dependencies=[access.read])
     def get_throughput(aggregation: AggregationParam) -> dict[str, Any]:
-        """Examples per second, second by second, from the server's own series (``Aggregation.throughput``):
+        """Examples per second, second by second, from the series counted where it is summed (``Progress.throughput``):
         the seconds in which examples arrived (the last ``THROUGHPUT_SECONDS``), 0 on each side of an idle gap;
         ``t`` is the second's start (unix time). The same on every read until more examples arrive. Under a
         privacy policy (not in debug mode) it is raw data: ``points`` and ``peak`` are null, ``withheld`` says
@@ -76,14 +76,15 @@ def aggregations(server: ServerFacade, access: Access) -> APIRouter:
             return {**body, "points": None, "peak_examples_per_second": None, "truncated": None,
                     "withheld": "withheld: the throughput of a differentially private aggregation is a raw"
                                 " statistic (examples counted second by second)"}
-        points, truncated = aggregation.throughput()
+        points, truncated = server.throughput(aggregation)
         return {**body, "points": [{"t": t, "examples_per_second": n} for t, n in points],
                 "peak_examples_per_second": max((n for _, n in points), default=0), "truncated": truncated,
                 "withheld": None}
 
     @router.delete("/{aggregation_id}", dependencies=[access.write])
     def cancel_aggregation(aggregation: AggregationParam) -> dict[str, Any]:
-        return aggregation_view(server.cancel(aggregation.id))
+        cancelled = server.cancel(aggregation.id)
+        return aggregation_view(cancelled, server.stats(cancelled))
 
     return router
 

@@ -27,13 +27,12 @@ def quantile_from_histogram(counts, upper_bounds, q: float) -> float | None:
     return upper_bounds[-1]
 
 
-def aggregation_view(aggregation: Aggregation) -> dict[str, Any]:
+def aggregation_view(aggregation: Aggregation, stats: Stats) -> dict[str, Any]:
     """The JSON view of one aggregation: spec, policy, counters, per-layer statistics.
 
     Under a privacy policy (not in debug mode) the raw counters and statistics
     are absent (null): only the release's noised ones, under "privacy".
     """
-    stats = aggregation.stats()
     view = _full_view(aggregation, stats)
     if aggregation.privacy is None:
         return view

@@ -143,7 +143,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     @_status_on_error
     def GetStats(self, request: pb.GetStatsRequest, context) -> pb.AggregationStats:
-        return codec.stats_to_proto(self.registry.get(request.aggregation_id).stats())
+        return codec.stats_to_proto(self.lifecycle.shards.stats(self.registry.get(request.aggregation_id)))
 
     def Finalize(self, request: pb.FinalizeRequest, context):
         try:
@@ -173,7 +173,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
             state=codec.STATES[aggregation.state],
             layer_bounds=aggregation.accumulator.bounds,
-            examples=aggregation.examples,
+            examples=self.lifecycle.shards.stats(aggregation).examples,
             created_unix_seconds=aggregation.created,
             failure_reason=aggregation.failure_reason,
             submit_token=self.auth.submit_tokens.token_for(aggregation.id, aggregation.created),

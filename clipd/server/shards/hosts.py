@@ -18,10 +18,11 @@ import time
 from typing import Protocol
 
 from clipd.engine import PartialState
-from clipd.server.aggregations import TAKES_BATCHES, Aggregation, Registry, State
+from clipd.server.aggregations import TAKES_BATCHES, Aggregation, Registry, State, Stats
 from clipd.server.errors import ClipdError, DeadlineExceeded, FailedPrecondition, Unavailable
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import fail
+from clipd.server.progress import Progress
 from clipd.server.shards.protocol import stats_from_proto
 from clipd.server.stores.base import CLOSING, Store
 from clipd.server.summing.devices import owner_of
@@ -58,6 +59,43 @@ class HostLauncher(Protocol):
         """Stops every host (each commits what it summed), within about ``timeout`` seconds."""
 
 
+class HostedAggregation:
+    """The control process's read-only view of the numbers of an aggregation that its shard hosts sum: their last
+    reports (each shard's totals without sums, the clients they have seen) and the progress counted from them.
+
+    Written by the supervisor's poll alone (:meth:`report`); the aggregation's state, spec and release stay the
+    aggregation's. Once it is finalized (or failed), the aggregation's own (final) statistics are read instead.
+    """
+
+    def __init__(self, aggregation: Aggregation) -> None:
+        self.aggregation = aggregation
+        self._lock = threading.Lock()
+        self._shards: dict[int, PartialState] = {}
+        self._clients = 0
+        self._progress = Progress(aggregation.created)
+
+    def report(self, states: dict[int, PartialState], clients: int) -> None:
+        """The hosts' latest statistics of these shards, and the clients they have seen (summed over them)."""
+        with self._lock:
+            self._shards.update(states)
+            self._clients = clients
+            totals = list(self._shards.values())
+            self._progress.count_to(sum(s.examples for s in totals), sum(s.batches for s in totals),
+                                    sum(s.bytes for s in totals), time.time())
+
+    def stats(self) -> Stats:
+        with self._lock:
+            if not self._shards or self.aggregation.state not in (*TAKES_BATCHES, State.FINALIZING):
+                return self.aggregation.stats()
+            totals = PartialState.merge_all(list(self._shards.values()), with_sums=False)
+            counts, clients = self._progress.counts(), self._clients
+        return self.aggregation.stats_over(totals, counts, clients)
+
+    def throughput(self) -> tuple[list[tuple[int, int]], bool]:
+        with self._lock:
+            return self._progress.throughput()
+
+
 class ShardHosts:
     """The control process's shards: N shard hosts, whatever launched them, and the calls that span them.
 
@@ -73,6 +111,7 @@ class ShardHosts:
         self.registry: Registry | None = None
         self._seen: dict[int, host_pb.StatsResponse] = {}  # the last Stats answer of each host
         self._empty: dict[str, PartialState] = {}
+        self._hosted: dict[Aggregation, HostedAggregation] = {}  # what the hosts report of each open aggregation
         self._fenced: set[str] = set()  # aggregations whose shards this control claimed at finalize
         self._pump_thread = threading.Thread(target=self._pump, name="clipd-shards-stats", daemon=True)
 
@@ -157,6 +196,7 @@ class ShardHosts:
             self._call(index, "Forget", host_pb.ForgetRequest(aggregation_id=aggregation.id), timeout=10.0, quiet=True)
         self._empty.pop(aggregation.id, None)
         self._fenced.discard(aggregation.id)
+        self._hosted.pop(aggregation, None)
 
     def finished(self, aggregation: Aggregation) -> None:
         """Finalized (the store says so): the hosts drop their copies (a late Submit is refused)."""
@@ -195,8 +235,23 @@ class ShardHosts:
                     clients += found.clients
             if failed and aggregation.state in TAKES_BATCHES:
                 fail(aggregation, self.store, failed)
-            elif states:
-                aggregation.observe(states, clients)
+            elif states and aggregation.state in (*TAKES_BATCHES, State.FINALIZING):
+                self._view(aggregation).report(states, clients)
+
+    def _view(self, aggregation: Aggregation) -> HostedAggregation:
+        view = self._hosted.get(aggregation)
+        if view is None:
+            view = self._hosted[aggregation] = HostedAggregation(aggregation)
+        return view
+
+    def stats(self, aggregation: Aggregation) -> Stats:
+        """The aggregation's statistics as its hosts last reported them (its own, once it is finished)."""
+        view = self._hosted.get(aggregation)
+        return aggregation.stats() if view is None else view.stats()
+
+    def throughput(self, aggregation: Aggregation) -> tuple[list[tuple[int, int]], bool]:
+        view = self._hosted.get(aggregation)
+        return ([], False) if view is None else view.throughput()
 
     @property
     def payload_bytes(self) -> int:

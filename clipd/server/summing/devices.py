@@ -26,7 +26,7 @@ from typing import Any
 import jax
 
 from clipd.engine import PartialState
-from clipd.server.aggregations import Aggregation
+from clipd.server.aggregations import Aggregation, Stats
 from clipd.server.errors import DeadlineExceeded, Unavailable
 from clipd.server.stores.base import Store
 from clipd.server.summing.batch import Batch
@@ -127,6 +127,14 @@ class Devices:
 
     def finished(self, aggregation: Aggregation) -> None:
         """Nothing to drop: a worker lets go of an aggregation's device state at its final checkpoint."""
+
+    @staticmethod
+    def stats(aggregation: Aggregation) -> Stats:
+        return aggregation.stats()  # summed here: its own numbers
+
+    @staticmethod
+    def throughput(aggregation: Aggregation) -> tuple[list[tuple[int, int]], bool]:
+        return aggregation.throughput()
 
     # The server -------------------------------------------------------------------------------
     @property
