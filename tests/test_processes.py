@@ -327,6 +327,13 @@ def test_refusals_through_a_shard_process_are_those_of_one_process(behind_shards
         # The control's statistics, polled from the shard processes.
         wait_until(lambda: c.stats("via-shards").examples == 18, 10,
                    lambda: f"18 examples in the statistics ({c.stats('via-shards')})", step=0.1)
+        # ... the hosts' reports, read-only in the control (HostedAggregation): the clients they saw, the batches,
+        # and the throughput series counted from their reports (every example in some second).
+        assert c.stats("via-shards").batches == 6
+        aggregation = server.aggregation("via-shards")
+        assert server.stats(aggregation).clients == 6  # (what the admin API shows)
+        assert sum(n for _, n in server.throughput(aggregation)[0]) == 18
+        assert aggregation.stats().examples == 0  # (the control sums nothing: its own totals stay empty)
         result = c.finalize("via-shards")
     with grpc.insecure_channel(target) as channel:  # finalized: every shard process refuses more batches
         raw = channel.stream_stream("/clipd.v1.Clipd/Submit")
