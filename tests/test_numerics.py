@@ -14,7 +14,7 @@ import numpy as np
 
 from clipd.engine import ClipAccumulator, ClipPolicy, LayerSpec, PartialState
 from clipd.engine._accumulator import _accumulate
-from clipd.server.summing.worker import FLUSH_STEPS
+from clipd.server.summing.slots import FLUSH_STEPS
 
 N_EXAMPLES = 4_000_000  # a single float32 state drifts past 1e-4 by here (2.4e-4 on its norm sum)
 WIDTH = 8

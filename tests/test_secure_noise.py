@@ -295,7 +295,7 @@ def test_a_fixed_point_delta_is_flushed_before_its_limbs_could_overflow(server, 
     """The worker flushes a fixed-point delta into the host's totals before it holds FIXED_POINT_DELTA_ROWS rows.
     With that limit lowered to one step's rows, every step is flushed on its own; the sum stays exact."""
     from clipd.server import aggregations
-    from clipd.server.summing import worker
+    from clipd.server.summing import slots
 
     flushes = []
     absorb = aggregations.Aggregation.absorb  # (the worker's flush: its delta into the shard's totals)
@@ -304,7 +304,7 @@ def test_a_fixed_point_delta_is_flushed_before_its_limbs_could_overflow(server, 
     privacy = _secure(_ledger(), noise_multiplier=0.0)
     agg = client.create_aggregation({"w": (50,)}, l2_norm_clip=1.0, privacy=privacy)
     rows_per_step = server.registry.get(agg).device_rows
-    monkeypatch.setattr(worker, "FIXED_POINT_DELTA_ROWS", rows_per_step)
+    monkeypatch.setattr(slots, "FIXED_POINT_DELTA_ROWS", rows_per_step)
     batches = [{"w": (np.random.default_rng(k).standard_normal((rows_per_step, 50)) * 0.01).astype(np.float32)}
                for k in range(12)]
     client.submit(agg, batches)

@@ -7,14 +7,16 @@ by one worker. Everything below is about one worker and its shards.
 Validated batches wait in a queue; their bytes are held in the server's buffer
 budget (``limits.ByteBudget``) until the worker has copied them, so a busy
 device makes the streams wait (back-pressure). The worker packs consecutive batches of one
-aggregation into a 64-byte-aligned host staging buffer of ``device_rows`` rows,
+aggregation (:mod:`~clipd.server.summing.packing`) into a 64-byte-aligned host staging buffer of
+``device_rows`` rows,
 hands it to the jitted accumulator step padded to the next bucket size (so each
 layer spec compiles a handful of programs once, at warm-up), and runs it.
 Steps are asynchronous: while the device sums one buffer, the worker copies
 the next batches into the aggregation's other buffer.
 
-Durability (group commit). The device holds a *delta* (float32 sums, int32
-counts) since the last flush. A flush adds the delta into the aggregation's
+Durability (group commit; a shard's delta and its flush: :mod:`~clipd.server.summing.slots`).
+The device holds a *delta* (float32 sums, int32 counts) since the last flush.
+A flush adds the delta into the aggregation's
 host totals (a ``PartialState`` in float64/int64, with each client's highest
 summed sequence) and restarts the delta from zero. A checkpoint is a flush
 whose totals the committer thread then writes to the store; once the commit
@@ -64,14 +66,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState
+from clipd.engine import PartialState
 from clipd.server.aggregations import Aggregation, State
 from clipd.server.errors import Unavailable
 from clipd.server.lifecycle import fail
 from clipd.server.stores.base import Store
 from clipd.server.summing.batch import Batch
 from clipd.server.summing.checkpoints import CHECKPOINT_FAILED, Committer, checkpoint_due_at
-from clipd.server.summing.memory import ALIGNMENT, aligned_empty
+from clipd.server.summing.packing import Step, pack
 from clipd.server.summing.programs import (
     already_compiled,
     bucket_for,
@@ -79,24 +81,12 @@ from clipd.server.summing.programs import (
     compile_programs,
     sums_on_host,
 )
+from clipd.server.summing.slots import InFlight, ShardSlot
 
 log = logging.getLogger(__name__)
 STATS_PERIOD = 0.1  # seconds between reads of the device statistics while batches keep coming
 FILL_WAIT = 0.002  # how long a step less than half full waits for more batches (seconds)
-FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
 LARGE_PARAMETERS = 1 << 22  # an aggregation this large warms up on a thread even when compiled (its totals)
-
-
-def _aligned_rows(batch: Batch, start: int, rows: int) -> list[np.ndarray] | None:
-    """``batch``'s rows ``[start, start + rows)`` of every layer, if they are there and each starts on an
-    ``ALIGNMENT``-byte boundary: JAX on the CPU then reads them in place, and the step needs no copy
-    into the staging buffer (a large update is held once: in the buffer it was received into)."""
-    if start + rows > batch.rows:
-        return None
-    views = [layer[start : start + rows] for layer in batch.layers]
-    if all(v.flags.c_contiguous and v.ctypes.data % ALIGNMENT == 0 for v in views):
-        return views
-    return None
 
 
 @dataclasses.dataclass
@@ -118,53 +108,6 @@ class _Stop:
     pass
 
 
-@dataclasses.dataclass
-class _InFlight:
-    aggregation: Aggregation
-    shard: int
-    done: list[tuple[str, str, int, int, int]]  # (client, writer, sequence, rows, nbytes)
-    step: int = 0  # the worker's step count when it was dispatched
-    holds: list[Batch] = dataclasses.field(default_factory=list)  # batches whose own buffers it reads
-    example: list[np.ndarray] | None = None  # a measured example (sums on the host): its layers, to add
-    scales: Any = None  # ... and its ExampleScales (on the device until read)
-    staged: bool = False  # its layers are a staging buffer (the next fill writes over them)
-    stats: Any = None  # the device statistics read when it finished (None: not read this time)
-
-    def give_back(self) -> None:
-        for batch in self.holds:
-            batch.give_back()
-        self.holds = []
-
-
-@dataclasses.dataclass
-class _Slot:
-    """The device side of one aggregation: its delta, what the delta covers, its staging buffers."""
-
-    delta: Any  # AccumulatorState on the device, since the last flush
-    marks: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)  # client -> (seq, writer)
-    batches: int = 0
-    nbytes: int = 0
-    steps: int = 0
-    staging: list[list[np.ndarray]] | None = None
-    next_staging: int = 0
-    stats_read: float = 0.0
-    dirty: bool = False  # batches summed since the last checkpoint started
-    unsaved_bytes: int = 0  # bytes of those batches
-    last_commit_seconds: float = 0.5  # how long the last checkpoint took to write (a guess before the first)
-    full_since: float | None = None  # when unsaved_bytes reached half a checkpoint's (time.monotonic())
-    checkpoint_due: float = 0.0  # time.monotonic() when the next checkpoint may start
-    committing: bool = False
-    queued: Any = None  # the totals last handed to the committer (a final commit of the same ones writes nothing);
-    # CHECKPOINT_FAILED once the committer could not write them
-    unadded: list[_InFlight] = dataclasses.field(default_factory=list)  # measured examples waiting to be added
-    # into the totals (sums on the host) while the committer writes them; they hold their batches
-
-    def give_back(self) -> None:
-        for inflight in self.unadded:
-            inflight.give_back()
-        self.unadded = []
-
-
 class DeviceWorker:
     """Runs every device step of one device, in one thread; a second thread commits checkpoints."""
 
@@ -180,11 +123,11 @@ class DeviceWorker:
         self._stopping = False
         self._recheck = False  # set by the committer: a checkpoint may have become due
         # Keyed by (aggregation object, shard): a re-created id is another key.
-        self._slots: dict[tuple[Aggregation, int], _Slot] = {}
+        self._slots: dict[tuple[Aggregation, int], ShardSlot] = {}
         self._shards: dict[Aggregation, tuple[int, ...]] = {}  # the shards of each aggregation this worker sums
         self._warming: set[Aggregation] = set()  # compiling; their batches are parked meanwhile
         self._parked: dict[Aggregation, list[_Work]] = {}
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self.device = device if device is not None else jax.devices()[0]  # every step of this worker runs here
         self.device_kind = self.device.device_kind
         self.steps = 0  # clip-and-sum steps dispatched, over every aggregation
@@ -430,6 +373,7 @@ class DeviceWorker:
         aggregation.drop()  # every accepted batch of it that was here is gone
 
     def _accumulate(self, first: _Work) -> None:
+        """Sums ``first`` and the batches of its shard queued behind it, in steps (:func:`packing.pack`)."""
         aggregation, shard = first.aggregation, first.shard
         slot = self._slots.get((aggregation, shard))
         if slot is None and aggregation in self._warming:
@@ -439,63 +383,26 @@ class DeviceWorker:
             first.batch.give_back()
             aggregation.drop(1)
             return
-        capacity = aggregation.device_rows
-        buffers: list[np.ndarray] | None = None  # the staging buffer being filled (taken when first needed)
-        fill, done = 0, []
-        deadline = time.monotonic() + FILL_WAIT  # small batches arriving one by one fill a step
-        work: _Work | None = first
-        while work is not None:
-            batch, start, direct_step = work.batch, 0, None
-            while start < batch.rows:
-                whole = _aligned_rows(batch, start, capacity) if fill == 0 else None
-                if whole is not None:  # a whole step of this batch's own aligned rows: no copy
-                    if start + capacity == batch.rows:
-                        done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
-                    self._dispatch(aggregation, shard, slot, whole, capacity, done, staged=False)
-                    start, done, direct_step = start + capacity, [], self.steps
-                    continue
-                if buffers is None:
-                    buffers = self._buffers(aggregation, slot)
-                take = min(batch.rows - start, capacity - fill)
-                for buf, layer in zip(buffers, batch.layers):
-                    buf[fill : fill + take] = layer[start : start + take]
-                fill, start = fill + take, start + take
-                if fill == capacity and start < batch.rows:  # a batch larger than one step
-                    self._dispatch(aggregation, shard, slot, buffers, fill, done)
-                    buffers, fill, done = None, 0, []
-            if direct_step is not None and self._inflight is not None and self._inflight.step == direct_step:
-                self._inflight.holds.append(batch)  # the step in flight reads its buffers: given back after it
+        in_place_step = None  # the last step that read a batch's own buffers
+        for item in pack(first, aggregation.device_rows, functools.partial(slot.staging_buffers, aggregation),
+                         functools.partial(self._more_for, aggregation, shard),
+                         deadline=time.monotonic() + FILL_WAIT):  # small batches arriving one by one fill a step
+            if isinstance(item, Step):
+                self._dispatch(aggregation, shard, slot, item)
+                in_place_step = None if item.staged else self.steps
+            elif item.in_place and self._inflight is not None and self._inflight.step == in_place_step:
+                self._inflight.holds.append(item.batch)  # the step in flight reads its buffers: given back after it
             else:
-                batch.give_back()  # copied (or summed): its buffers may go
-            if not fill:  # its last rows went in a step of their own: nothing is waiting in staging
-                work = self._more_for(aggregation, shard, capacity, 0.0)
-                continue
-            done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
-            work = self._more_for(aggregation, shard, capacity - fill, deadline if fill < capacity // 2 else 0.0)
-        if fill:
-            self._dispatch(aggregation, shard, slot, buffers, fill, done)
+                item.batch.give_back()  # copied (or summed): its buffers may go
 
-    @staticmethod
-    def _buffers(aggregation: Aggregation, slot: _Slot) -> list[np.ndarray]:
-        """The aggregation's staging buffer not used by the step in flight."""
-        if slot.staging is None:
-            slot.staging = [
-                [aligned_empty((aggregation.device_rows, *layer.shape), layer.dtype) for layer in aggregation.layers]
-                for _ in range(2)
-            ]
-        buffers = slot.staging[slot.next_staging]
-        slot.next_staging = 1 - slot.next_staging
-        return buffers
-
-    def _dispatch(self, aggregation: Aggregation, shard: int, slot: _Slot, buffers, rows: int, done,
-                  staged: bool = True) -> None:
-        bucket = bucket_for(rows, bucket_sizes(aggregation.device_rows))
+    def _dispatch(self, aggregation: Aggregation, shard: int, slot: ShardSlot, step: Step) -> None:
+        bucket = bucket_for(step.rows, bucket_sizes(aggregation.device_rows))
         # Aligned numpy views go to the jitted step as they are: on the CPU JAX reads them in
         # place (one jax.device_put per array costs more than the step for small batches).
-        layers = [buf[:bucket] for buf in buffers]
-        valid = np.arange(bucket) < rows
+        layers = [buf[:bucket] for buf in step.layers]
+        valid = np.arange(bucket) < step.rows
         self._finish_inflight()
-        inflight = _InFlight(aggregation, shard, done, self.steps + 1, staged=staged)
+        inflight = InFlight(aggregation, shard, step.done, self.steps + 1, staged=step.staged)
         if slot.delta.sum_chunks is None:  # sums on the host: the step measures, the worker adds (_add_measured)
             slot.delta, inflight.scales = aggregation.accumulator.measure(slot.delta, layers, valid)
             inflight.example = layers
@@ -535,7 +442,7 @@ class DeviceWorker:
         inflight.give_back()  # the step has read them: their buffers may be reused
         self._summed(aggregation, shard, slot, inflight)
 
-    def _add_measured(self, aggregation: Aggregation, shard: int, slot: _Slot, wait: bool = False) -> None:
+    def _add_measured(self, aggregation: Aggregation, shard: int, slot: ShardSlot, wait: bool = False) -> None:
         """Adds the shard's measured examples into its host totals (in place, in order), then marks them summed
         and frees their buffers. Never while the committer writes those totals: then, unless ``wait``, they
         stay for later (:meth:`_checkpoint_due`, after the commit; their batches' memory stays held)."""
@@ -555,18 +462,11 @@ class DeviceWorker:
             inflight.give_back()
             self._summed(aggregation, shard, slot, inflight)
 
-    def _summed(self, aggregation: Aggregation, shard: int, slot: _Slot, inflight: _InFlight) -> None:
+    def _summed(self, aggregation: Aggregation, shard: int, slot: ShardSlot, inflight: InFlight) -> None:
         """A step's batches are in the shard's sums: their marks move up, the aggregation counts them."""
-        for client, writer, sequence, _, nbytes in inflight.done:
-            slot.marks[client] = (sequence, writer)
-            slot.batches += 1
-            slot.nbytes += nbytes
-            slot.unsaved_bytes += nbytes
-        slot.dirty = slot.dirty or bool(inflight.done)
+        slot.count(inflight.done)
         aggregation.record(inflight.done, inflight.stats, shard)
-        fixed_point_full = (aggregation.accumulator.fixed_point_step
-                            and (slot.steps + 1) * aggregation.device_rows > FIXED_POINT_DELTA_ROWS)
-        if slot.steps >= FLUSH_STEPS or fixed_point_full:  # (fixed point: before its int32 limbs could overflow)
+        if slot.flush_due(aggregation):
             self._flush(aggregation, shard)
 
     # Flushes and checkpoints ------------------------------------------------------------
@@ -581,13 +481,7 @@ class DeviceWorker:
         self._add_measured(aggregation, shard, slot)
         if self._slots.get((aggregation, shard)) is not slot:
             return aggregation.shard_state(shard)  # it failed meanwhile
-        delta = jax.device_get(slot.delta)  # on the CPU, views of the device buffers
-        totals = aggregation.absorb(shard, delta, slot.marks, slot.batches, slot.nbytes)
-        del delta
-        if aggregation.device_rows > 1 or slot.delta.sum_chunks is None:  # (a delta of one example a step with
-            slot.delta = aggregation.accumulator.reset(slot.delta)  # sums: the next, fresh, step writes over it)
-        slot.marks, slot.batches, slot.nbytes, slot.steps = {}, 0, 0, 0
-        return totals
+        return slot.absorb_into(aggregation, shard)
 
     def _checkpoint(self, aggregation: Aggregation, shard: int) -> None:
         """Flushes and hands the shard's totals to the committer (group commit)."""
@@ -666,7 +560,7 @@ class DeviceWorker:
         aggregation.notify_on_last_stream(self._streams_ended)
         on_host = sums_on_host(aggregation, self.device)
         for shard in self._shards[aggregation]:
-            self._slots[(aggregation, shard)] = _Slot(aggregation.accumulator.init(sums=not on_host))
+            self._slots[(aggregation, shard)] = ShardSlot(aggregation.accumulator.init(sums=not on_host))
         parked = self._parked.pop(aggregation, [])
         with self._cond:
             self._warming.discard(aggregation)
