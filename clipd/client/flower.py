@@ -68,13 +68,8 @@ clipd client itself needs only numpy, grpcio and protobuf.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import uuid
 from collections.abc import Iterable
-
-import numpy as np
 
 try:
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -83,23 +78,14 @@ try:
 except ImportError as e:  # pragma: no cover - exercised where flwr is missing
     raise ImportError("clipd.client.flower needs Flower's Message API: pip install '.[flower]' (flwr 1.41)") from e
 
-from clipd.v1 import clipd_pb2 as pb
-
-from ._client import AggregateResult, Client
-from .errors import ClipdError, FailedPreconditionError
+from ._client import Client
+from .errors import ClipdError
 from .privacy import Privacy
+from .rounds import PrivateRounds
 
 log = logging.getLogger("flwr").getChild("clipd")  # shown by Flower's console handler
 
 __all__ = ["ClipdStrategy"]
-
-
-@dataclasses.dataclass
-class _Round:
-    server_round: int
-    aggregation_id: str
-    current: dict[str, np.ndarray]  # the global arrays sent to the clients, all of them, in order
-    floating: list[str]  # the ones clipd aggregates
 
 
 class ClipdStrategy(Strategy):
@@ -140,36 +126,19 @@ class ClipdStrategy(Strategy):
         keep_results: bool = False,
     ) -> None:
         super().__init__()
-        if not (num_sampled_clients > 0 and math.isfinite(num_sampled_clients)):
-            raise ValueError(f"num_sampled_clients must be > 0, got {num_sampled_clients}")
-        adaptive = privacy.adaptive if privacy is not None else None
-        if adaptive is not None:
-            if clipping_norm is not None and clipping_norm != adaptive.initial_bound:
-                raise ValueError("with adaptive clipping the bound starts at privacy.adaptive.initial_bound and the"
-                                 " server moves it: leave clipping_norm None")
-            clipping_norm = adaptive.initial_bound
-        if clipping_norm is None or not clipping_norm > 0:
-            raise ValueError(f"clipping_norm must be > 0, got {clipping_norm}")
-        if privacy is not None:
-            if privacy.public_denominator == 0:
-                privacy = dataclasses.replace(privacy, public_denominator=float(num_sampled_clients))
-            elif privacy.public_denominator != num_sampled_clients:
-                raise ValueError(f"privacy.public_denominator ({privacy.public_denominator}) must be"
-                                 f" num_sampled_clients ({num_sampled_clients}): the mean divides by it")
-        else:
-            log.warning("ClipdStrategy without a privacy policy: updates are clipped but not noised"
-                        " (not differentially private)")
+        self.rounds = PrivateRounds(client, clipping_norm=clipping_norm, num_sampled_clients=num_sampled_clients,
+                                    privacy=privacy, non_finite=non_finite, keep_results=keep_results, log=log,
+                                    name="flower")
         self.strategy = strategy
         self.client = client
-        self.clipping_norm = float(clipping_norm)
         self.num_sampled_clients = num_sampled_clients
-        self.privacy = privacy
-        self.non_finite = non_finite
+        self.privacy = self.rounds.privacy  # (its public denominator set)
         self.arrayrecord_key = arrayrecord_key or getattr(strategy, "arrayrecord_key", "arrays")
-        self.keep_results = keep_results
-        self.stopped: str | None = None  # why training stopped (a refused release), or None
-        self.releases: list[pb.Release] = []  # one per released round
-        self._open: _Round | None = None
+
+    stopped = property(lambda self: self.rounds.stopped, doc="why training stopped (a refused release), or None")
+    releases = property(lambda self: self.rounds.releases, doc="the clipd Release of each released round")
+    clipping_norm = property(lambda self: self.rounds.clipping_norm,
+                             doc="the bound of the next round (adaptive clipping moves it)")
 
     def __repr__(self) -> str:
         return f"ClipdStrategy({self.strategy!r}, C={self.clipping_norm}, m={self.num_sampled_clients})"
@@ -200,127 +169,46 @@ class ClipdStrategy(Strategy):
         if len(messages) != self.num_sampled_clients:
             log.warning("configure_train: %d clients sampled, but the public denominator m is %s: the mean"
                         " divides by m", len(messages), self.num_sampled_clients)
-        self._cancel_open()
-        current = {name: array.numpy() for name, array in arrays.items()}
-        floating = [name for name, a in current.items() if np.issubdtype(a.dtype, np.floating)]
-        if not floating:
-            raise ValueError("ClipdStrategy: the model has no floating arrays to aggregate")
-        try:
-            aggregation_id = self.client.create_aggregation(
-                {name: tuple(current[name].shape) for name in floating}, policy="global",
-                l2_norm_clip=self.clipping_norm, non_finite=self.non_finite, privacy=self.privacy,
-                aggregation_id=f"flower-r{server_round}-{uuid.uuid4().hex[:16]}", unit="client",
-            )
-        except FailedPreconditionError as e:  # the ledger's budget (or its configuration) refuses the release
-            self._stop(f"clipd refused round {server_round}'s release: {e.details}")
+        if not self.rounds.open(server_round, {name: array.numpy() for name, array in arrays.items()}):
             return []
-        self._open = _Round(server_round, aggregation_id, current, floating)
         return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Streams each reply's update to clipd, finalizes, and returns ``current + noised_sum / m``."""
-        replies = list(replies)
-        round_ = self._open
-        if round_ is None or round_.server_round != server_round:
+        round_ = self.rounds.open_round
+        if round_ is None or round_.number != server_round:
             if self.stopped is None:
                 log.warning("aggregate_train: no clipd aggregation is open for round %s", server_round)
             return None, None
-        self._open = None
-        sent = 0
         try:
             for reply in replies:
-                sent += self._submit(round_, reply)
-            log.info("aggregate_train: %d of %d replies streamed to clipd; releasing the sum over m = %s",
-                     sent, len(replies), self.num_sampled_clients)
-            result = self.client.finalize(round_.aggregation_id)
-        except FailedPreconditionError as e:  # refused at finalize (the budget, checked again)
-            self._cancel(round_.aggregation_id)
-            self._stop(f"clipd refused round {server_round}'s release: {e.details}")
-            return None, None
-        except ClipdError as e:
+                self._submit(reply)
+        except ClipdError as e:  # the server stayed unreachable
             log.error("aggregate_train: round %s not aggregated (model unchanged): %s", server_round, e)
-            self._cancel(round_.aggregation_id)
+            self.rounds.cancel_open()
             return None, None
-        if not self.keep_results:
-            self._cancel(round_.aggregation_id)
-        return self._new_arrays(round_, result), self._metrics(result)
+        arrays, metrics = self.rounds.release()
+        if arrays is None:
+            return None, None
+        return ArrayRecord({name: Array(a) for name, a in arrays.items()}), MetricRecord(metrics)
 
-    def _submit(self, round_: _Round, reply: Message) -> int:
-        """Sends one reply's update as one contribution; 1 if it was summed, 0 if it was skipped."""
+    def _submit(self, reply: Message) -> None:
+        """Sends one reply's update as its node's one contribution (or nothing, logged)."""
         node = reply.metadata.src_node_id
         if reply.has_error():
             log.info("aggregate_train: reply from node %s carries an error (%s): nothing sent", node,
                      reply.error.reason)
-            return 0
+            return
         records = reply.content.array_records
         record = records.get(self.arrayrecord_key) or (next(iter(records.values())) if len(records) == 1 else None)
-        if record is None or set(record.keys()) != set(round_.current):
+        if record is None:
             log.warning("aggregate_train: reply from node %s does not hold the model's arrays: nothing sent", node)
-            return 0
-        update = {}
-        for name in round_.floating:
-            new, old = record[name].numpy(), round_.current[name]
-            if new.shape != old.shape:
-                log.warning("aggregate_train: reply from node %s: array %r has shape %s, the model %s: nothing"
-                            " sent", node, name, new.shape, old.shape)
-                return 0
-            update[name] = np.subtract(new, old, dtype=np.float64)
-        try:
-            self.client.submit(round_.aggregation_id, update, client_id=f"n{node}")
-        except ClipdError as e:
-            if e.retryable:  # the server stayed unreachable: the round can't be released as it should
-                raise
-            log.warning("aggregate_train: update of node %s refused (%s): it contributes nothing", node, e)
-            return 0
-        return 1
-
-    def _new_arrays(self, round_: _Round, result: AggregateResult) -> ArrayRecord:
-        release = result.release
-        divide = not (release is not None and release.mean)  # the server already divided by m
-        arrays = {}
-        for name, current in round_.current.items():
-            if name in result.sums:
-                mean = result.sums[name].astype(np.float64)
-                if divide:
-                    mean = mean / self.num_sampled_clients
-                current = (current + mean).astype(current.dtype)
-            arrays[name] = Array(np.asarray(current))
-        if release is not None:
-            self.releases.append(release)
-            if release.next_bound > 0:
-                self.clipping_norm = release.next_bound
-        return ArrayRecord(arrays)
-
-    def _metrics(self, result: AggregateResult) -> MetricRecord:
-        release = result.release
-        if release is None:  # no privacy policy: nothing here is private, so publish nothing about the clients
-            return MetricRecord({"bound": float(self.clipping_norm)})
-        metrics: dict = {
-            "epsilon": release.epsilon, "ledger-epsilon": release.ledger_epsilon, "delta": release.delta,
-            "noise-stddev": release.noise_stddev,
-            "noise-stddev-of-mean": release.noise_stddev / self.num_sampled_clients,
-            "bound": release.bound, "next-bound": release.next_bound,
-        }
-        if math.isfinite(release.budget_left):
-            metrics["budget-left"] = release.budget_left
-        if release.mechanism:  # a correlated stream: which of its releases this round is
-            metrics["stream-release"] = release.stream_release
-        if self.privacy is not None and self.privacy.adaptive is not None:
-            metrics["unclipped-fraction"] = release.unclipped_fraction
-        if release.statistics_noise_stddev > 0 or release.debug_raw_statistics:
-            metrics["examples"] = release.examples
-            metrics["statistics-noise-stddev"] = release.statistics_noise_stddev
-            if release.layer_clipped:
-                metrics["layer-clipped"] = [float(v) for v in release.layer_clipped]
-            if release.example_norm_histogram:
-                metrics["norm-histogram"] = [float(v) for v in release.example_norm_histogram]
-        if release.seeded:
-            metrics["seeded-noise"] = 1  # test mode: the noise is reproducible, not private
-        if release.debug_raw_statistics:
-            metrics["debug-raw-statistics"] = 1  # the ledger's epsilon is infinite
-        return MetricRecord({k: float(v) if isinstance(v, (int, float)) else v for k, v in metrics.items()})
+            return
+        update = self.rounds.update_from(f"node {node}", {k: record[k].numpy() for k in record.keys()}, diff=False)
+        if update is not None:
+            self.rounds.submit(f"n{node}", update)
 
     # Evaluation: the wrapped strategy's --------------------------------------------------------------
     def configure_evaluate(
@@ -330,20 +218,3 @@ class ClipdStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return self.strategy.aggregate_evaluate(server_round, replies)
-
-    # Plumbing ----------------------------------------------------------------------------------------
-    def _stop(self, reason: str) -> None:
-        self.stopped = reason
-        log.warning("ClipdStrategy: training stops: %s", reason)
-
-    def _cancel_open(self) -> None:
-        """Cancels an aggregation whose round never reached aggregate_train (its release stays unmade)."""
-        if self._open is not None:
-            self._cancel(self._open.aggregation_id)
-            self._open = None
-
-    def _cancel(self, aggregation_id: str) -> None:
-        try:
-            self.client.cancel(aggregation_id)
-        except ClipdError as e:
-            log.warning("could not cancel clipd aggregation %s: %s", aggregation_id, e)

@@ -1,0 +1,308 @@
+"""clipd as the aggregator of NVIDIA FLARE's FedAvg: each site's update clipped, summed and released with central DP.
+
+NVFlare 2.9 leaves formal privacy to the sites (Opacus inside each one) and offers filters (``PercentilePrivacy``,
+``SVTPrivacy``, ``ExcludeVars``) that come with no accountant. :class:`ClipdAggregator` is a ``ModelAggregator``
+for NVFlare's ``FedAvg`` that sends each site's update to a clipd server instead, which clips it (one L2 bound over
+the whole update), sums, noises, accounts the release on a ledger, and stops at a budget::
+
+    from clipd.client import Privacy
+    from clipd.client.nvflare import ClipdFedAvgRecipe
+
+    recipe = ClipdFedAvgRecipe(
+        name="digits", min_clients=3, num_rounds=20, model=Net(), train_script="client.py",
+        clipd_target="clipd.example.org:50051", clipping_norm=1.0,
+        privacy=Privacy(ledger_id="digits-run-1", delta=1e-5, noise_multiplier=1.0, max_epsilon=8.0),
+    )
+    recipe.execute(SimEnv(num_clients=3))
+
+Each round (:class:`~clipd.client.rounds.PrivateRounds` holds the logic it shares with the Flower strategy):
+
+* ``reset_stats`` (the round's start, before the sites are asked to train) opens a clipd aggregation with
+  ``unit="client"`` for the global model's floating arrays: each site is one unit of privacy, its update one
+  contribution, sent by the aggregator as a trusted submitter (its token: the admin token or a submitter token,
+  read from the ``CLIPD_TOKEN`` environment variable of the NVFlare server) under the site's name. A ledger that
+  can't afford the release refuses it there: training stops (:class:`ClipdFedAvg` asks no site to train and ends
+  the job; NVFlare's own ``FedAvg`` goes on with rounds that leave the model as it is).
+* ``accept_model`` streams each site's update as it arrives: its ``DIFF`` as it is, or ``params - global`` for
+  ``FULL``. Nothing of a site is kept in the NVFlare server once it is sent. A site whose update has another
+  shape or misses an array contributes nothing (logged); NaN or inf is zeroed by the server and counted.
+* ``aggregate_model`` finalizes and returns the noised mean ``noised_sum / m`` as a ``DIFF`` (FedAvg adds it to
+  the global model), ``m`` the public number of sampled sites (never the replies that arrived, never NVFlare's
+  weighted mean). The round's privatised metrics (epsilon, ledger epsilon, noise stddev, budget left) go into
+  the returned model's ``metrics`` and ``meta["clipd"]`` and NVFlare's log.
+
+Needs NVFlare (``pip install '.[nvflare]'``: nvflare 2.9.0); the clipd client itself needs only numpy, grpcio and
+protobuf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+try:
+    from nvflare.apis.dxo import DataKind
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+    from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
+    from nvflare.app_common.app_constant import AppConstants
+    from nvflare.app_common.workflows.fedavg import FedAvg
+except ImportError as e:  # pragma: no cover - exercised where nvflare is missing
+    raise ImportError("clipd.client.nvflare needs NVIDIA FLARE: pip install '.[nvflare]' (nvflare 2.9.0)") from e
+
+from ._client import Client
+from .errors import ClipdError
+from .privacy import Adaptive, Privacy
+from .rounds import PrivateRounds
+
+__all__ = ["ClipdAggregator", "ClipdFedAvg", "ClipdFedAvgRecipe", "privacy_config"]  # noqa: F822 (made on demand)
+
+
+def privacy_config(privacy: Privacy | dict | None) -> dict | None:
+    """A privacy policy as plain data: NVFlare writes an aggregator's arguments into the job's configuration and
+    builds it again on the server from them, so they must be builtins."""
+    if privacy is None or isinstance(privacy, dict):
+        return privacy
+    return dataclasses.asdict(privacy)
+
+
+def _privacy(config: dict | None) -> Privacy | None:
+    if config is None:
+        return None
+    adaptive = config.get("adaptive")
+    return Privacy(**{**config, "adaptive": Adaptive(**adaptive) if isinstance(adaptive, dict) else adaptive})
+
+
+def _numpy(value) -> np.ndarray:
+    """An array of a site's update as numpy: NVFlare hands numpy arrays, torch tensors (the PyTorch exchange format)
+    or lazy references to tensors offloaded to disk (``enable_tensor_disk_offload``)."""
+    if callable(getattr(value, "materialize", None)):
+        value = value.materialize()
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+class _Log:
+    """The aggregator's NVFlare log, for :class:`PrivateRounds`."""
+
+    def __init__(self, aggregator: ModelAggregator) -> None:
+        self.info, self.warning, self.error = aggregator.info, aggregator.warning, aggregator.error
+
+
+class ClipdAggregator(ModelAggregator):
+    """A ``ModelAggregator`` for NVFlare's ``FedAvg`` whose rounds are clipd aggregations (see the module).
+
+    Args (builtins only: NVFlare writes them into the job's configuration and builds the aggregator again on
+    its server from them):
+      target: the clipd server, ``host:port``.
+      num_sampled_clients: m, the public denominator: the sites sampled per round (FedAvg's ``num_clients``).
+      clipping_norm: the bound C on each site's update (one L2 norm over its floating arrays); None with adaptive
+        clipping (the bound starts at ``privacy.adaptive.initial_bound``).
+      privacy: the privacy policy of every round's release (:class:`clipd.client.Privacy`, or its
+        :func:`privacy_config`); None: clipped, not noised (not differentially private).
+      token_env: the environment variable of the NVFlare server that holds the clipd token it submits with (the
+        admin token, or a submitter token: ``clipd token --role submitter``); ``token`` instead puts it in the
+        job's configuration.
+      tls_ca: a CA certificate file (PEM) to reach a clipd server over TLS.
+      non_finite: clipd's policy for an update holding NaN or inf (``zero_example``: zeroed and counted).
+      keep_results: leave each finalized aggregation on the clipd server.
+      timeout: seconds for each clipd call.
+      retry_timeout: how long a clipd server that is unreachable (restarting) is retried before the round gives up.
+    """
+
+    def __init__(self, target: str, num_sampled_clients: int, clipping_norm: float | None = None,
+                 privacy: dict | None = None, token_env: str = "CLIPD_TOKEN", token: str | None = None,
+                 tls_ca: str | None = None, non_finite: str = "zero_example", keep_results: bool = False,
+                 timeout: float = 600.0, retry_timeout: float = 60.0) -> None:
+        super().__init__()
+        self.target = target
+        self.num_sampled_clients = num_sampled_clients
+        self.clipping_norm = clipping_norm
+        self.privacy = privacy_config(privacy)
+        self.token_env = token_env
+        self.token = token
+        self.tls_ca = tls_ca
+        self.non_finite = non_finite
+        self.keep_results = keep_results
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        _privacy(self.privacy)  # (a policy that can't be built fails here, in the job's code, not on the server)
+        self._rounds: PrivateRounds | None = None
+        self._round = 0
+        self._sent = 0
+
+    # NVFlare's calls ------------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """A round starts: its clipd aggregation opens now (before any site trains) when the global model is known
+        here, else with the first update."""
+        rounds = self.rounds
+        rounds.cancel_open()
+        self._round = self._current_round()
+        self._sent = 0
+        current = self._global_model()
+        if rounds.stopped is not None:
+            self.warning(f"clipd: round {self._round} is not aggregated: {rounds.stopped}")
+        elif current is not None:
+            self._open(current)
+
+    def accept_model(self, model: FLModel) -> None:
+        """Streams one site's update into the round's aggregation (nothing of it is kept here)."""
+        site = str((model.meta or {}).get("client_name") or "unknown site")
+        rounds = self.rounds
+        if rounds.stopped is not None:
+            self.info(f"clipd: the update of {site} is not sent: {rounds.stopped}")
+            return
+        params = {name: _numpy(value) for name, value in (model.params or {}).items()}
+        diff = model.params_type == ParamsType.DIFF
+        if rounds.open_round is None:
+            current = self._global_model()
+            if current is None and not diff:
+                self.error(f"clipd: the update of {site} is a FULL model and the global model is not known here:"
+                           " nothing sent (send DIFF: params_transfer_type=TransferType.DIFF)")
+                return
+            if not self._open(current if current is not None else {k: np.zeros_like(v) for k, v in params.items()}):
+                return
+        update = rounds.update_from(site, params, diff=diff)
+        del params
+        if update is not None and rounds.submit(site, update):
+            self._sent += 1
+
+    def aggregate_model(self) -> FLModel:
+        """Finalizes the round: the noised mean ``noised_sum / m`` as a DIFF, with the privatised metrics; an
+        empty DIFF (the model unchanged) when nothing is released."""
+        rounds = self.rounds
+        arrays, metrics = rounds.release(as_update=True)
+        if arrays is None:
+            if rounds.stopped is None:
+                self.warning(f"clipd: round {self._round} not released: the global model is unchanged")
+            return FLModel(params_type=ParamsType.DIFF, params={}, metrics={"clipd_released": 0.0},
+                           meta={"clipd": {"released": False, "stopped": rounds.stopped}})
+        metrics = {**metrics, "clipd_released": 1.0}
+        self.info(f"clipd: round {self._round} released from {self._sent} of m = {self.num_sampled_clients} sites: "
+                  + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items() if isinstance(v, float)))
+        return FLModel(params_type=ParamsType.DIFF, params=arrays, metrics=metrics,
+                       meta={"clipd": {**metrics, "released": True}})
+
+    # Its own -------------------------------------------------------------------------------------------
+    @property
+    def rounds(self) -> PrivateRounds:
+        """The rounds' state, made on the NVFlare server when first needed (with its connection to clipd)."""
+        if self._rounds is None:
+            token = self.token if self.token is not None else os.environ.get(self.token_env)
+            client = Client(self.target, token=token, timeout=self.timeout, retry_timeout=self.retry_timeout,
+                            root_certificates=open(self.tls_ca, "rb").read() if self.tls_ca else None)
+            self._rounds = PrivateRounds(client, clipping_norm=self.clipping_norm,
+                                         num_sampled_clients=self.num_sampled_clients,
+                                         privacy=_privacy(self.privacy), non_finite=self.non_finite,
+                                         keep_results=self.keep_results, log=_Log(self), name="nvflare")
+        return self._rounds
+
+    @property
+    def stopped(self) -> str | None:
+        """Why training stopped (the ledger refused a round's release), or None."""
+        return self._rounds.stopped if self._rounds is not None else None
+
+    def _open(self, current: dict[str, np.ndarray]) -> bool:
+        try:
+            return self.rounds.open(self._round, current)
+        except ClipdError as e:  # the server is down or refuses the round for another reason
+            self.error(f"clipd: round {self._round} can't be opened on {self.target}: {e}")
+            return False
+
+    def _current_round(self) -> int:
+        round_ = self.fl_ctx.get_prop(AppConstants.CURRENT_ROUND) if self.fl_ctx is not None else None
+        return int(round_) if round_ is not None else self._round + 1
+
+    def _global_model(self) -> dict[str, np.ndarray] | None:
+        """The global model's arrays as the server holds them this round (FedAvg keeps them in a new context's
+        sticky ``GLOBAL_MODEL``), or None where they are not known."""
+        if self.fl_ctx is None:
+            return None
+        engine = self.fl_ctx.get_engine()
+        context = engine.new_context() if engine is not None else self.fl_ctx
+        learnable = context.get_prop(AppConstants.GLOBAL_MODEL)
+        weights = learnable.get("weights") if isinstance(learnable, dict) else None
+        return {name: _numpy(value) for name, value in weights.items()} if weights else None
+
+
+class ClipdFedAvg(FedAvg):
+    """NVFlare's ``FedAvg`` that ends the job cleanly once clipd's ledger refuses a round: no site is asked to train
+    again, the last model saved is the last released one, and the reason is in the log. Otherwise FedAvg itself
+    (its arguments, its ``stop_cond``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.watch_stop()
+
+    def watch_stop(self) -> None:
+        """FedAvg asks :meth:`should_stop` only under a stop condition: one that never holds stands in for none.
+        A site whose training fails is ignored (unless ``ignore_result_error`` says otherwise)."""
+        own: Any = getattr(self, "stop_condition")  # noqa: B009 (FedAvg's, untyped)
+        self._own_stop_condition = own
+        if own is None:
+            self.stop_condition = ("clipd_released", 0.0, lambda value, target: False)
+        if getattr(self, "_ignore_result_error", None) is None:  # a site that fails contributes nothing, and the
+            self._ignore_result_error = True  # mean is still divided by m: the round goes on (FedAvg would stop)
+
+    def _clipd_stopped(self) -> str | None:
+        return getattr(self.aggregator, "stopped", None)
+
+    def send_model(self, *args, **kwargs) -> None:
+        if (reason := self._clipd_stopped()) is not None:
+            self.info(f"clipd: no site trains in round {self.current_round}: {reason}")
+            return
+        super().send_model(*args, **kwargs)
+
+    def is_curr_model_better(self, curr_model: FLModel) -> bool:
+        if self._own_stop_condition is None:
+            return self._clipd_stopped() is None  # every released round is saved, as FedAvg does without stop_cond
+        return super().is_curr_model_better(curr_model)
+
+    def should_stop(self, metrics: dict | None = None) -> bool:
+        if (reason := self._clipd_stopped()) is not None:
+            self.info(f"clipd: training stops at round {self.current_round}: {reason}")
+            return True
+        return self._own_stop_condition is not None and super().should_stop(metrics)
+
+
+def _recipe_class():
+    """:class:`ClipdFedAvgRecipe`, made when first asked for: NVFlare's PyTorch recipe needs torch."""
+    from nvflare.app_opt.pt.recipes.fedavg import FedAvgRecipe
+    from nvflare.client.config import TransferType
+
+    class ClipdFedAvgRecipe(FedAvgRecipe):
+        """NVFlare's PyTorch ``FedAvgRecipe`` with clipd as its aggregator and :class:`ClipdFedAvg` as its controller.
+
+        Takes the recipe's arguments (``name``, ``min_clients``, ``num_rounds``, ``model``, ``train_script``, ...)
+        and clipd's: ``clipd_target``, ``clipping_norm``, ``privacy``, ``num_sampled_clients`` (default
+        ``min_clients``: FedAvg samples that many sites a round) and :class:`ClipdAggregator`'s others as
+        ``clipd_options``. Sites send their update as a DIFF unless ``params_transfer_type`` says otherwise.
+        """
+
+        def __init__(self, *, clipd_target: str, clipping_norm: float | None = None,
+                     privacy: Privacy | dict | None = None, num_sampled_clients: int | None = None,
+                     clipd_options: dict | None = None, **recipe: Any) -> None:
+            aggregator = ClipdAggregator(clipd_target, num_sampled_clients or recipe["min_clients"], clipping_norm,
+                                         privacy_config(privacy), **(clipd_options or {}))
+            recipe.setdefault("params_transfer_type", TransferType.DIFF)
+            recipe.setdefault("aggregator_data_kind", DataKind.WEIGHT_DIFF)
+            super().__init__(aggregator=aggregator, **recipe)
+
+        def _create_controller(self, persistor_id: str, model_params, model_aggregator) -> FedAvg:
+            controller = super()._create_controller(persistor_id, model_params, model_aggregator)
+            clipd = ClipdFedAvg.__new__(ClipdFedAvg)  # the recipe's FedAvg, its arguments as they are, with the stop
+            clipd.__dict__.update(controller.__dict__)
+            clipd.watch_stop()
+            return clipd
+
+    return ClipdFedAvgRecipe
+
+
+def __getattr__(name: str):
+    if name == "ClipdFedAvgRecipe":
+        recipe = globals()["ClipdFedAvgRecipe"] = _recipe_class()
+        return recipe
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

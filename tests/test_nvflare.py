@@ -1,0 +1,194 @@
+"""clipd as the aggregator of NVIDIA FLARE's FedAvg (clipd.client.nvflare), through NVFlare's simulator and a real
+clipd server: the rounds' models against numpy and NVFlare's own FedAvg aggregation, a site that fails, bad input,
+the example's private run against dp_accounting, and a clipd server that is down.
+
+The two simulator jobs run once, one after the other, in a module fixture (NVFlare's simulator gives a site's
+process 60 s to connect: two jobs at once on 2 cores can miss that).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import TEST_SETTINGS
+from dp_accounting import dp_event as dpe
+from dp_accounting.rdp import rdp_privacy_accountant
+from service_helpers import free_port
+
+pytest.importorskip("nvflare", reason="the [nvflare] extra (scripts/test.sh installs it)")
+
+import nvflare_site  # noqa: E402  (tests/nvflare_site.py: the known updates)
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType  # noqa: E402
+from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedAggregationHelper  # noqa: E402
+
+from clipd.client import Client, Privacy  # noqa: E402
+from clipd.client.nvflare import ClipdAggregator  # noqa: E402
+from clipd.server.app import create_server  # noqa: E402
+from clipd.server.settings import Settings  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE_ROUNDS, EXAMPLE_Z, EXAMPLE_DELTA, EXAMPLE_BUDGET = 5, 0.1, 1e-3, 220.0  # the 4th release would pass it
+
+
+def _known_job(target: str, workspace: pathlib.Path) -> None:
+    """3 sites of tests/nvflare_site.py, 3 rounds, C = 1, no noise; run in a process of its own."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from nvflare.client.config import TransferType
+from nvflare.recipe import SimEnv
+from clipd.client.nvflare import ClipdFedAvgRecipe
+import nvflare_site
+recipe = ClipdFedAvgRecipe(name="known", min_clients=3, num_rounds=3, model=nvflare_site.TinyNet(),
+                           train_script={str(ROOT / 'tests' / 'nvflare_site.py')!r}, clipd_target={target!r},
+                           clipping_norm=1.0, params_transfer_type=TransferType.FULL, clipd_options={{"timeout": 60.0}})
+recipe.execute(SimEnv(num_clients=3, workspace_root={str(workspace)!r}))
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=workspace, capture_output=True, text=True, timeout=300)
+
+
+def _example(target: str, workspace: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "nvflare" / "job.py"), "--rounds", str(EXAMPLE_ROUNDS),
+         "--noise-multiplier", str(EXAMPLE_Z), "--delta", str(EXAMPLE_DELTA), "--max-epsilon", str(EXAMPLE_BUDGET),
+         "--local-epochs", "3", "--lr", "0.5", "--target", target, "--workspace", str(workspace),
+         "--ledger", "nvflare-example"],
+        cwd=workspace, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    data = tmp_path_factory.mktemp("clipd")
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "data_dir": str(data)}))
+    known, example = tmp_path_factory.mktemp("known"), tmp_path_factory.mktemp("example")
+    _known_job(f"127.0.0.1:{port}", known)
+    example_run = _example(f"127.0.0.1:{port}", example)
+    yield {"known": known, "example": example, "example_run": example_run, "target": f"127.0.0.1:{port}"}
+    server.stop(1.0)
+
+
+def _saved_model(workspace: pathlib.Path) -> dict[str, np.ndarray]:
+    saved = sorted(workspace.rglob("FL_global_model.pt"), key=lambda p: p.stat().st_mtime)
+    assert saved, f"no model saved under {workspace}"
+    state = torch.load(saved[-1], map_location="cpu", weights_only=False)
+    state = state.get("model", state)
+    return {k: np.asarray(v, dtype=np.float64) for k, v in state.items()}
+
+
+def _server_log(workspace: pathlib.Path) -> str:
+    return "\n".join(p.read_text() for p in workspace.rglob("log.txt") if "server" in p.parts)
+
+
+def _clipped(update: dict[str, np.ndarray], bound: float) -> dict[str, np.ndarray]:
+    norm = np.sqrt(sum(float(np.sum(u * u)) for u in update.values()))
+    return {k: u * min(1.0, bound / norm) for k, u in update.items()}
+
+
+def test_rounds_equal_fedavg_under_the_bound_and_the_clipped_mean_over_m_above_it(jobs):
+    """Round 0 (every update under C): NVFlare's own FedAvg aggregation with equal weights (its
+    WeightedAggregationHelper, float64). Round 1 (over C; site-3 fails): the numpy mean of the clipped updates of
+    sites 1 and 2, divided by m = 3. Round 2 (bad input from every site): the model unchanged."""
+    start = {k: v.detach().double().numpy() for k, v in nvflare_site.TinyNet().state_dict().items()}
+    fedavg = WeightedAggregationHelper()
+    for site in (1, 2, 3):
+        fedavg.add({k: v.astype(np.float64) for k, v in nvflare_site.update(site, 0).items()}, 1.0, f"site-{site}", 0)
+    round0 = fedavg.get_result()
+    round1 = {k: (_clipped(nvflare_site.update(1, 1), 1.0)[k] + _clipped(nvflare_site.update(2, 1), 1.0)[k]) / 3
+              for k in start}
+    expected = {k: start[k] + round0[k] + round1[k] for k in start}
+    saved = _saved_model(jobs["known"])
+    assert saved.keys() == expected.keys(), _server_log(jobs["known"])[-3000:]
+    for k in expected:
+        np.testing.assert_allclose(saved[k], expected[k], rtol=1e-6, atol=1e-7)
+    log = _server_log(jobs["known"])
+    assert "clipd: round 1 released from 2 of m = 3 sites" in log
+    assert re.search(r"round 2: the reply of site-1: array 'fc.weight' has shape \(4, 3\), the model \(3, 4\)", log)
+    assert "clipd: round 2 released from 1 of m = 3 sites" in log  # site-2's NaN: zeroed, counted
+
+
+def test_the_example_reaches_its_accuracy_and_its_epsilons_are_dp_accountings(jobs):
+    """The digits example, private (z = 0.1 on the sum of 3 sites' clipped updates): each round's ledger epsilon is
+    dp_accounting's for that many Gaussian releases, the job stops at the round that would pass max_epsilon (with a
+    message in NVFlare's log) and its last model is the last released one."""
+    run = jobs["example_run"]
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]
+    found = re.fullmatch(r"nvflare: rounds=(\d+) accuracy=([0-9.]+) epsilon=([0-9.]+)", last)
+    assert found, last
+    rounds, accuracy, epsilon = int(found[1]), float(found[2]), float(found[3])
+    epsilons = []
+    for k in range(1, EXAMPLE_ROUNDS + 1):
+        accountant = rdp_privacy_accountant.RdpAccountant()
+        accountant.compose(dpe.GaussianDpEvent(EXAMPLE_Z), k)
+        epsilons.append(accountant.get_epsilon(EXAMPLE_DELTA))
+    affordable = sum(e <= EXAMPLE_BUDGET for e in epsilons)
+    assert 0 < affordable < EXAMPLE_ROUNDS  # (the budget stops the job early)
+    assert rounds == affordable and epsilon == pytest.approx(epsilons[affordable - 1], rel=1e-6)
+    with Client(jobs["target"]) as client:
+        ledger = client.ledger("nvflare-example")
+    assert [e.epsilon_after for e in ledger.entries] == pytest.approx(epsilons[:affordable], rel=1e-6)
+    log = _server_log(jobs["example"])
+    assert f"clipd: training stops at round {affordable}" in log and "budget" in log
+    assert f"no site trains in round {affordable}" in log
+    assert accuracy >= 0.6, run.stdout[-2000:]
+
+
+def _aggregator(target: str, retry_timeout: float = 60.0) -> ClipdAggregator:
+    return ClipdAggregator(target, num_sampled_clients=3, clipping_norm=10.0, timeout=10.0,
+                           retry_timeout=retry_timeout)
+
+
+def _diff(site: str, params: dict) -> FLModel:
+    return FLModel(params_type=ParamsType.DIFF, params=params, meta={"client_name": site})
+
+
+def test_nan_is_zeroed_and_counted_and_a_bad_site_takes_nothing_from_the_others(server, caplog):
+    """Driven as FedAvg drives it (reset_stats, accept_model per site, aggregate_model), without a global model in
+    its context: an update with NaN counts as zero, one of another shape or without a layer contributes nothing
+    (logged), and the mean of the good update is divided by m = 3."""
+    caplog.set_level(logging.INFO)
+    aggregator = _aggregator(f"127.0.0.1:{server.port}")
+    good = {"w": np.array([1.0, 2.0, 3.0], np.float32), "b": np.array([0.5], np.float32)}
+    aggregator.reset_stats()
+    aggregator.accept_model(_diff("site-1", good))
+    aggregator.accept_model(_diff("site-2", {"w": np.array([np.nan, 1.0, 1.0], np.float32), "b": good["b"]}))
+    aggregator.accept_model(_diff("site-3", {"w": np.ones(4, np.float32), "b": good["b"]}))
+    aggregator.accept_model(_diff("site-4", {"w": good["w"]}))
+    result = aggregator.aggregate_model()
+    assert result.params_type == ParamsType.DIFF
+    np.testing.assert_allclose(result.params["w"], good["w"] / 3, rtol=1e-6)
+    np.testing.assert_allclose(result.params["b"], good["b"] / 3, rtol=1e-6)  # (site-2's whole update is zeroed)
+    text = caplog.text
+    assert "site-3: array 'w' has shape (4,), the model (3,)" in text
+    assert "site-4 does not hold the model's arrays" in text
+    assert result.meta["clipd"]["released"] is True
+
+
+def test_a_clipd_server_that_is_down_leaves_the_model_unchanged_with_a_message(caplog):
+    caplog.set_level(logging.INFO)
+    target = f"127.0.0.1:{free_port()}"
+    aggregator = _aggregator(target, retry_timeout=1.0)  # (it retries a restarting server a while)
+    aggregator.reset_stats()
+    aggregator.accept_model(_diff("site-1", {"w": np.ones(3, np.float32)}))
+    result = aggregator.aggregate_model()
+    assert result.params_type == ParamsType.DIFF and result.params == {}  # FedAvg adds nothing
+    assert f"can't be opened on {target}" in caplog.text and "the global model is unchanged" in caplog.text
+
+
+def test_its_arguments_are_builtins_as_nvflare_rebuilds_it_on_its_server():
+    """NVFlare writes an aggregator's arguments into the job's configuration and builds it again from them."""
+    from nvflare.job_config.fed_job_config import FedJobConfig
+
+    privacy = Privacy("ledger-x", 1e-5, noise_multiplier=1.2, max_epsilon=4.0)
+    aggregator = ClipdAggregator("clipd:50051", num_sampled_clients=5, clipping_norm=0.5, privacy=privacy)
+    args = FedJobConfig(job_name="x", min_clients=1)._get_args(aggregator, "/tmp")
+    rebuilt = ClipdAggregator(**args)
+    assert rebuilt.target == "clipd:50051" and rebuilt.num_sampled_clients == 5 and rebuilt.clipping_norm == 0.5
+    assert rebuilt.privacy == aggregator.privacy and rebuilt.privacy["max_epsilon"] == 4.0
