@@ -6,7 +6,7 @@
 #   run a throwaway cluster for the PostgresStore tests).
 #   Python: torch 2.13.0 (CPU build), then this project in editable mode with its [server] and [test] extras
 #   (the service; the reference libraries that serve as oracles: optax, jax-privacy, declearn, opacus; the
-#   DP-SGD examples' scikit-learn and matplotlib; pytest, hypothesis, import-linter, ruff, mypy, mkdocs), then the import
+#   DP-SGD examples' scikit-learn and matplotlib; NVFlare 2.9.0 (tests/test_nvflare.py runs its simulator); pytest, hypothesis, import-linter, ruff, mypy, mkdocs), then the import
 #   contracts (lint-imports), the lint rules (ruff), the type checker (mypy over clipd/), the documentation site
 #   (mkdocs build --strict)
 #   and the suite.

@@ -9,8 +9,10 @@ process 60 s to connect: two jobs at once on 2 cores can miss that).
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -37,8 +39,32 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE_ROUNDS, EXAMPLE_Z, EXAMPLE_DELTA, EXAMPLE_BUDGET = 5, 0.1, 1e-3, 220.0  # the 4th release would pass it
 
 
-def _known_job(target: str, workspace: pathlib.Path) -> None:
+def _run(command: list[str], cwd: pathlib.Path, timeout: float = 150.0) -> subprocess.CompletedProcess | None:
+    """Runs a simulator job in a process group of its own: its result, or None (the group killed) after
+    ``timeout``: NVFlare's simulator now and then starts a site whose process never connects (its log: "Failed
+    to create connection to the child process"), and then waits for that site for ever."""
+    job = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # (cwd: the job's workspace, read by the tests)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        return None
+    done = subprocess.CompletedProcess(command, job.returncode, out, err)
+    done.cwd = cwd  # type: ignore[attr-defined]
+    return done
+
+
+def _twice(run) -> subprocess.CompletedProcess | None:
+    """``run(attempt)``, again once if the simulator hung (see :func:`_run`)."""
+    return run(0) or run(1)
+
+
+def _known_job(target: str, workspace: pathlib.Path, attempt: int) -> subprocess.CompletedProcess | None:
     """3 sites of tests/nvflare_site.py, 3 rounds, C = 1, no noise; run in a process of its own."""
+    workspace = workspace / str(attempt)
+    workspace.mkdir()
     code = f"""
 import sys
 sys.path.insert(0, {str(ROOT / 'tests')!r})
@@ -51,16 +77,17 @@ recipe = ClipdFedAvgRecipe(name="known", min_clients=3, num_rounds=3, model=nvfl
                            clipping_norm=1.0, params_transfer_type=TransferType.FULL, clipd_options={{"timeout": 60.0}})
 recipe.execute(SimEnv(num_clients=3, workspace_root={str(workspace)!r}))
 """
-    subprocess.run([sys.executable, "-c", code], cwd=workspace, capture_output=True, text=True, timeout=300)
+    return _run([sys.executable, "-c", code], workspace)
 
 
-def _example(target: str, workspace: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def _example(target: str, workspace: pathlib.Path, attempt: int) -> subprocess.CompletedProcess | None:
+    workspace = workspace / str(attempt)
+    workspace.mkdir()
+    return _run(
         [sys.executable, str(ROOT / "examples" / "nvflare" / "job.py"), "--rounds", str(EXAMPLE_ROUNDS),
          "--noise-multiplier", str(EXAMPLE_Z), "--delta", str(EXAMPLE_DELTA), "--max-epsilon", str(EXAMPLE_BUDGET),
          "--local-epochs", "3", "--lr", "0.5", "--target", target, "--workspace", str(workspace),
-         "--ledger", "nvflare-example"],
-        cwd=workspace, capture_output=True, text=True, timeout=300)
+         "--ledger", f"nvflare-example-{attempt}"], workspace)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +95,11 @@ def jobs(tmp_path_factory):
     data = tmp_path_factory.mktemp("clipd")
     server, port = create_server(Settings(**{**TEST_SETTINGS, "data_dir": str(data)}))
     known, example = tmp_path_factory.mktemp("known"), tmp_path_factory.mktemp("example")
-    _known_job(f"127.0.0.1:{port}", known)
-    example_run = _example(f"127.0.0.1:{port}", example)
-    yield {"known": known, "example": example, "example_run": example_run, "target": f"127.0.0.1:{port}"}
+    target = f"127.0.0.1:{port}"
+    known_run = _twice(lambda attempt: _known_job(target, known, attempt))
+    example_run = _twice(lambda attempt: _example(target, example, attempt))
+    yield {"known": known_run.cwd if known_run else known, "known_run": known_run,
+           "example": example_run.cwd if example_run else example, "example_run": example_run, "target": target}
     server.stop(1.0)
 
 
@@ -103,6 +132,7 @@ def test_rounds_equal_fedavg_under_the_bound_and_the_clipped_mean_over_m_above_i
     round1 = {k: (_clipped(nvflare_site.update(1, 1), 1.0)[k] + _clipped(nvflare_site.update(2, 1), 1.0)[k]) / 3
               for k in start}
     expected = {k: start[k] + round0[k] + round1[k] for k in start}
+    assert jobs["known_run"] is not None, "NVFlare's simulator hung twice"
     saved = _saved_model(jobs["known"])
     assert saved.keys() == expected.keys(), _server_log(jobs["known"])[-3000:]
     for k in expected:
@@ -118,6 +148,7 @@ def test_the_example_reaches_its_accuracy_and_its_epsilons_are_dp_accountings(jo
     dp_accounting's for that many Gaussian releases, the job stops at the round that would pass max_epsilon (with a
     message in NVFlare's log) and its last model is the last released one."""
     run = jobs["example_run"]
+    assert run is not None, "NVFlare's simulator hung twice"
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]
     found = re.fullmatch(r"nvflare: rounds=(\d+) accuracy=([0-9.]+) epsilon=([0-9.]+)", last)
@@ -132,7 +163,7 @@ def test_the_example_reaches_its_accuracy_and_its_epsilons_are_dp_accountings(jo
     assert 0 < affordable < EXAMPLE_ROUNDS  # (the budget stops the job early)
     assert rounds == affordable and epsilon == pytest.approx(epsilons[affordable - 1], rel=1e-6)
     with Client(jobs["target"]) as client:
-        ledger = client.ledger("nvflare-example")
+        ledger = client.ledger(run.args[-1])
     assert [e.epsilon_after for e in ledger.entries] == pytest.approx(epsilons[:affordable], rel=1e-6)
     log = _server_log(jobs["example"])
     assert f"clipd: training stops at round {affordable}" in log and "budget" in log

@@ -37,7 +37,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--sites", type=int, default=3)
-    p.add_argument("--noise-multiplier", type=float, default=0.3, help="z: the noise of the sum is z * C")
+    p.add_argument("--threads", type=int, default=None,
+                   help="processes that run the sites in NVFlare's simulator (default: one per site)")
+    p.add_argument("--noise-multiplier", type=float, default=0.3,
+                   help="z: the noise of the sum is z * C (0: clipped, not noised: no privacy, epsilon inf)")
     p.add_argument("--clip", type=float, default=1.0, help="C, the bound on one site's update")
     p.add_argument("--delta", type=float, default=1e-3)
     p.add_argument("--max-epsilon", type=float, default=0.0, help="stop at this budget (0: none)")
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace, target: str, workspace: pathlib.Path) -> dict:
 
     ledger = args.ledger or f"nvflare-digits-{int(time.time() * 1000)}"
     privacy = Privacy(ledger_id=ledger, delta=args.delta, noise_multiplier=args.noise_multiplier,
-                      max_epsilon=args.max_epsilon)
+                      max_epsilon=args.max_epsilon) if args.noise_multiplier > 0 else None
     report = workspace / "accuracy.jsonl"
     if args.token:
         os.environ["CLIPD_TOKEN"] = args.token  # (the aggregator reads it on NVFlare's server)
@@ -87,10 +90,13 @@ def run(args: argparse.Namespace, target: str, workspace: pathlib.Path) -> dict:
         train_args=f"--sites {args.sites} --local-epochs {args.local_epochs} --lr {args.lr} --report {report}",
         clipd_target=target, clipping_norm=args.clip, privacy=privacy,
     )
-    recipe.execute(SimEnv(num_clients=args.sites, workspace_root=str(workspace)))
-    with Client(target, token=args.token) as client:
-        book = client.ledger(ledger)
-    epsilons = [entry.epsilon_after for entry in book.entries]
+    recipe.execute(SimEnv(num_clients=args.sites, num_threads=args.threads, workspace_root=str(workspace)))
+    if privacy is not None:
+        with Client(target, token=args.token) as client:
+            book = client.ledger(ledger)
+        epsilons, epsilon = [entry.epsilon_after for entry in book.entries], book.epsilon
+    else:  # no noise: every round released, no privacy
+        epsilons, epsilon = [float("inf")] * args.rounds, float("inf")
     seen = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     final = _final_model(workspace)
     _, _, x_test, y_test = digits()
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace, target: str, workspace: pathlib.Path) -> dict:
     for k, epsilon in enumerate(epsilons):  # round k's release; the accuracy of the model it made
         after = next((r["accuracy"] for r in seen if r["round"] == k + 1), final_accuracy)
         print(f"{k:>5} | {after:8.3f} | {epsilon:8.3f}")
-    return {"rounds": len(epsilons), "accuracy": final_accuracy, "epsilon": book.epsilon,
+    return {"rounds": len(epsilons), "accuracy": final_accuracy, "epsilon": epsilon,
             "epsilons": epsilons, "ledger": ledger}
 
 
