@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE_ROUNDS, EXAMPLE_Z, EXAMPLE_DELTA, EXAMPLE_BUDGET = 5, 0.1, 1e-3, 220.0  # the 4th release would pass it
 
 
-def _run(command: list[str], cwd: pathlib.Path, timeout: float = 150.0) -> subprocess.CompletedProcess | None:
+def _run(command: list[str], cwd: pathlib.Path, timeout: float = 100.0) -> subprocess.CompletedProcess | None:
     """Runs a simulator job in a process group of its own: its result, or None (the group killed) after
     ``timeout``: NVFlare's simulator now and then starts a site whose process never connects (its log: "Failed
     to create connection to the child process"), and then waits for that site for ever."""

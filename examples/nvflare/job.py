@@ -10,6 +10,10 @@ L2 norm over the model), sums, adds Gaussian noise of stddev ``z * C`` and accou
 test accuracy (of the model the round starts from, measured by site 1 on the public test split) and the
 ledger's epsilon, then the final model's, and ends with the line
 ``nvflare: rounds=<r> accuracy=<a> epsilon=<e>``.
+
+The defaults (3 sites, z = 0.1) train (about 90% after 4 rounds) at an epsilon that protects nothing (272 after
+4 rounds at delta 1e-3): with 3 sites the noise on the mean, z * C / 3 per coordinate, leaves no room for a
+useful epsilon. docs/nvflare.md gives the accuracy against z and the number of sites.
 """
 
 from __future__ import annotations
@@ -39,13 +43,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--threads", type=int, default=None,
                    help="processes that run the sites in NVFlare's simulator (default: one per site)")
-    p.add_argument("--noise-multiplier", type=float, default=0.3,
+    p.add_argument("--noise-multiplier", type=float, default=0.1,
                    help="z: the noise of the sum is z * C (0: clipped, not noised: no privacy, epsilon inf)")
     p.add_argument("--clip", type=float, default=1.0, help="C, the bound on one site's update")
     p.add_argument("--delta", type=float, default=1e-3)
     p.add_argument("--max-epsilon", type=float, default=0.0, help="stop at this budget (0: none)")
-    p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--local-epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--target", default=None,
                    help="HOST:PORT of a clipd server (default: start one in this process, memory store)")
     p.add_argument("--token", default=None, help="the server's admin or submitter token, if it has one")
