@@ -168,6 +168,10 @@ def test_the_example_reaches_its_accuracy_and_its_epsilons_are_dp_accountings(jo
     log = _server_log(jobs["example"])
     assert f"clipd: training stops at round {affordable}" in log and "budget" in log
     assert f"no site trains in round {affordable}" in log
+    lines = log.splitlines()
+    saved = [i for i, line in enumerate(lines) if "End persist model on server" in line]
+    stop = next(i for i, line in enumerate(lines) if f"clipd: training stops at round {affordable}" in line)
+    assert len(saved) == affordable and saved[-1] < stop  # the last model saved is the last one released
     assert accuracy >= 0.6, run.stdout[-2000:]
 
 
