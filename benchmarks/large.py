@@ -111,7 +111,7 @@ def _free_port() -> int:
 
 
 # The server's memory ---------------------------------------------------------------------------
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """``pid`` and all its descendants (from /proc/<pid>/task/<tid>/children)."""
     pids, todo = [], [pid]
     while todo:
@@ -127,7 +127,7 @@ def _tree(pid: int) -> list[int]:
 def tree_rss(pid: int) -> int:
     """Bytes: the VmRSS of ``pid`` and its descendants, summed."""
     total = 0
-    for p in _tree(pid):
+    for p in process_tree(pid):
         with contextlib.suppress(OSError), open(f"/proc/{p}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):

@@ -25,7 +25,7 @@ peak at the most sites over the fewest, and the round time over NVFlare's own Fe
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import pathlib
 import re
 import statistics
@@ -35,6 +35,8 @@ import tempfile
 import textwrap
 import threading
 import time
+
+from large import RssSampler, Server, process_tree, tree_rss  # benchmarks/large.py (this script's directory)
 
 MODEL = """
 import torch
@@ -82,36 +84,6 @@ recipe.execute(SimEnv(num_clients=sites, workspace_root={workspace!r}))
 """
 
 
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _tree(root: int) -> list[int]:
-    """``root`` and its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
 def _is_site(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -121,25 +93,20 @@ def _is_site(pid: int) -> bool:
 
 
 class Peaks:
-    """Samples the peak RSS of a job's NVFlare server and sites, and of a clipd server's tree, every 50 ms."""
+    """Samples the peak RSS of a job's NVFlare server (its tree but the site workers) and sites every 50 ms."""
 
-    def __init__(self, job: int, clipd: int | None) -> None:
-        self.job, self.clipd = job, clipd
-        self.server = self.sites = self.clipd_peak = 0
+    def __init__(self, job: int) -> None:
+        self.job = job
+        self.server = self.sites = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            pids = _tree(self.job)
-            sites = {p for p in pids if _is_site(p)}
-            for p in list(sites):  # a site worker's own children are the site's too
-                sites.update(_tree(p))
-            self.server = max(self.server, sum(_rss(p) for p in pids if p not in sites))
-            self.sites = max(self.sites, sum(_rss(p) for p in sites))
-            if self.clipd is not None:
-                self.clipd_peak = max(self.clipd_peak, sum(_rss(p) for p in _tree(self.clipd)))
+            sites = sum(tree_rss(p) for p in process_tree(self.job) if _is_site(p))  # (a site's children too)
+            self.server = max(self.server, tree_rss(self.job) - sites)
+            self.sites = max(self.sites, sites)
 
     def stop(self) -> None:
         self._stop.set()
@@ -161,56 +128,33 @@ def _round_seconds(workspace: pathlib.Path, rounds: int) -> float:
     return marks["Finished FedAvg"] - marks[f"Round {rounds - 1} started"]
 
 
-def _clipd_serve(params: int) -> tuple[subprocess.Popen, str]:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-    from service_helpers import free_port
-
-    port = free_port()
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824",
-           "OPENBLAS_NUM_THREADS": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),
-                               "--admin-port", "-1", "--data-dir", "memory", "--max-parameters", str(params),
-                               "--log-level", "warning"], env=env)
-    from clipd.client import Client
-
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with Client(f"127.0.0.1:{port}", timeout=2.0, retry_timeout=0.5) as c:
-                c.list_aggregations()
-            return server, f"127.0.0.1:{port}"
-        except Exception:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError("clipd serve did not start") from None
-            time.sleep(0.5)
-
-
 def run_row(kind: str, sites: int, params: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="clipd-nvflare-bench-") as tmp:
         here = pathlib.Path(tmp)
         (here / "big_model.py").write_text(MODEL.format(params=params))
         (here / "site.py").write_text(SITE)
-        clipd, target = (None, "") if kind != "clipd" else _clipd_serve(params)
-        idle = sum(_rss(p) for p in _tree(clipd.pid)) if clipd is not None else 0  # (started, nothing open)
+        clipd = Server("memory", params, tmp, [], start_timeout=120.0) if kind == "clipd" else None
+        idle = tree_rss(clipd.proc.pid) if clipd is not None else 0  # (started, nothing open)
         workspace = here / "workspace"
-        code = textwrap.dedent(JOB.format(here=str(here), kind=kind, sites=sites, rounds=rounds, target=target,
+        code = textwrap.dedent(JOB.format(here=str(here), kind=kind, sites=sites, rounds=rounds,
+                                          target=clipd.target if clipd is not None else "",
                                           site=str(here / "site.py"), workspace=str(workspace)))
         started = time.monotonic()
-        job = subprocess.Popen([sys.executable, "-c", code], cwd=here, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-        peaks = Peaks(job.pid, clipd.pid if clipd is not None else None)
-        _, err = job.communicate(timeout=3600)
-        peaks.stop()
+        with contextlib.ExitStack() as stack:
+            clipd_peak = stack.enter_context(RssSampler(clipd.proc.pid, 0.05)) if clipd is not None else None
+            job = subprocess.Popen([sys.executable, "-c", code], cwd=here, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+            peaks = Peaks(job.pid)
+            _, err = job.communicate(timeout=3600)
+            peaks.stop()
         wall = time.monotonic() - started
         if clipd is not None:
-            clipd.terminate()
-            clipd.wait(30)
+            clipd.stop()
         if job.returncode != 0:
             raise RuntimeError(f"{kind} with {sites} sites failed:\n{err[-3000:]}")
         return {"kind": kind, "sites": sites, "round_s": _round_seconds(workspace, rounds), "wall_s": wall,
                 "server_gb": peaks.server / 1e9, "sites_gb": peaks.sites / 1e9,
-                "clipd_gb": peaks.clipd_peak / 1e9 if clipd is not None else None, "clipd_idle_gb": idle / 1e9}
+                "clipd_gb": clipd_peak.peak / 1e9 if clipd_peak is not None else None, "clipd_idle_gb": idle / 1e9}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

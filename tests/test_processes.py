@@ -335,6 +335,8 @@ def test_refusals_through_a_shard_process_are_those_of_one_process(behind_shards
         assert sum(n for _, n in server.throughput(aggregation)[0]) == 18
         assert aggregation.stats().examples == 0  # (the control sums nothing: its own totals stay empty)
         result = c.finalize("via-shards")
+        server.devices.forget(aggregation)  # (what the hosts are told once it is finalized): its series stays
+        assert sum(n for _, n in server.throughput(aggregation)[0]) == 18
     with grpc.insecure_channel(target) as channel:  # finalized: every shard process refuses more batches
         raw = channel.stream_stream("/clipd.v1.Clipd/Submit")
         for client in x:

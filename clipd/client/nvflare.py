@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 from typing import Any
 
 import numpy as np
@@ -132,7 +133,6 @@ class ClipdAggregator(ModelAggregator):
         _privacy(self.privacy)  # (a policy that can't be built fails here, in the job's code, not on the server)
         self._rounds: PrivateRounds | None = None
         self._round = 0
-        self._sent = 0
 
     # NVFlare's calls ------------------------------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -141,7 +141,6 @@ class ClipdAggregator(ModelAggregator):
         rounds = self.rounds
         rounds.cancel_open()
         self._round = self._current_round()
-        self._sent = 0
         current = self._global_model()
         if rounds.stopped is not None:
             self.warning(f"clipd: round {self._round} is not aggregated: {rounds.stopped}")
@@ -167,13 +166,14 @@ class ClipdAggregator(ModelAggregator):
                 return
         update = rounds.update_from(site, params, diff=diff)
         del params
-        if update is not None and rounds.submit(site, update):
-            self._sent += 1
+        if update is not None:
+            rounds.submit(site, update)
 
     def aggregate_model(self) -> FLModel:
         """Finalizes the round: the noised mean ``noised_sum / m`` as a DIFF, with the privatised metrics; an
         empty DIFF (the model unchanged) when nothing is released."""
         rounds = self.rounds
+        sent = rounds.open_round.submitted if rounds.open_round is not None else 0
         arrays, metrics = rounds.release(as_update=True)
         if arrays is None:
             if rounds.stopped is None:
@@ -181,7 +181,7 @@ class ClipdAggregator(ModelAggregator):
             return FLModel(params_type=ParamsType.DIFF, params={}, metrics={"clipd_released": 0.0},
                            meta={"clipd": {"released": False, "stopped": rounds.stopped}})
         metrics = {**metrics, "clipd_released": 1.0}
-        self.info(f"clipd: round {self._round} released from {self._sent} of m = {self.num_sampled_clients} sites: "
+        self.info(f"clipd: round {self._round} released from {sent} of m = {self.num_sampled_clients} sites: "
                   + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items() if isinstance(v, float)))
         return FLModel(params_type=ParamsType.DIFF, params=arrays, metrics=metrics,
                        meta={"clipd": {**metrics, "released": True}})
@@ -193,7 +193,7 @@ class ClipdAggregator(ModelAggregator):
         if self._rounds is None:
             token = self.token if self.token is not None else os.environ.get(self.token_env)
             client = Client(self.target, token=token, timeout=self.timeout, retry_timeout=self.retry_timeout,
-                            root_certificates=open(self.tls_ca, "rb").read() if self.tls_ca else None)
+                            root_certificates=pathlib.Path(self.tls_ca).read_bytes() if self.tls_ca else None)
             self._rounds = PrivateRounds(client, clipping_norm=self.clipping_norm,
                                          num_sampled_clients=self.num_sampled_clients,
                                          privacy=_privacy(self.privacy), non_finite=self.non_finite,

@@ -196,7 +196,8 @@ class ShardHosts:
             self._call(index, "Forget", host_pb.ForgetRequest(aggregation_id=aggregation.id), timeout=10.0, quiet=True)
         self._empty.pop(aggregation.id, None)
         self._fenced.discard(aggregation.id)
-        self._hosted.pop(aggregation, None)
+        if aggregation.state is State.CANCELLED:  # (a finalized one keeps its throughput series until deleted)
+            self._hosted.pop(aggregation, None)
 
     def finished(self, aggregation: Aggregation) -> None:
         """Finalized (the store says so): the hosts drop their copies (a late Submit is refused)."""
