@@ -14,11 +14,12 @@ from .errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from .privacy import Adaptive, Privacy
+from .privacy import Adaptive, Audit, Privacy
 from .updates import Layer, layers_like
 
 __all__ = [
     "Adaptive",
+    "Audit",
     "Privacy",
     "AggregateResult",
     "AlreadyExistsError",

@@ -584,6 +584,12 @@ class Client:
         """A privacy ledger: its releases (DpEvents as JSON), epsilon so far and budget left."""
         return self._call(self._stub.GetLedger, pb.GetLedgerRequest(ledger_id=ledger_id))
 
+    def close_audit(self, ledger_id: str) -> pb.Ledger:
+        """Closes the ledger's canary audit (admin): the ledger, with the audit's lower bound on epsilon
+        (``.audit.epsilon_lower``) beside the epsilon claimed (``.audit.epsilon_claimed``). Later releases
+        carry no canaries; closing a closed audit returns it as it is."""
+        return self._call(self._stub.CloseAudit, pb.CloseAuditRequest(ledger_id=ledger_id))
+
 
 def client_token_id(token: str | None) -> str | None:
     """The client id a client token names (its fields are readable; the server checks its signature), None for

@@ -39,6 +39,16 @@ class Adaptive:
 
 
 @dataclasses.dataclass(frozen=True)
+class Audit:
+    """A canary audit of the ledger (docs/privacy.md, "Canary audits"): ``canaries`` held in and as many held
+    out (the model needs twice as many parameters); the lower bound on epsilon holds with ``confidence``.
+    Close it with ``Client.close_audit`` or ``clipd audit LEDGER``; ``Client.get_ledger(...).audit`` shows it."""
+
+    canaries: int
+    confidence: float = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
 class Privacy:
     """A privacy policy; see ``PrivacyPolicy`` in ``proto/clipd/v1/clipd.proto``.
 
@@ -80,6 +90,7 @@ class Privacy:
     max_participations: int = 1
     buffers: int = 0
     declared_participation: bool = False
+    audit: Audit | None = None
 
     def to_proto(self) -> pb.PrivacyPolicy:
         """The message; ValueError naming a ``sampling``, ``neighbouring`` or ``accountant`` it has not."""

@@ -47,6 +47,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from . import _secure_noise as secure
+from ._audit import CanaryAudit
 from ._correlated import CorrelatedNoise
 
 PLD_DISCRETIZATION = 1e-4  # value_discretization_interval of the PLD accountant
@@ -408,6 +409,8 @@ class PrivacyPolicy:
       correlated: the ledger's releases share one correlated noise stream (DP-FTRL, ``engine._correlated``):
         the whole stream is one Gaussian mechanism of multiplier ``z`` (``target_epsilon`` calibrates it
         for that one event); None: each release has independent noise.
+      audit: canaries that put an empirical lower bound beside the ledger's epsilon (``engine._audit``); the
+        ledger's, from its first release on.
     """
 
     ledger_id: str
@@ -427,6 +430,7 @@ class PrivacyPolicy:
     debug_raw_statistics: bool = False
     noise: Noise = Noise.GAUSSIAN
     correlated: CorrelatedNoise | None = None
+    audit: CanaryAudit | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "neighbouring", Neighbouring(self.neighbouring))
@@ -458,6 +462,9 @@ class PrivacyPolicy:
         check_supported(self.accountant, self.neighbouring, self.sampling)
         self._check_noise()
         self._check_correlated()
+        if self.audit is not None and (self.debug_raw_statistics or self.noise_multiplier == 0):
+            raise ValueError("an audit measures the noise of private releases: not with debug_raw_statistics"
+                             " (its raw statistics make epsilon infinite) nor with noise_multiplier 0")
 
     def _check_correlated(self) -> None:
         if self.correlated is None:

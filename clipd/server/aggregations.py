@@ -25,6 +25,7 @@ import numpy as np
 
 from clipd.engine import RATIO_BUCKETS, ClipAccumulator, ClipPolicy, LayerSpec, PartialState, Unit, add_example
 from clipd.engine import _privacy as dp
+from clipd.engine._audit import CanaryAudit
 from clipd.engine._correlated import CorrelatedNoise
 from clipd.server.errors import FailedPrecondition, NotFound, ResourceExhausted
 from clipd.server.progress import Counts, Progress
@@ -182,6 +183,8 @@ class AggregationSpec:
                 fields["adaptive"] = dp.AdaptiveClipping(**fields["adaptive"])
             if fields.get("correlated") is not None:
                 fields["correlated"] = CorrelatedNoise(**fields["correlated"])
+            if fields.get("audit") is not None:
+                fields["audit"] = CanaryAudit(**fields["audit"])
             privacy = dp.PrivacyPolicy(**fields)
         return cls(layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy,
                    int(spec.get("shards", 1)), Unit(spec.get("unit", Unit.EXAMPLE.value)), spec.get("client_ids", ""))

@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from clipd.engine import BoundKind, NonFinite, PartialState, Unit, client_contribution
+from clipd.engine import _audit as audit
 from clipd.engine import _privacy as dp
 from clipd.server.aggregations import (
     CREDENTIAL,
@@ -206,6 +207,8 @@ class Lifecycle:
                                   " non-finite examples are zeroed (ZERO_EXAMPLE) or rejected (REJECT)")
         try:
             plan = privacy.plan(bound, layers)
+            if privacy.audit is not None:
+                audit.check_canaries(privacy.audit.canaries, sum(layer.size for layer in layers))
         except ValueError as e:
             raise InvalidArgument(f"privacy: {e}") from None
         return policy, plan

@@ -42,7 +42,8 @@ from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
 from clipd.engine._correlated import CorrelatedNoise, Mechanism
 from clipd.server.aggregations import SELF_ASSERTED, TAKES_BATCHES, Aggregation, State
-from clipd.server.errors import FailedPrecondition
+from clipd.server.audit import AuditState, Canaries, add_canaries, canaries_for, restore, take_canaries
+from clipd.server.errors import FailedPrecondition, NotFound
 from clipd.server.sequences import client_of
 from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, NoiseStream, Store
 
@@ -60,7 +61,8 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
     config: dict[str, Any] = {"accountant": policy.accountant.value, "neighbouring": policy.neighbouring.value,
                               "delta": policy.delta, "max_epsilon": policy.max_epsilon,
                               "mechanism": Mechanism.INDEPENDENT.value, "unit": Unit(unit).value,
-                              "client_ids": client_ids}
+                              "client_ids": client_ids,
+                              "audit": dataclasses.asdict(policy.audit) if policy.audit is not None else None}
     stream = policy.correlated
     if stream is not None:
         config["mechanism"] = stream.mechanism.value
@@ -74,7 +76,8 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
 
 # What a ledger stored before these fields existed had: independent noise, examples; its client ids, where they
 # counted (a correlated stream's participation), were whatever a submitter named.
-_CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value, "unit": Unit.EXAMPLE.value, "client_ids": ""}
+_CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value, "unit": Unit.EXAMPLE.value, "client_ids": "",
+                    "audit": None}
 
 
 def _same_config(stored: dict, wanted: dict) -> bool:
@@ -96,6 +99,9 @@ def _config_difference(stored: dict, wanted: dict) -> str:
         if key == "unit":
             said.append(f"its unit is {has!r} (its epsilon protects one {has}), this aggregation's {asks!r}: a"
                         " ledger accounts one unit; use another ledger")
+        elif key == "audit":
+            said.append(f"its audit is {json.dumps(has)}, this aggregation asks {json.dumps(asks)} (an audit is"
+                        " the ledger's from its first aggregation on: start a new ledger to audit it)")
         elif key == "client_ids":
             said.append(f"its client ids are {_ids(has)}, this aggregation's {_ids(asks)}"
                         + (" (a server without an admin token can only take self-asserted ids)"
@@ -210,8 +216,10 @@ class Ledgers:
             rows = _stream_of(config, stream).state_rows
             stream = {**stream, "made": len(entries), "left": stream["releases"] - len(entries), "state_rows": rows,
                       "state_bytes": rows * stream["parameters"] * 8}
+        blob = self.store.ledger_audit(ledger_id)
+        described = AuditState.from_bytes(blob).describe(eps, config["delta"]) if blob is not None else None
         return {
-            "ledger_id": ledger_id, **config, "stream": stream, "epsilon": eps,
+            "ledger_id": ledger_id, **config, "stream": stream, "epsilon": eps, "audit": described,
             "participation_refusals": self.participation_refusals[ledger_id],
             "budget_left": config["max_epsilon"] - eps,
             "next_bound": bounds[-1] if bounds else 0.0,
@@ -279,6 +287,8 @@ class Ledgers:
             debug = [NON_PRIVATE] if policy.debug_raw_statistics else []
             reserved = [r.event for r in self._reserved[policy.ledger_id].values() if _counts(r.aggregation)]
             committed = self.events(policy.ledger_id)
+            if policy.audit is not None:
+                self._open_audit(policy, committed)
             if policy.correlated is not None:
                 planned = self._admit_to_stream(policy, plan, committed, reserved)
                 create(None)
@@ -298,6 +308,47 @@ class Ledgers:
             create(entry)
             self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event_json)
             return planned
+
+    def _open_audit(self, policy: dp.PrivacyPolicy, committed: list[str]) -> None:
+        """The ledger's audit, made with its first aggregation; FAILED_PRECONDITION on a ledger with releases
+        made without one (an audit covers a ledger from its first release)."""
+        if self.store.ledger_audit(policy.ledger_id) is not None:
+            return
+        if committed:
+            raise FailedPrecondition(f"ledger {policy.ledger_id!r} has {len(committed)} entries made without an"
+                                     " audit: an audit covers a ledger from its first release; start a new ledger")
+        self.store.save_ledger_audit(policy.ledger_id, AuditState.new(policy).to_bytes(), create=True)
+
+    def _audit_of(self, policy: dp.PrivacyPolicy) -> AuditState | None:
+        """The ledger's audit while it is open (None: no audit, or closed)."""
+        if policy.audit is None:
+            return None
+        blob = self.store.ledger_audit(policy.ledger_id)
+        state = AuditState.from_bytes(blob) if blob is not None else None
+        return state if state is not None and not state.closed else None
+
+    def close_audit(self, ledger_id: str) -> dict:
+        """Closes the ledger's audit (CloseAudit): its bound against the ledger's epsilon now; the ledger
+        described. ``NotFound`` without a ledger, ``FailedPrecondition`` without an audit."""
+        with self._locked(ledger_id):
+            record = next((r for r in self.store.ledgers() if r.ledger_id == ledger_id), None)
+            if record is None:
+                raise NotFound(f"no ledger {ledger_id!r}")
+            blob = self.store.ledger_audit(ledger_id)
+            if blob is None:
+                raise FailedPrecondition(f"ledger {ledger_id!r} has no audit (Privacy(..., audit=Audit(...)) on"
+                                         " its first aggregation makes one)")
+            state = AuditState.from_bytes(blob)
+            if not state.closed:
+                config = {**_CONFIG_DEFAULTS, **json.loads(record.config)}
+                events = self.events(ledger_id)
+                stream = _stream_of(config, config["stream"]) if config.get("stream") else None
+                state.close(config["delta"], stream, config.get("noise_stddev", 0.0),
+                            ledger_epsilon(config, events[:state.releases]))
+                self.store.save_ledger_audit(ledger_id, state.to_bytes())
+        described = self.describe(ledger_id)
+        assert described is not None
+        return described
 
     def _admit_to_stream(self, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, committed: list[str],
                          reserved: list[str]) -> float:
@@ -350,13 +401,27 @@ class Ledgers:
         if policy.seed is not None:  # reproducible (a restart continues the same stream), no release alike
             key = jax.random.fold_in(key, made + 1)
         noise = stream.step(dp.gaussian_noise(parameters, 1.0, key), state) * plan.noise_stddev
+        audit_state = self._audit_of(policy)
+        canaries = _canaries(audit_state, aggregation, made + 1) if audit_state is not None else None
+        sums = list(totals.sums)
+        raw = add_canaries(sums, canaries) if canaries is not None else None
         noised, at = [], 0
-        for total, dtype in zip(totals.sums, sum_dtypes):
-            size = int(np.prod(total.shape))
-            value = np.asarray(total, np.float64) + noise[at:at + size].reshape(total.shape)
-            noised.append(value.astype(np.promote_types(dtype, np.float32)))
-            at += size
-        release = draw_release(aggregation, totals, sum_dtypes, after, 0.0, made + 1, tuple(noised))
+        try:
+            for total, dtype in zip(sums, sum_dtypes):
+                size = int(np.prod(total.shape))
+                value = np.asarray(total, np.float64) + noise[at:at + size].reshape(total.shape)
+                noised.append(value.astype(np.promote_types(dtype, np.float32)))
+                at += size
+        finally:
+            if canaries is not None and raw is not None:
+                restore(sums, canaries, raw)
+        if audit_state is not None and canaries is not None and raw is not None:
+            noised_sums, projections = take_canaries(noised, canaries, raw)
+            noised = list(noised_sums)
+            audit_state.record(canaries, projections, plan.noise_stddev, stream=True)
+            if made + 1 == stream.releases:  # the stream's last release closes its audit
+                audit_state.close(policy.delta, stream, plan.noise_stddev, after)
+        release, _ = draw_release(aggregation, totals, sum_dtypes, after, 0.0, made + 1, tuple(noised))
         release.fields.update(stream_release_fields(policy, plan, made))
         release.fields["dp_event_json"] = event_json
         participants = [] if stream.declared else sorted({client_of(c) for c in totals.clients})
@@ -364,7 +429,8 @@ class Ledgers:
         try:
             self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry, made, entry.time,
                                       stream=NoiseStream(made + 1, stream_state_to_bytes(state, made + 1)),
-                                      participants=participants)
+                                      participants=participants,
+                                      audit=audit_state.to_bytes() if audit_state is not None else None)
         except LedgerConflict as e:
             raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
         self._reserved[policy.ledger_id].pop(aggregation.id, None)
@@ -404,13 +470,19 @@ class Ledgers:
                 self.store.set_state(aggregation.id, FAILED, reason=reason, finished=time.time())  # never released
                 self._reserved[policy.ledger_id].pop(aggregation.id, None)
                 raise FailedPrecondition(reason)
-            release = draw_release(aggregation, totals, sum_dtypes, after, _epsilon(policy, [plan.event_json]),
-                                   len(committed) + 1)
+            state = self._audit_of(policy)
+            canaries = _canaries(state, aggregation, len(committed) + 1) if state is not None else None
+            release, projections = draw_release(aggregation, totals, sum_dtypes, after,
+                                                _epsilon(policy, [plan.event_json]), len(committed) + 1,
+                                                canaries=canaries)
+            if state is not None and canaries is not None:
+                state.record(canaries, projections, plan.noise_stddev, stream=False)
             entry = LedgerEntry(aggregation.id, plan.event_json, time.time(), after,
                                 release.fields["next_bound"] if policy.adaptive is not None else None)
             try:
                 self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry,
-                                          len(committed), entry.time)
+                                          len(committed), entry.time,
+                                          audit=state.to_bytes() if state is not None else None)
             except LedgerConflict as e:
                 raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
             self._reserved[policy.ledger_id].pop(aggregation.id, None)
@@ -474,24 +546,45 @@ def _epsilon(policy: dp.PrivacyPolicy, events: list[str]) -> float:
     return dp.epsilon_of_json(events, policy.delta, policy.accountant, policy.neighbouring)
 
 
+def _canaries(state: AuditState, aggregation, release: int) -> Canaries:
+    """The canaries of the ledger's release ``release`` (1-based), at this aggregation's bounds."""
+    policy = aggregation.policy
+    bounds = (policy.layer_bounds(aggregation.layers) if policy.is_per_layer
+              else (policy.example_bound(aggregation.layers),))
+    return canaries_for(state, aggregation.privacy, aggregation.plan, aggregation.layers, bounds, release)
+
+
 def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype], ledger_epsilon: float,
-                 epsilon: float, releases: int, noised_sums: tuple[np.ndarray, ...] | None = None) -> Release:
+                 epsilon: float, releases: int, noised_sums: tuple[np.ndarray, ...] | None = None,
+                 canaries: Canaries | None = None) -> tuple[Release, np.ndarray]:
     """The noised sums, noised statistics and next bound of one release (fresh key each call); ``noised_sums``:
-    the sums already noised (a correlated stream's release)."""
+    the sums already noised (a correlated stream's release). ``canaries``: an audit's, added to the sums before
+    the noise and taken out of the release after it; returned with the release: their projections on it (empty
+    without canaries)."""
     policy: dp.PrivacyPolicy = aggregation.privacy
     plan: dp.ReleasePlan = aggregation.plan
     key = dp.fresh_key(policy.seed)
     if policy.seed is not None:  # reproducible, yet no two releases of a ledger share noise
         key = jax.random.fold_in(key, releases)
     key_sum, key_count, key_stats = jax.random.split(key, 3)
-    grid = {}
+    grid: dict = {}
+    projections = np.zeros(0)
     if noised_sums is not None:
         sums = noised_sums
-    elif policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
-        on_grid = secure.release(totals.sums, plan.grid_step, plan.grid_scale)
-        sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
     else:
-        sums = dp.add_gaussian_noise(totals.sums, plan.noise_stddev, key_sum, sum_dtypes)
+        raw_sums = list(totals.sums)
+        raw = add_canaries(raw_sums, canaries) if canaries is not None else None
+        try:
+            if policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
+                on_grid = secure.release(raw_sums, plan.grid_step, plan.grid_scale)
+                sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
+            else:
+                sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes)
+        finally:
+            if canaries is not None and raw is not None:
+                restore(raw_sums, canaries, raw)
+        if canaries is not None and raw is not None:
+            sums, projections = take_canaries(sums, canaries, raw)
     if policy.release_mean:
         sums = tuple((s / np.asarray(policy.public_denominator, s.dtype)).astype(s.dtype) for s in sums)
     bound = aggregation.policy.example_bound(aggregation.layers)
@@ -523,4 +616,4 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         fields["example_norm_histogram"] = noised[:b].tolist()
         fields["layer_clipped"] = noised[b:b + k].tolist()
         fields["examples"] = float(noised[-1])
-    return Release(fields, sums)
+    return Release(fields, sums), projections

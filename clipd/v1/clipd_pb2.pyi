@@ -115,7 +115,7 @@ class AdaptiveClipping(_message.Message):
     def __init__(self, target_unclipped_quantile: _Optional[float] = ..., learning_rate: _Optional[float] = ..., count_stddev: _Optional[float] = ..., initial_bound: _Optional[float] = ..., min_bound: _Optional[float] = ..., max_bound: _Optional[float] = ..., arithmetic_update: bool = ...) -> None: ...
 
 class PrivacyPolicy(_message.Message):
-    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics", "noise", "correlated")
+    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics", "noise", "correlated", "audit")
     class Neighbouring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ADD_REMOVE_ONE: _ClassVar[PrivacyPolicy.Neighbouring]
@@ -153,6 +153,7 @@ class PrivacyPolicy(_message.Message):
     DEBUG_RAW_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     NOISE_FIELD_NUMBER: _ClassVar[int]
     CORRELATED_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     delta: float
     noise_multiplier: float
@@ -170,7 +171,16 @@ class PrivacyPolicy(_message.Message):
     debug_raw_statistics: bool
     noise: PrivacyPolicy.Noise
     correlated: CorrelatedNoise
-    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ..., noise: _Optional[_Union[PrivacyPolicy.Noise, str]] = ..., correlated: _Optional[_Union[CorrelatedNoise, _Mapping]] = ...) -> None: ...
+    audit: CanaryAudit
+    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ..., noise: _Optional[_Union[PrivacyPolicy.Noise, str]] = ..., correlated: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., audit: _Optional[_Union[CanaryAudit, _Mapping]] = ...) -> None: ...
+
+class CanaryAudit(_message.Message):
+    __slots__ = ("canaries", "confidence")
+    CANARIES_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    canaries: int
+    confidence: float
+    def __init__(self, canaries: _Optional[int] = ..., confidence: _Optional[float] = ...) -> None: ...
 
 class CorrelatedNoise(_message.Message):
     __slots__ = ("mechanism", "releases", "min_separation", "max_participations", "buffers", "declared", "strategy")
@@ -462,6 +472,40 @@ class GetLedgerRequest(_message.Message):
     ledger_id: str
     def __init__(self, ledger_id: _Optional[str] = ...) -> None: ...
 
+class CloseAuditRequest(_message.Message):
+    __slots__ = ("ledger_id",)
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
+    ledger_id: str
+    def __init__(self, ledger_id: _Optional[str] = ...) -> None: ...
+
+class LedgerAudit(_message.Message):
+    __slots__ = ("canaries", "confidence", "closed", "releases", "epsilon_claimed", "epsilon_lower", "epsilon_ceiling", "method", "refuted", "in_scores", "out_scores", "seed")
+    CANARIES_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_LOWER_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_CEILING_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REFUTED_FIELD_NUMBER: _ClassVar[int]
+    IN_SCORES_FIELD_NUMBER: _ClassVar[int]
+    OUT_SCORES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    canaries: int
+    confidence: float
+    closed: bool
+    releases: int
+    epsilon_claimed: float
+    epsilon_lower: float
+    epsilon_ceiling: float
+    method: str
+    refuted: bool
+    in_scores: _containers.RepeatedScalarFieldContainer[float]
+    out_scores: _containers.RepeatedScalarFieldContainer[float]
+    seed: int
+    def __init__(self, canaries: _Optional[int] = ..., confidence: _Optional[float] = ..., closed: bool = ..., releases: _Optional[int] = ..., epsilon_claimed: _Optional[float] = ..., epsilon_lower: _Optional[float] = ..., epsilon_ceiling: _Optional[float] = ..., method: _Optional[str] = ..., refuted: bool = ..., in_scores: _Optional[_Iterable[float]] = ..., out_scores: _Optional[_Iterable[float]] = ..., seed: _Optional[int] = ...) -> None: ...
+
 class LedgerEntry(_message.Message):
     __slots__ = ("aggregation_id", "dp_event_json", "epsilon_after", "unix_seconds", "next_bound")
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -477,7 +521,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., dp_event_json: _Optional[str] = ..., epsilon_after: _Optional[float] = ..., unix_seconds: _Optional[float] = ..., next_bound: _Optional[float] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows", "stream_state_bytes", "unit", "client_ids")
+    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows", "stream_state_bytes", "unit", "client_ids", "audit")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +539,7 @@ class Ledger(_message.Message):
     STREAM_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     UNIT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     accountant: str
     neighbouring: str
@@ -512,7 +557,8 @@ class Ledger(_message.Message):
     stream_state_bytes: int
     unit: PrivacyUnit
     client_ids: str
-    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ..., stream_state_bytes: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ...) -> None: ...
+    audit: LedgerAudit
+    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ..., stream_state_bytes: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., audit: _Optional[_Union[LedgerAudit, _Mapping]] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")

@@ -74,6 +74,11 @@ class ClipdStub(object):
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.Ledger.FromString,
                 _registered_method=True)
+        self.CloseAudit = channel.unary_unary(
+                '/clipd.v1.Clipd/CloseAudit',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.CloseAuditRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.Ledger.FromString,
+                _registered_method=True)
         self.GetPlacement = channel.unary_unary(
                 '/clipd.v1.Clipd/GetPlacement',
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.GetPlacementRequest.SerializeToString,
@@ -147,6 +152,15 @@ class ClipdServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseAudit(self, request, context):
+        """Closes a ledger's canary audit (admin only): later releases carry no
+        canaries, and the ledger shows the audit's scores and its lower bound on
+        epsilon beside the epsilon claimed at the close. A closed audit stays so.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetPlacement(self, request, context):
         """Where each shard of an aggregation is summed: a client streams a shard's
         batches straight to its endpoint (the process that sums it). A submit
@@ -205,6 +219,11 @@ def add_ClipdServicer_to_server(servicer, server):
             'GetLedger': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLedger,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.Ledger.SerializeToString,
+            ),
+            'CloseAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseAudit,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.CloseAuditRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.Ledger.SerializeToString,
             ),
             'GetPlacement': grpc.unary_unary_rpc_method_handler(
@@ -433,6 +452,33 @@ class Clipd(object):
             target,
             '/clipd.v1.Clipd/GetLedger',
             clipd_dot_v1_dot_clipd__pb2.GetLedgerRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.Ledger.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/CloseAudit',
+            clipd_dot_v1_dot_clipd__pb2.CloseAuditRequest.SerializeToString,
             clipd_dot_v1_dot_clipd__pb2.Ledger.FromString,
             options,
             channel_credentials,

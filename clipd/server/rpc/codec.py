@@ -15,6 +15,7 @@ import numpy as np
 from clipd import wire
 from clipd.engine import BoundKind, ClipPolicy, LayerSpec, NonFinite, Unit
 from clipd.engine import _privacy as dp
+from clipd.engine._audit import DEFAULT_CONFIDENCE, CanaryAudit
 from clipd.engine._correlated import CorrelatedNoise, Mechanism
 from clipd.server.aggregations import State, Stats
 from clipd.server.errors import InvalidArgument
@@ -100,6 +101,9 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
                 raise InvalidArgument(f"privacy.correlated.mechanism: unknown value {c.mechanism} (blt or banded)")
             correlated = CorrelatedNoise(MECHANISMS[c.mechanism], c.releases, c.min_separation, c.max_participations,
                                          c.buffers, c.declared)
+        audit = None
+        if message.HasField("audit"):
+            audit = CanaryAudit(message.audit.canaries, message.audit.confidence or DEFAULT_CONFIDENCE)
         return dp.PrivacyPolicy(
             ledger_id=message.ledger_id, delta=message.delta,
             noise_multiplier=message.noise_multiplier if message.HasField("noise_multiplier") else None,
@@ -111,6 +115,7 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
             metrics_noise_multiplier=message.metrics_noise_multiplier,
             seed=message.seed if message.HasField("seed") else None,
             debug_raw_statistics=message.debug_raw_statistics, noise=NOISES[message.noise], correlated=correlated,
+            audit=audit,
         )
     except ValueError as e:
         raise InvalidArgument(f"privacy: {e}") from None
@@ -162,6 +167,7 @@ def ledger_to_proto(ledger: dict) -> pb.Ledger:
         entries=[pb.LedgerEntry(aggregation_id=e["aggregation_id"], dp_event_json=e["event"],
                                 epsilon_after=e["epsilon_after"], unix_seconds=e["time"],
                                 next_bound=e["next_bound"] or 0.0) for e in ledger["entries"]],
+        audit=pb.LedgerAudit(**ledger["audit"]) if ledger.get("audit") else None,
     )
 
 

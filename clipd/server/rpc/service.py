@@ -196,6 +196,11 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         return codec.ledger_to_proto(ledger)
 
     @_status_on_error
+    def CloseAudit(self, request: pb.CloseAuditRequest, context) -> pb.Ledger:
+        """Closes a ledger's canary audit (admin only): the ledger with the audit's bound."""
+        return codec.ledger_to_proto(self.lifecycle.ledgers.close_audit(codec.ledger_id(request.ledger_id)))
+
+    @_status_on_error
     def GetPlacement(self, request: pb.GetPlacementRequest, context) -> pb.Placement:
         """Where each shard is summed (the admin, or a holder of the aggregation's submit token)."""
         aggregation = self.check_submitter(bearer_token(context.invocation_metadata()), request.aggregation_id,

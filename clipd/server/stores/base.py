@@ -171,7 +171,7 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = ()) -> None:
+                       participants: Sequence[str] = (), audit: bytes | None = None) -> None:
         """One transaction: the release kept, ``entry`` appended, the aggregation FINALIZED.
 
         ``position``: the number of entries the caller saw; ``LedgerConflict``
@@ -179,8 +179,18 @@ class Store(abc.ABC):
         checkpoints go: only the release is kept. ``KeyError`` if the
         aggregation or the ledger does not exist. ``stream``: the ledger's noise
         stream after this release (it replaces the one before); ``participants``:
-        the clients that took part in it, recorded at ``position``.
+        the clients that took part in it, recorded at ``position``; ``audit``: the
+        ledger's audit state after this release (it replaces the one before).
         """
+
+    @abc.abstractmethod
+    def ledger_audit(self, ledger_id: str) -> bytes | None:
+        """The ledger's canary audit state (``server.audit.AuditState``), or None: it has no audit."""
+
+    @abc.abstractmethod
+    def save_ledger_audit(self, ledger_id: str, state: bytes, *, create: bool = False) -> bytes:
+        """Stores the ledger's audit state, durably; returns the stored one. ``create``: only if it has none
+        (then the one it has is returned): two processes that open an audit at once agree on one."""
 
     @abc.abstractmethod
     def noise_stream(self, ledger_id: str) -> NoiseStream | None:
@@ -211,6 +221,7 @@ class MemoryStore(Store):
         self._entries: dict[str, list[LedgerEntry]] = {}
         self._streams: dict[str, NoiseStream] = {}
         self._participations: dict[tuple[str, str], list[int]] = {}
+        self._audits: dict[str, bytes] = {}
         self._releases: dict[str, bytes] = {}
         self._epochs: dict[tuple[str, int], int] = {}
         self._key = secrets.token_bytes(32)
@@ -292,7 +303,7 @@ class MemoryStore(Store):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = ()) -> None:
+                       participants: Sequence[str] = (), audit: bytes | None = None) -> None:
         with self._lock:
             record = self._records[aggregation_id]
             entries = self._entries[ledger_id]
@@ -301,6 +312,8 @@ class MemoryStore(Store):
             entries.append(entry)
             if stream is not None:
                 self._streams[ledger_id] = stream
+            if audit is not None:
+                self._audits[ledger_id] = bytes(audit)
             for client in participants:
                 self._participations.setdefault((ledger_id, client), []).append(position)
             self._releases[aggregation_id] = release
@@ -311,6 +324,17 @@ class MemoryStore(Store):
     def load_release(self, aggregation_id: str) -> bytes | None:
         with self._lock:
             return self._releases.get(aggregation_id)
+
+    def ledger_audit(self, ledger_id: str) -> bytes | None:
+        with self._lock:
+            return self._audits.get(ledger_id)
+
+    def save_ledger_audit(self, ledger_id: str, state: bytes, *, create: bool = False) -> bytes:
+        with self._lock:
+            if create:
+                return self._audits.setdefault(ledger_id, bytes(state))
+            self._audits[ledger_id] = bytes(state)
+            return self._audits[ledger_id]
 
     def noise_stream(self, ledger_id: str) -> NoiseStream | None:
         with self._lock:

@@ -94,6 +94,25 @@ def stream_tables(*, text: str, integer: str, blob: str) -> tuple[str, ...]:
     return tuple(statement.format(text=text, integer=integer, blob=blob) for statement in _STREAM_TABLES)
 
 
+_AUDIT_TABLES = (
+    """CREATE TABLE ledger_audits (  -- a ledger's canary audit (server.audit.AuditState) after its last change
+        ledger {text} PRIMARY KEY REFERENCES ledgers (id),
+        nbytes {integer} NOT NULL,
+        crc32 {integer} NOT NULL,
+        state {blob} NOT NULL
+    )""",
+)
+
+
+def audit_tables(*, text: str, integer: str, blob: str) -> tuple[str, ...]:
+    """``CREATE TABLE`` of the ledgers' canary audits (both dialects)."""
+    return tuple(statement.format(text=text, integer=integer, blob=blob) for statement in _AUDIT_TABLES)
+
+
+_UPSERT_AUDIT = ("INSERT INTO ledger_audits (ledger, nbytes, crc32, state) VALUES (?, ?, ?, ?) ON CONFLICT (ledger)"
+                 " DO UPDATE SET nbytes = excluded.nbytes, crc32 = excluded.crc32, state = excluded.state")
+
+
 def checked(blob: bytes, nbytes: int, crc: int, what: str) -> bytes:
     """``blob`` if its size and CRC-32 match its row; ``CorruptStateError`` otherwise."""
     if len(blob) != nbytes:
@@ -387,23 +406,28 @@ class SQLStore(Store):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = ()) -> None:
+                       participants: Sequence[str] = (), audit: bytes | None = None) -> None:
         """One commit: the release in its row, the entry at ``position``, FINALIZED, raw checkpoints gone,
-        the noise stream and the participations."""
+        the noise stream, the participations and the audit."""
         release = bytes(release)
         try:
             with self._transaction() as tx:
                 key = self._key(tx, aggregation_id)
-                self._add_release(tx, key, release, ledger_id, entry, position, finished, stream, participants)
+                self._add_release(tx, key, release, ledger_id, entry, position, finished, stream, participants,
+                                  audit)
         except self.UNIQUE_VIOLATION as e:  # another process took the position (belt and braces)
             raise LedgerConflict(f"ledger {ledger_id!r} gained an entry at {position}") from e
 
     def _add_release(self, tx: Tx, key: int, release: bytes, ledger_id: str, entry: LedgerEntry,
                      position: int, finished: float, stream: NoiseStream | None = None,
-                     participants: Sequence[str] = ()) -> list:
+                     participants: Sequence[str] = (), audit: bytes | None = None) -> list:
         """In ``tx``: the entry at ``position``, the release's row, FINALIZED, every checkpoint row dropped
-        (returns :meth:`_drop_checkpoints`); the ledger's noise stream replaced, the participants recorded."""
+        (returns :meth:`_drop_checkpoints`); the ledger's noise stream and audit replaced, the participants
+        recorded."""
         self._append_entry(tx, ledger_id, entry, position)
+        if audit is not None:
+            audit = bytes(audit)
+            tx.execute(_UPSERT_AUDIT, (ledger_id, len(audit), zlib.crc32(audit), audit))
         if stream is not None:
             state = bytes(stream.state)
             tx.execute("INSERT INTO ledger_streams (ledger, releases, nbytes, crc32, state) VALUES (?, ?, ?, ?, ?)"
@@ -422,6 +446,25 @@ class SQLStore(Store):
         tx.execute("UPDATE aggregations SET state = ?, finished = ? WHERE key = ?",
                    (FINALIZED, finished, key))
         return self._drop_checkpoints(tx, "aggregation = ?", (key,))
+
+    def ledger_audit(self, ledger_id: str) -> bytes | None:
+        rows = self._query("SELECT nbytes, crc32, state FROM ledger_audits WHERE ledger = ?", (ledger_id,))
+        if not rows:
+            return None
+        nbytes, crc, state = rows[0]
+        return checked(bytes(state), nbytes, crc, f"the audit of ledger {ledger_id!r}")
+
+    def save_ledger_audit(self, ledger_id: str, state: bytes, *, create: bool = False) -> bytes:
+        state = bytes(state)
+        with self._transaction() as tx:
+            if create:
+                tx.execute("INSERT INTO ledger_audits (ledger, nbytes, crc32, state) VALUES (?, ?, ?, ?)"
+                           " ON CONFLICT (ledger) DO NOTHING", (ledger_id, len(state), zlib.crc32(state), state))
+            else:
+                tx.execute(_UPSERT_AUDIT, (ledger_id, len(state), zlib.crc32(state), state))
+            nbytes, crc, stored = tx.row("SELECT nbytes, crc32, state FROM ledger_audits WHERE ledger = ?",
+                                         (ledger_id,))
+        return checked(bytes(stored), nbytes, crc, f"the audit of ledger {ledger_id!r}")
 
     def noise_stream(self, ledger_id: str) -> NoiseStream | None:
         rows = self._query("SELECT releases, nbytes, crc32, state FROM ledger_streams WHERE ledger = ?", (ledger_id,))

@@ -52,9 +52,10 @@ from collections.abc import Iterator, Sequence
 from clipd.engine import CorruptStateError, PartialState
 from clipd.server.credentials import load_key
 from clipd.server.stores.base import FencedOut, LedgerEntry, NoiseStream
-from clipd.server.stores.sql import NEXT_GENERATION, SQLStore, Tx, checked, ledger_tables, stream_tables
+from clipd.server.stores.sql import NEXT_GENERATION, SQLStore, Tx, audit_tables, checked, ledger_tables, stream_tables
 
-SCHEMA_VERSION = 4  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards; 3 no noise streams
+SCHEMA_VERSION = 5  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards; 3 no noise
+# streams; 4 no audits
 DB_NAME = "clipd.sqlite3"
 RELEASE_FILE = "release"
 STATES_DIR = "states"
@@ -116,7 +117,8 @@ class SQLiteStore(SQLStore):
 
     log = logging.getLogger(__name__)
     SCHEMA_VERSION = SCHEMA_VERSION
-    MIGRATIONS = (_SCHEMA, _SCHEMA_V2, _SCHEMA_V3, stream_tables(text="TEXT", integer="INTEGER", blob="BLOB"))
+    MIGRATIONS = (_SCHEMA, _SCHEMA_V2, _SCHEMA_V3, stream_tables(text="TEXT", integer="INTEGER", blob="BLOB"),
+                  audit_tables(text="TEXT", integer="INTEGER", blob="BLOB"))
     PLACE = "data dir"
     LEDGER_ORDER = "created"
     CHECKPOINT_PAYLOAD = "file"  # the blob is in states/<key>/<file>
@@ -297,7 +299,7 @@ class SQLiteStore(SQLStore):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = ()) -> None:
+                       participants: Sequence[str] = (), audit: bytes | None = None) -> None:
         """The release file durable first, then one commit: its row, the entry, FINALIZED, raw rows gone, the
         noise stream and the participations."""
         with self._files_lock:
@@ -305,7 +307,7 @@ class SQLiteStore(SQLStore):
             _write_durably(directory, RELEASE_FILE, lambda f: f.write(release))
             with self._transaction() as tx:
                 raw = self._add_release(tx, key, release, ledger_id, entry, position, finished, stream,
-                                        participants)
+                                        participants, audit)
             _remove_files(directory, raw)
             _fsync_dir(directory)
 
