@@ -29,6 +29,7 @@ DEMO_LAYERS = {"dense/kernel": (32, 24), "dense/bias": (24,), "out/kernel": (8, 
 
 
 EXIT_SETTINGS, EXIT_RUNTIME = 2, 1
+EXIT_REFUTED = 3  # clipd audit: the audit's lower bound passes the claimed epsilon (a privacy bug)
 CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json")}
 FLAG_TYPES = {"int": int, "float": float, "str": str}
 
@@ -339,6 +340,47 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    """Closes a ledger's canary audit (unless --no-close) and prints it; the last line is the result."""
+    from clipd.client import Client, ClipdError
+
+    root = None
+    if args.cafile:
+        try:
+            with open(args.cafile, "rb") as f:
+                root = f.read()
+        except OSError as e:
+            return _error(f"can't read --cafile {args.cafile}: {e.strerror}", EXIT_RUNTIME)
+    try:
+        with Client(args.target, token=args.token or os.environ.get("CLIPD_ADMIN_TOKEN") or None,
+                    root_certificates=root, retry_timeout=args.timeout, timeout=args.timeout) as client:
+            ledger = client.ledger(args.ledger) if args.no_close else client.close_audit(args.ledger)
+    except ClipdError as e:
+        return _error(f"{getattr(e.code, 'name', 'refused')}: {e.details}", EXIT_RUNTIME)
+    if not ledger.HasField("audit"):
+        return _error(f"ledger {args.ledger!r} has no audit", EXIT_RUNTIME)
+    audit = ledger.audit
+    print(f"ledger {ledger.ledger_id}: {ledger.mechanism} noise, {len(ledger.entries)} releases, epsilon"
+          f" {ledger.epsilon:.6g} at delta {ledger.delta:g}")
+    print(f"audit: {audit.canaries} canaries held in and {audit.canaries} held out, over {audit.releases} releases;"
+          f" {'closed' if audit.closed else 'open (the canaries stay secret until it closes)'}")
+    if not audit.closed:
+        print(f"audit: ledger={ledger.ledger_id} canaries={audit.canaries} epsilon_lower=open"
+              f" epsilon_claimed={audit.epsilon_claimed:.6g} confidence={audit.confidence:g}")
+        return 0
+    held_in, held_out = np.asarray(audit.in_scores), np.asarray(audit.out_scores)
+    print(f"scores: held in median {np.median(held_in):.4g}, held out median {np.median(held_out):.4g}"
+          f" (log-likelihood ratios under the claimed noise)")
+    print(f"epsilon is at least {audit.epsilon_lower:.4g} with confidence {audit.confidence:g}"
+          f" ({audit.method}); {audit.canaries} canaries can show at most {audit.epsilon_ceiling:.4g};"
+          f" claimed {audit.epsilon_claimed:.6g}")
+    if audit.refuted:
+        print("REFUTED: the lower bound passes the claimed epsilon: the noise is less than the ledger says")
+    print(f"audit: ledger={ledger.ledger_id} canaries={audit.canaries} epsilon_lower={audit.epsilon_lower:.6g}"
+          f" epsilon_claimed={audit.epsilon_claimed:.6g} confidence={audit.confidence:g}")
+    return EXIT_REFUTED if audit.refuted else 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -443,6 +485,24 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                        help="give up on an unreachable server after this long (default: 10)")
     token.set_defaults(run=_token)
+    audit = sub.add_parser("audit", help="close a ledger's canary audit and print its lower bound on epsilon",
+                           description="Closes the ledger's canary audit (admin; later releases carry no canaries)"
+                                       " and prints its empirical lower bound on epsilon beside the claimed one."
+                                       " The last line: 'audit: ledger=<id> canaries=<n> epsilon_lower=<l>"
+                                       " epsilon_claimed=<e> confidence=<c>'. Exit status 3 if the bound passes"
+                                       " the claim (docs/privacy.md, 'Canary audits').")
+    audit.add_argument("ledger", metavar="LEDGER", help="the ledger's id")
+    audit.add_argument("--target", default="localhost:50051", metavar="HOST:PORT",
+                       help="the server's gRPC address (default: localhost:50051)")
+    audit.add_argument("--token", metavar="TOKEN", default=None,
+                       help="the admin token (default: $CLIPD_ADMIN_TOKEN)")
+    audit.add_argument("--cafile", metavar="FILE", default=None,
+                       help="PEM file of the CA that signed the server's certificate (TLS)")
+    audit.add_argument("--no-close", action="store_true",
+                       help="print the audit as it stands; an open audit shows its progress only")
+    audit.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="give up on an unreachable server after this long (default: 10)")
+    audit.set_defaults(run=_audit)
     return parser
 
 

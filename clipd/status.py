@@ -154,9 +154,10 @@ def status_lines(base: str, reads: dict[str, dict], states: list[str] | None) ->
                          (ledger.get("client_ids") or "-").replace("_", "-"),
                          cell(ledger.get("epsilon")), cell(ledger.get("max_epsilon")), cell(ledger.get("delta")),
                          cell(len(ledger.get("entries") or [])),
-                         f"{stream.get('left', '?')} of {stream.get('releases', '?')}" if stream else "-"])
+                         f"{stream.get('left', '?')} of {stream.get('releases', '?')}" if stream else "-",
+                         audit_cell(ledger.get("audit"))])
         lines += table(["ID", "MECHANISM", "UNIT", "CLIENT IDS", "EPSILON", "MAX EPSILON", "DELTA", "RELEASES",
-                        "STREAM LEFT"], rows, right=(4, 5, 6, 7))
+                        "STREAM LEFT", "AUDIT"], rows, right=(4, 5, 6, 7))
     else:
         lines.append("no privacy ledgers")
     return lines
@@ -167,6 +168,18 @@ def table(header: list[str], rows: list[list[str]], right: tuple[int, ...] = ())
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
             .rstrip() for row in [header, *rows]]
+
+
+def audit_cell(audit: dict | None) -> str:
+    """A ledger's canary audit: ``-`` (none), ``open, N canaries`` or ``>= LOWER (of CLAIMED) at 95%``, marked
+    ``REFUTED`` when the bound passes the claim."""
+    if not audit:
+        return "-"
+    if not audit.get("closed"):
+        return f"open, {audit.get('canaries')} canaries"
+    said = (f">= {cell(audit.get('epsilon_lower'))} (claimed {cell(audit.get('epsilon_claimed'))})"
+            f" at {100 * float(audit.get('confidence') or 0):g}%")
+    return f"REFUTED {said}" if audit.get("refuted") else said
 
 
 def cell(value: object) -> str:

@@ -210,10 +210,11 @@ def test_status_lists_every_aggregation_and_ledger_as_the_admin_api_does(auth_se
     ledgers = {ledger["ledger_id"]: ledger for ledger in _admin_json(auth_server, "/api/v1/ledgers")["ledgers"]}
     header, *rows = _section(out, "privacy ledger")
     assert header == ["ID", "MECHANISM", "UNIT", "CLIENT IDS", "EPSILON", "MAX EPSILON", "DELTA", "RELEASES",
-                      "STREAM LEFT"]
+                      "STREAM LEFT", "AUDIT"]
     assert sorted(r[0] for r in rows) == sorted(populated["ledgers"]) == sorted(ledgers)
-    for ledger_id, mechanism, unit, client_ids, epsilon, max_epsilon, delta, releases, left in rows:
+    for ledger_id, mechanism, unit, client_ids, epsilon, max_epsilon, delta, releases, left, audit in rows:
         ledger = ledgers[ledger_id]
+        assert audit == "-" and ledger["audit"] is None  # (tests/test_audit.py shows an audited one)
         assert mechanism == ledger["mechanism"] and int(releases) == len(ledger["entries"])
         assert (unit, client_ids) == (ledger["unit"], (ledger["client_ids"] or "-").replace("_", "-"))
         assert float(epsilon) == pytest.approx(ledger["epsilon"], rel=1e-5)

@@ -41,7 +41,7 @@ import numpy as np
 
 from clipd.v1 import clipd_pb2 as pb
 
-from .privacy import Privacy
+from .privacy import Audit, Privacy
 from .updates import flatten
 
 PHASES = ("create", "submit", "finalize", "cancel")
@@ -100,6 +100,9 @@ class DpSgd:
         is then the batch's fraction of the data set (the mean divides by it times ``dataset_size``).
       steps, epochs: the stream's plan (correlated mechanisms only).
       buffers: a BLT's buffers or a banded strategy's bands (0: chosen).
+      audit: a canary :class:`~clipd.client.Audit` of the ledger: canary examples in its steps, drawn as its
+        examples are (Poisson at ``sampling_rate``, or one step per epoch of a stream); close it with
+        ``client.close_audit(trainer.ledger_id)`` (a stream's closes with its last step).
 
     Use it as a context manager (or call :meth:`close`): closing cancels the aggregation made ahead.
     """
@@ -108,7 +111,7 @@ class DpSgd:
                  sampling_rate: float, dataset_size: int, delta: float, ledger_id: str | None = None,
                  max_epsilon: float = 0.0, accountant: str = "rdp", metrics_noise_multiplier: float = 0.0,
                  keep: bool = False, seed: int | None = None, pipeline: bool = True, mechanism: str = "independent",
-                 steps: int = 0, epochs: int = 1, buffers: int = 0) -> None:
+                 steps: int = 0, epochs: int = 1, buffers: int = 0, audit: Audit | None = None) -> None:
         if not 0.0 < sampling_rate <= 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
         if dataset_size < 1:
@@ -139,7 +142,7 @@ class DpSgd:
             noise_multiplier=noise_multiplier, sampling="poisson" if poisson else "none",
             sampling_rate=sampling_rate if poisson else 0.0, max_epsilon=max_epsilon, accountant=accountant,
             public_denominator=self.expected_batch_size, release_mean=True,
-            metrics_noise_multiplier=metrics_noise_multiplier, seed=seed, **correlated,
+            metrics_noise_multiplier=metrics_noise_multiplier, seed=seed, audit=audit, **correlated,
         ).to_proto()
 
     @property

@@ -15,7 +15,7 @@ Which releases a canary is drawn for follows the ledger's rules for a unit:
 - independent noise, no sampling: every release; Poisson sampling at rate ``q`` (fixed-size sampling: ``q =
   sample_size / population``): release ``r`` iff ``U_{r,i} < q``, ``U_r = default_rng([seed, r]).random(2N)``;
 - a correlated stream of (n, b, k): the releases ``s_i, s_i + b, ...`` (``k`` of them, up to n), ``s_i`` drawn
-  in ``[0, b)``: a participation the stream's accounting covers.
+  in ``[0, b)`` (:func:`stream_starts`): a participation the stream's accounting covers.
 
 The server scores canary ``i`` by its projection ``y_{r,i} = sign_i * (release_r[j_i] - raw_r[j_i])`` on each
 release (the release as noised, canaries in; the raw sum without them: the auditor knows every contribution but
@@ -44,6 +44,7 @@ rates, Bonferroni over its thresholds). With N canaries it can certify at most :
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -83,14 +84,19 @@ class CanaryLayout:
 
 def canary_layout(seed: int, canaries: int, dimension: int, min_separation: int = 1) -> CanaryLayout:
     """The canaries of an audit: from ``default_rng([seed, 0])``, in this order, ``choice(dimension, 2N,
-    replace=False)`` (the coordinates), ``integers(0, 2, 2N)`` (sign ``2u - 1``), ``integers(0, b, 2N)`` (the
-    stream's starts). ``ValueError`` if the model has fewer than ``2N`` coordinates."""
+    replace=False)`` (the coordinates) and ``integers(0, 2, 2N)`` (sign ``2u - 1``); the stream's starts are
+    :func:`stream_starts`. ``ValueError`` if the model has fewer than ``2N`` coordinates."""
     check_canaries(canaries, dimension)
     rng = np.random.default_rng([seed, 0])
     coordinates = rng.choice(dimension, size=2 * canaries, replace=False).astype(np.int64)
     signs = rng.integers(0, 2, size=2 * canaries).astype(np.float64) * 2 - 1
-    starts = rng.integers(0, max(1, min_separation), size=2 * canaries).astype(np.int64)
-    return CanaryLayout(canaries, coordinates, signs, starts)
+    return CanaryLayout(canaries, coordinates, signs, stream_starts(seed, canaries, min_separation))
+
+
+def stream_starts(seed: int, canaries: int, min_separation: int) -> np.ndarray:
+    """int64 (2N,): each canary's first release in a correlated stream (0-based), ``default_rng([seed,
+    1]).integers(0, b, 2N)``."""
+    return np.random.default_rng([seed, 1]).integers(0, max(1, min_separation), size=2 * canaries).astype(np.int64)
 
 
 def check_canaries(canaries: int, dimension: int) -> None:
@@ -185,6 +191,7 @@ def epsilon_lower_bound(in_scores: np.ndarray, out_scores: np.ndarray, confidenc
     return float(bound) if math.isfinite(bound) else float("inf")
 
 
+@functools.lru_cache(maxsize=64)
 def epsilon_ceiling(canaries: int, confidence: float, delta: float) -> float:
     """The most :func:`epsilon_lower_bound` can show with ``canaries`` held in and held out: its bound when every
     held-in score is above every held-out one.

@@ -107,15 +107,13 @@ class AuditState:
         if stream is None:
             return self.scores
         t = self.releases
-        layout = self.layout(1, stream.min_separation)  # the starts only: the dimension does not change them
-        participation = audit.stream_participation(layout.starts, t, stream.min_separation, stream.max_participations)
+        starts = audit.stream_starts(self.seed, self.canaries, stream.min_separation)
+        participation = audit.stream_participation(starts, t, stream.min_separation, stream.max_participations)
         return audit.stream_scores(self.projections, self.magnitudes, participation,
                                    stream.strategy_matrix().coefs(t), sigma)
 
     def layout(self, dimension: int, min_separation: int = 1) -> audit.CanaryLayout:
-        """The canaries (``dimension`` 0 is not allowed: use the model's, or 1 for the stream's starts only)."""
-        if dimension < 2 * self.canaries:  # the starts are drawn after the coordinates: draw those of a big model
-            dimension = 2 * self.canaries
+        """The canaries in a model of ``dimension`` parameters."""
         return audit.canary_layout(self.seed, self.canaries, dimension, min_separation)
 
     def describe(self, claimed_now: float, delta: float) -> dict:

@@ -158,6 +158,14 @@ def _privacy_metrics(server: ServerFacade, private, participation_refusals: dict
                                   "Clients refused (by any process) because the ledger's stream does not let them"
                                   " take part in the release (min_separation, max_participations).",
                                   labels=["ledger"])
+    audited = GaugeMetricFamily("clipd_ledger_audit_epsilon", "A ledger's canary audit: the epsilon claimed over"
+                                " the releases it covers, and (closed) the lower bound it shows at its confidence"
+                                " and the most its canaries can show.", labels=["ledger", "bound"])
+    audit_releases = GaugeMetricFamily("clipd_ledger_audit_releases", "Releases a ledger's canary audit covers;"
+                                       " closed 1 once it is closed.", labels=["ledger", "closed"])
+    refuted = GaugeMetricFamily("clipd_ledger_audit_refuted", "1 when a closed audit's lower bound passes the"
+                                " claimed epsilon: the noise is less than the ledger says (a privacy bug).",
+                                labels=["ledger"])
     for ledger_id in server.ledger_ids():
         ledger = server.ledger(ledger_id)
         if ledger is None:  # (gone since it was listed)
@@ -169,7 +177,15 @@ def _privacy_metrics(server: ServerFacade, private, participation_refusals: dict
             stream_left.add_metric([ledger_id, ledger["mechanism"]], ledger["stream"]["left"])
             stream_bytes.add_metric([ledger_id, ledger["mechanism"]], ledger["stream"]["state_bytes"])
             refused.add_metric([ledger_id], participation_refusals.get(ledger_id, 0))
-    yield from (epsilon, left, releases, stream_left, stream_bytes, refused)
+        audit = ledger.get("audit")
+        if audit is not None:
+            audited.add_metric([ledger_id, "claimed"], audit["epsilon_claimed"])
+            audit_releases.add_metric([ledger_id, str(int(audit["closed"]))], audit["releases"])
+            if audit["closed"]:
+                audited.add_metric([ledger_id, "lower"], audit["epsilon_lower"])
+                audited.add_metric([ledger_id, "ceiling"], audit["epsilon_ceiling"])
+                refuted.add_metric([ledger_id], float(audit["refuted"]))
+    yield from (epsilon, left, releases, stream_left, stream_bytes, refused, audited, audit_releases, refuted)
 
 
 def _cumulative(counts, upper_bounds) -> list[tuple[str, float]]:

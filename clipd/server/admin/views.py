@@ -109,8 +109,11 @@ def _full_view(aggregation: Aggregation, stats: Stats) -> dict[str, Any]:
 def ledger_view(ledger: dict, participation_refusals: dict[str, int]) -> dict[str, Any]:
     """A ledger's JSON view; ``participation_refusals``: every process's, by ledger (the server snapshot's)."""
     entries = [{**e, "epsilon_after": json_float(e["epsilon_after"])} for e in ledger["entries"]]
+    audit = ledger.get("audit")
+    if audit is not None:  # open: its size and progress; closed: its bound beside the claim, and its scores
+        audit = {k: json_float(v) if isinstance(v, float) else v for k, v in audit.items()}
     return {**{k: json_float(v) if isinstance(v, float) else v for k, v in ledger.items()}, "entries": entries,
-            "participation_refusals": participation_refusals.get(ledger["ledger_id"], 0)}
+            "audit": audit, "participation_refusals": participation_refusals.get(ledger["ledger_id"], 0)}
 
 
 def json_float(x: float) -> float | str:

@@ -291,7 +291,23 @@ function ledgerBlock(l) {
       el("span", {}, lv("mechanism", l.mechanism ?? "independent", String),
         stream ? el("span", {}, " stream: ", lv("stream.made", stream.made, fmtCount), " made, ",
           lv("stream.left", stream.left, fmtCount), " left of ", lv("stream.releases", stream.releases, fmtCount)) : null),
-      el("span", {}, lv("participation_refusals", l.participation_refusals, fmtCount), " participation refusals")));
+      el("span", {}, lv("participation_refusals", l.participation_refusals, fmtCount), " participation refusals")),
+    l.audit ? auditLine(l.audit, lv) : null);
+}
+// A ledger's canary audit: open (its canaries and the releases it covers), or closed: the empirical lower bound on
+// ε beside the ε claimed, at its confidence, and the most its canaries could show; refuted (a privacy bug) in red.
+function auditLine(a, lv) {
+  const covers = [" over ", lv("audit.releases", a.releases, fmtCount), " releases"];
+  if (!a.closed) {
+    return el("div", { class: "meta", "data-audit": "open" }, el("span", {}, "audit open: ",
+      lv("audit.canaries", a.canaries, fmtCount), " canaries", ...covers));
+  }
+  return el("div", { class: a.refuted ? "meta error" : "meta", "data-audit": a.refuted ? "refuted" : "closed" },
+    el("span", {}, a.refuted ? "audit REFUTES the claim: ε ≥ " : "audit: ε ≥ ", lv("audit.epsilon_lower", a.epsilon_lower),
+      " against ε ", lv("audit.epsilon_claimed", a.epsilon_claimed), " claimed"),
+    el("span", {}, "at ", lv("audit.confidence", a.confidence, (v) => `${(100 * v).toFixed(0)}%`), " confidence, ",
+      lv("audit.canaries", a.canaries, fmtCount), " canaries", ...covers,
+      " (they can show at most ", lv("audit.epsilon_ceiling", a.epsilon_ceiling), ")"));
 }
 
 // Aggregations --------------------------------------------------------------------------------------------------
