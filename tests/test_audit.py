@@ -18,6 +18,7 @@ import uuid
 import grpc
 import numpy as np
 import pytest
+from conftest import ADMIN_TOKEN, TEST_SETTINGS
 from jax_privacy.auditing import CanaryScoreAuditor
 
 from clipd.client import Audit, Client, ClipdError, Privacy
@@ -26,7 +27,6 @@ from clipd.engine import _secure_noise as secure
 from clipd.engine._correlated import CorrelatedNoise
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
-from conftest import ADMIN_TOKEN, TEST_SETTINGS
 
 LAYERS = {"w": (40, 50), "b": (100,)}  # 2,100 parameters
 DIMENSION = 2100
