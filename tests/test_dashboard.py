@@ -23,7 +23,7 @@ from conftest import TEST_SETTINGS
 from helpers import wait_until
 from service_helpers import LAYERS, make_updates
 
-from clipd.client import Client, FailedPreconditionError, NotFoundError, Privacy
+from clipd.client import Audit, Client, FailedPreconditionError, NotFoundError, Privacy
 from clipd.server.aggregations import Aggregation, AggregationSpec
 from clipd.server.app import create_server
 from clipd.server.progress import THROUGHPUT_SECONDS
@@ -31,7 +31,8 @@ from clipd.server.settings import Settings
 
 ARTIFACTS = pathlib.Path(__file__).resolve().parent / ".artifacts" / "dashboard"
 NASTY = '<img src=x id="pwned" onerror="document.title=1">&amp;'  # a layer name: clients choose them
-PRIVACY = Privacy("dashboard-ledger", 1e-5, noise_multiplier=0.5, max_epsilon=20.0, metrics_noise_multiplier=5.0)
+PRIVACY = Privacy("dashboard-ledger", 1e-5, noise_multiplier=0.5, max_epsilon=20.0, metrics_noise_multiplier=5.0,
+                  audit=Audit(canaries=2))
 
 
 def http_json(server, path):
@@ -72,6 +73,7 @@ def deployment(tmp_path_factory):
             ids["private"] = c.create_aggregation({"w": (4,)}, privacy=PRIVACY, unit="client")
             c.submit(ids["private"], {"w": np.full((8, 4), 2.0, np.float32)})
             c.finalize(ids["private"])
+            c.close_audit(PRIVACY.ledger_id)  # its bound beside the claim, on the ledger's panel
             ids["private_open"] = c.create_aggregation({"w": (4,)}, privacy=PRIVACY, unit="client")
             with pytest.raises(NotFoundError):
                 c.stats("no-such-aggregation")  # a rejection, counted by code
@@ -240,6 +242,12 @@ def test_the_ledger_panel_shows_epsilon_budget_and_releases(deployment, pages):
     shown(row.one(data_ledger_field="client_ids"), "self_asserted")
     assert "self-asserted" in row.one(data_ledger_field="client_ids").text and ledger["client_ids"] == "self_asserted"
     shown(row.one(data_ledger_field="participation_refusals"), ledger["participation_refusals"])
+    audit = ledger["audit"]  # closed: the audit's lower bound beside the claim, at its confidence
+    assert audit["closed"] and audit["releases"] == 1 and audit["canaries"] == 2 and not audit["refuted"]
+    assert row.one(data_audit="closed").text.startswith("audit: ε ≥ ")
+    for key in ("epsilon_lower", "epsilon_claimed", "epsilon_ceiling", "canaries", "releases"):
+        shown(row.one(data_ledger_field=f"audit.{key}"), audit[key])
+    assert row.one(data_ledger_field="audit.confidence").text == "95%"
     assert row.all(class_="gauge")  # spent against the budget
     shown(row.one(data_ledger_field="budget_left"), ledger["budget_left"])
     assert f"{ledger['epsilon']:.4g}" in row.one(data_ledger_field="epsilon").text

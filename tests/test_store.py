@@ -326,6 +326,24 @@ class StoreContract:
         store.delete("r2")
         assert store.noise_stream("L") == NoiseStream(3, b"state-2")  # the ledger's, not the aggregation's
 
+    def test_a_ledgers_audit_is_made_once_and_replaced_with_its_releases(self, store):
+        """The first audit made stays (a second ``create`` returns it); each release's commit replaces it, and
+        a conflicting position writes nothing."""
+        store.ensure_ledger(LedgerRecord("L", "{}"))
+        assert store.ledger_audit("L") is None
+        assert store.save_ledger_audit("L", b"audit-0", create=True) == b"audit-0"
+        assert store.save_ledger_audit("L", b"another", create=True) == b"audit-0" == store.ledger_audit("L")
+        store.create(AggregationRecord("r", "{}"))
+        store.commit_release("r", b"r", "L", LedgerEntry("r", "{}", 0.0, 1.0), 0, finished=1.0, audit=b"audit-1")
+        assert store.ledger_audit("L") == b"audit-1"
+        store.create(AggregationRecord("late", "{}"))
+        with pytest.raises(LedgerConflict):
+            store.commit_release("late", b"r", "L", LedgerEntry("late", "{}", 0.0, 1.0), 0, finished=1.0,
+                                 audit=b"stale")
+        assert store.ledger_audit("L") == b"audit-1"
+        assert store.save_ledger_audit("L", b"closed") == b"closed" == store.ledger_audit("L")
+        assert store.ledger_audit("M") is None
+
 
 class TestMemoryStore(StoreContract):
     def make_store(self, tmp_path):
