@@ -92,8 +92,8 @@ def power_table(client, zs: list[float], canaries: list[int], releases: list[int
                 for seed in range(seeds):
                     for case in ("sound", "broken"):
                         if case == "broken":
-                            dp.add_gaussian_noise = (lambda sums, stddev, key, dtypes:  # type: ignore[assignment]
-                                                     real_noise(sums, stddev / 10, key, dtypes))
+                            dp.add_gaussian_noise = (lambda sums, stddev, key, dtypes, **more:  # type: ignore[assignment]
+                                                     real_noise(sums, stddev / 10, key, dtypes, **more))
                         try:
                             ledger = f"power-{uuid.uuid4().hex[:8]}"
                             privacy = Privacy(ledger, 1e-5, noise_multiplier=z, seed=seed * 7919 + r,

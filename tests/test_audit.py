@@ -172,8 +172,8 @@ def test_broken_noise_is_refuted(client, monkeypatch, break_):
     else:
         shrink = 4 if break_ == "mean_noise_on_the_sum" else 10
         real_noise = dp.add_gaussian_noise
-        monkeypatch.setattr(dp, "add_gaussian_noise", lambda sums, stddev, key, dtypes:
-                            real_noise(sums, stddev / shrink, key, dtypes))
+        monkeypatch.setattr(dp, "add_gaussian_noise", lambda sums, stddev, key, dtypes, **more:
+                            real_noise(sums, stddev / shrink, key, dtypes, **more))
         privacy = gaussian(10.0, seed=5)
     audit = audit_independent(client, privacy, 10 if break_ == "mean_noise_on_the_sum" else 3)
     assert audit.refuted and audit.epsilon_lower > audit.epsilon_claimed
@@ -346,8 +346,8 @@ def test_the_cli_admin_api_metrics_and_status_show_it(auth_server, monkeypatch):
 
 def test_the_cli_exits_3_when_an_audit_refutes_its_ledger(memory_server, monkeypatch):
     real_noise = dp.add_gaussian_noise
-    monkeypatch.setattr(dp, "add_gaussian_noise", lambda sums, stddev, key, dtypes:
-                        real_noise(sums, stddev / 10, key, dtypes))
+    monkeypatch.setattr(dp, "add_gaussian_noise", lambda sums, stddev, key, dtypes, **more:
+                        real_noise(sums, stddev / 10, key, dtypes, **more))
     privacy = gaussian(10.0, seed=6)
     with Client(f"127.0.0.1:{memory_server.port}") as c:
         run_ledger(c, privacy, 2)

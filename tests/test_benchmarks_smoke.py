@@ -22,12 +22,14 @@ RUNS = {
     "sinks": ([sys.executable, str(ROOT / "benchmarks" / "round.py"), "--sinks", "--clients", "40", "--client-processes", "2", "--repeats", "1"], 300),
     "training": ([sys.executable, str(ROOT / "benchmarks" / "training.py"), "--quick"], 300),
     "large": ([sys.executable, str(ROOT / "benchmarks" / "large.py"), "--quick"], 120),
+    "audit": ([sys.executable, str(ROOT / "benchmarks" / "audit.py"), "--quick"], 120),
 }
 TESTS = {"test_service_benchmark_quick_run": "service", "test_engine_benchmark_quick_run": "engine",
          "test_privacy_benchmark_quick_run": "privacy", "test_scale_benchmark_quick_run": "scale",
          "test_round_benchmark_small_round_is_exact_without_errors": "round",
          "test_round_benchmark_compares_bare_sync_and_aio_sinks": "sinks",
-         "test_training_benchmark_quick_run": "training", "test_large_benchmark_quick_run": "large"}
+         "test_training_benchmark_quick_run": "training", "test_large_benchmark_quick_run": "large",
+         "test_audit_benchmark_quick_run": "audit"}
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +225,22 @@ def test_large_benchmark_quick_run(smoke_runs):
     for got, expected in zip(match.groups()[1:], (memory, durable, small, max(peak["large", "memory"],
                                                                                  peak["large", "durable"]))):
         assert _positive(got) == expected, out.stdout
+
+
+def test_audit_benchmark_quick_run(smoke_runs):
+    """benchmarks/audit.py --quick: a release's cost with and without an audit, and the bound an audit reaches
+    against its claim, sound and with the noise broken (a tenth): the broken one reaches the ceiling."""
+    out = smoke_runs["audit"].result()
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    cost = [line for line in lines if line.strip().startswith("16,384 |")]
+    assert len(cost) == 1, out.stdout
+    params, canaries, private, audited, ratio, *_ = (p.strip() for p in cost[0].split("|"))
+    assert canaries == "100" and _positive(audited) / _positive(private) == pytest.approx(_positive(ratio), rel=0.01)
+    power = [line for line in lines if line.strip().startswith("1 |")]
+    assert len(power) == 1, out.stdout
+    z, n, releases, claimed, lower, ceiling, ratio, broken, refuted = (p.strip() for p in power[0].split("|"))
+    assert (n, releases, refuted) == ("100", "1", "0/1")  # claimed 4.7 is past what 100 canaries can show
+    assert 0 <= float(lower) < _positive(claimed) and float(broken) == pytest.approx(_positive(ceiling), abs=0.01)
+    assert any(line.startswith("cost: audited_over_private=") for line in lines)
+    assert any(line.startswith("power: sound_max_lower_over_claimed=") for line in lines)

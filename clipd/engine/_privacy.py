@@ -336,16 +336,23 @@ def fresh_key(seed: int | None = None) -> jax.Array:
 
 
 def add_gaussian_noise(sums: Sequence[np.ndarray], stddev: float, key: jax.Array,
-                       dtypes: Sequence[np.dtype]) -> tuple[np.ndarray, ...]:
+                       dtypes: Sequence[np.dtype], minus: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
+                       ) -> tuple[np.ndarray, ...]:
     """``sum_k + N(0, stddev^2)`` per coordinate, on the default device, in each layer's sum dtype.
 
     The noise is drawn in the sum dtype (float32 at least) from one subkey per
     layer, so no two layers (and, with a fresh key, no two releases) share noise.
+    ``minus``: per layer, flat indices and the values subtracted from them after the noise, on the device
+    (an audit's canaries, taken out of the release before it reaches the host).
     """
     values = tuple(np.asarray(total, dtype=np.promote_types(dtype, np.float32)) for total, dtype in zip(sums, dtypes))
-    if stddev <= 0:
+    if stddev <= 0 and minus is None:
         return values
-    return tuple(np.asarray(v) for v in jax.device_get(_noised(key, values, np.float64(stddev))))
+    if minus is None:
+        return tuple(np.asarray(v) for v in jax.device_get(_noised(key, values, np.float64(stddev))))
+    taken = tuple((np.asarray(index, np.int32 if v.size < 2 ** 31 else np.int64), np.asarray(value, v.dtype))
+                  for (index, value), v in zip(minus, values))
+    return tuple(np.asarray(v) for v in jax.device_get(_noised_minus(key, values, np.float64(stddev), taken)))
 
 
 @jax.jit
@@ -354,6 +361,14 @@ def _noised(key: jax.Array, values: tuple[jax.Array, ...], stddev: jax.Array) ->
     keys = jax.random.split(key, max(1, len(values)))
     return tuple(v + jax.random.normal(keys[k], v.shape, dtype=v.dtype) * stddev.astype(v.dtype)
                  for k, v in enumerate(values))
+
+
+@jax.jit
+def _noised_minus(key: jax.Array, values: tuple[jax.Array, ...], stddev: jax.Array,
+                  minus: tuple[tuple[jax.Array, jax.Array], ...]) -> tuple[jax.Array, ...]:
+    """:func:`_noised`, then ``minus``'s values subtracted at its flat indices, layer by layer."""
+    return tuple(v.ravel().at[index].add(-value).reshape(v.shape)
+                 for v, (index, value) in zip(_noised(key, values, stddev), minus))
 
 
 def gaussian_noise(n: int, stddev: float, key: jax.Array) -> np.ndarray:

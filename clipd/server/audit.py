@@ -201,18 +201,47 @@ def restore(sums: list[np.ndarray], canaries: Canaries, raw: np.ndarray) -> None
         np.put(sums[k], index, raw[which])
 
 
+def by_layer(canaries: Canaries, sums: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer of ``sums``: the flat indices of the held-in canaries there and their values (the noise
+    function subtracts them on the device: :func:`clipd.engine._privacy.add_gaussian_noise`'s ``minus``)."""
+    out = [(np.zeros(0, np.int64), np.zeros(0)) for _ in sums]
+    values = canaries.values
+    for k, which, index in _located(canaries.coordinates, sums):
+        added = canaries.added[which]
+        out[k] = (index[added], values[which][added])
+    return out
+
+
+def projections(released: Sequence[np.ndarray], canaries: Canaries, raw: np.ndarray, taken_out: bool) -> np.ndarray:
+    """Each canary's projection ``sign * (noised - raw)`` on the release as noised, canaries in: read off
+    ``released``, plus the canaries where they are ``taken_out`` of it already."""
+    noised = np.zeros(canaries.coordinates.size)
+    for k, which, index in _located(canaries.coordinates, released):
+        noised[which] = np.take(released[k], index).astype(np.float64)
+    if taken_out:
+        noised += canaries.values
+    return canaries.signs * (noised - raw)
+
+
 def take_canaries(noised: Sequence[np.ndarray], canaries: Canaries,
                   raw: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
-    """The noised sums without the canaries, and each canary's projection ``sign * (noised - raw)`` on them."""
+    """The noised sums without the canaries (on the host), and each canary's projection on them."""
+    seen = projections(noised, canaries, raw, taken_out=False)
     out = list(noised)
-    projections = np.zeros(canaries.coordinates.size)
     values = canaries.values
     for k, which, index in _located(canaries.coordinates, out):
-        layer = out[k]
-        if not layer.flags.writeable:
-            layer = out[k] = np.array(layer)
-        noised_here = np.take(layer, index).astype(np.float64)
-        projections[which] = canaries.signs[which] * (noised_here - raw[which])
-        np.put(layer, index, noised_here - values[which])
-    return tuple(out), projections
+        layer = out[k] = _writable(out[k])
+        np.put(layer, index, np.take(layer, index).astype(np.float64) - values[which])
+    return tuple(out), seen
 
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """``array`` itself, made writable where numpy allows it (a fresh host copy that a device transfer marked
+    read-only); else a copy."""
+    if array.flags.writeable:
+        return array
+    try:
+        array.setflags(write=True)
+        return array
+    except ValueError:
+        return np.array(array)

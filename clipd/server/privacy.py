@@ -42,7 +42,16 @@ from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
 from clipd.engine._correlated import CorrelatedNoise, Mechanism
 from clipd.server.aggregations import SELF_ASSERTED, TAKES_BATCHES, Aggregation, State
-from clipd.server.audit import AuditState, Canaries, add_canaries, canaries_for, restore, take_canaries
+from clipd.server.audit import (
+    AuditState,
+    Canaries,
+    add_canaries,
+    by_layer,
+    canaries_for,
+    restore,
+    take_canaries,
+)
+from clipd.server.audit import projections as canary_projections
 from clipd.server.errors import FailedPrecondition, NotFound
 from clipd.server.sequences import client_of
 from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, NoiseStream, Store
@@ -568,7 +577,7 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         key = jax.random.fold_in(key, releases)
     key_sum, key_count, key_stats = jax.random.split(key, 3)
     grid: dict = {}
-    projections = np.zeros(0)
+    seen = np.zeros(0)
     if noised_sums is not None:
         sums = noised_sums
     else:
@@ -578,13 +587,17 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
             if policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
                 on_grid = secure.release(raw_sums, plan.grid_step, plan.grid_scale)
                 sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
+                if canaries is not None and raw is not None:
+                    sums, seen = take_canaries(sums, canaries, raw)
+            elif canaries is not None and raw is not None:  # taken out on the device: no copy of the release
+                sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes,
+                                             minus=by_layer(canaries, raw_sums))
+                seen = canary_projections(sums, canaries, raw, taken_out=True)
             else:
                 sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes)
         finally:
             if canaries is not None and raw is not None:
                 restore(raw_sums, canaries, raw)
-        if canaries is not None and raw is not None:
-            sums, projections = take_canaries(sums, canaries, raw)
     if policy.release_mean:
         sums = tuple((s / np.asarray(policy.public_denominator, s.dtype)).astype(s.dtype) for s in sums)
     bound = aggregation.policy.example_bound(aggregation.layers)
@@ -616,4 +629,4 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         fields["example_norm_histogram"] = noised[:b].tolist()
         fields["layer_clipped"] = noised[b:b + k].tolist()
         fields["examples"] = float(noised[-1])
-    return Release(fields, sums), projections
+    return Release(fields, sums), seen
