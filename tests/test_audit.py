@@ -21,7 +21,7 @@ import pytest
 from conftest import ADMIN_TOKEN, TEST_SETTINGS
 from jax_privacy.auditing import CanaryScoreAuditor
 
-from clipd.client import Audit, Client, ClipdError, Privacy
+from clipd.client import Adaptive, Audit, Client, ClipdError, Privacy
 from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
 from clipd.engine._correlated import CorrelatedNoise
@@ -59,8 +59,8 @@ def flat(arrays: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def run_ledger(client, privacy: Privacy, releases: int) -> tuple[list[np.ndarray], list[np.ndarray], list]:
-    """``releases`` aggregations on the ledger: what each released (flattened) and its raw sum, and the
-    releases' fields."""
+    """``releases`` aggregations on the ledger: what each released (flattened), its raw sum (each example
+    clipped to the release's bound), and the releases' fields."""
     released, raw, fields = [], [], []
     for r in range(releases):
         aggregation = client.create_aggregation(LAYERS, l2_norm_clip=CLIP, privacy=privacy)
@@ -68,7 +68,12 @@ def run_ledger(client, privacy: Privacy, releases: int) -> tuple[list[np.ndarray
         client.submit(aggregation, data, client_id=f"site-{r}")
         result = client.finalize(aggregation)
         released.append(flat(result.sums))
-        raw.append(flat({k: v.sum(axis=0) for k, v in data.items()}))
+        rows = np.concatenate([np.asarray(v, np.float64).reshape(len(v), -1) for v in data.values()], axis=1)
+        bound = result.release.bound or CLIP  # each example clipped to the release's bound (optax's global clip)
+        scale = np.minimum(1.0, bound / np.linalg.norm(rows, axis=1))
+        clipped = {k: (np.asarray(v, np.float64) * scale.reshape(-1, *[1] * (v.ndim - 1))).sum(axis=0)
+                   for k, v in data.items()}
+        raw.append(flat(clipped))
         fields.append(result.release)
     return released, raw, fields
 
@@ -85,13 +90,16 @@ def expected_bound(in_scores, out_scores, confidence=0.95) -> float:
     return float(CanaryScoreAuditor(in_scores, out_scores).epsilon_clopper_pearson(1 - confidence, DELTA))
 
 
-def independent_scores(seed, released, raw, stddevs, magnitude, rate=1.0):
+def independent_scores(seed, released, raw, stddevs, magnitudes, rate=1.0):
     """Each canary's score over independent releases: sum over the releases it was drawn for of
-    (c * y - c^2 / 2) / sigma^2, y its projection on the release with the held-in canaries put back."""
+    (c * y - c^2 / 2) / sigma^2, y its projection on the release with the held-in canaries put back; c the
+    release's bound (``magnitudes``: one per release, or one for all)."""
     coordinates, signs = canaries_of(seed, CANARIES, DIMENSION)
     held_in = np.arange(2 * CANARIES) < CANARIES
     scores = np.zeros(2 * CANARIES)
-    for r, (out, total, sigma) in enumerate(zip(released, raw, stddevs), start=1):
+    if np.ndim(magnitudes) == 0:
+        magnitudes = [magnitudes] * len(released)
+    for r, (out, total, sigma, magnitude) in enumerate(zip(released, raw, stddevs, magnitudes), start=1):
         drawn = np.ones(2 * CANARIES, bool) if rate >= 1 else np.random.default_rng([seed, r]).random(2 * CANARIES) < rate
         with_canaries = out[coordinates] + np.where(drawn & held_in, signs * magnitude, 0.0)
         y = signs * (with_canaries - total[coordinates])
@@ -201,6 +209,28 @@ def test_an_open_audit_keeps_its_canaries_secret_and_a_closed_one_stays_closed(c
     run_ledger(client, privacy, 1)  # released after the close: no canaries, not in the audit
     second = client.close_audit(privacy.ledger_id)
     assert second.audit == first and len(second.entries) == 2 and second.audit.releases == 1
+
+
+def test_adaptive_clipping_and_noised_statistics_keep_their_accounting(client):
+    """The canaries are the server's own: not in the noised count that moves an adaptive bound, nor in the
+    released statistics. Same seed, same data: an audited ledger's bounds, statistics and epsilon are an
+    unaudited one's, and its canaries follow each release's bound."""
+    settings = dict(noise_multiplier=2.0, seed=31, public_denominator=4.0, metrics_noise_multiplier=10.0,
+                    adaptive=Adaptive(count_stddev=10.0, initial_bound=0.5))
+    audited = Privacy(new_ledger(), DELTA, audit=Audit(canaries=CANARIES), **settings)
+    released, raw, fields = run_ledger(client, audited, 3)
+    _, _, plain = run_ledger(client, Privacy(new_ledger(), DELTA, **settings), 3)
+    for a, b in zip(fields, plain):
+        for name in ("bound", "next_bound", "unclipped_fraction", "examples", "ledger_epsilon", "noise_stddev"):
+            assert getattr(a, name) == getattr(b, name), name
+        assert list(a.example_norm_histogram) == list(b.example_norm_histogram)
+        assert list(a.layer_clipped) == list(b.layer_clipped)
+    assert len({f.bound for f in fields}) == 3  # the bound moved with each release
+    audit = client.close_audit(audited.ledger_id).audit
+    in_scores, out_scores = independent_scores(audit.seed, released, raw, [f.noise_stddev for f in fields],
+                                               [f.bound for f in fields])
+    assert_server_agrees(audit, in_scores, out_scores)
+    assert not audit.refuted
 
 
 # Correlated streams and DP-SGD ------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A privacy ledger survives SIGKILL of a real ``clipd serve`` process, and refuses the same way afterwards.
 
 Also: a kill at a random point of Finalize never leaves a release without its
-ledger entry, or an entry without its release (one transaction).
+ledger entry, or an entry without its release, or either without its place in
+the ledger's canary audit (one transaction).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from service_helpers import ServerProcess, free_port
 
-from clipd.client import Client, ClipdError, FailedPreconditionError, Privacy
+from clipd.client import Audit, Client, ClipdError, FailedPreconditionError, Privacy
 
 
 def _client(port: int) -> Client:
@@ -93,7 +94,7 @@ def test_ledger_survives_sigkill_and_refuses_the_same_way(proc):
 
 def test_sigkill_during_finalize_never_splits_a_release_from_its_ledger_entry(proc):
     rng = random.Random(20261123)
-    privacy = Privacy("atomic", 1e-5, noise_multiplier=1.0)
+    privacy = Privacy("atomic", 1e-5, noise_multiplier=1.0, audit=Audit(canaries=100))
     aggregations = []
     # Two kills (there were three: the seeded delays, 0.113, 0.135 and 0.098 s, all land before the release is
     # committed here, so the third was the same case again, for a restart of ~3 s).
@@ -106,7 +107,9 @@ def test_sigkill_during_finalize_never_splits_a_release_from_its_ledger_entry(pr
             _kill_during_finalize(proc, client, agg, rng.uniform(0.0, 0.15))
         proc.start()
         with _client(proc.port) as client:
-            entries = [e.aggregation_id for e in client.ledger("atomic").entries]  # made at creation
+            ledger = client.ledger("atomic")
+            entries = [e.aggregation_id for e in ledger.entries]  # made at creation
+            assert ledger.audit.releases == len(entries)  # the audit's state is committed with each release
             for seen in aggregations:
                 state = client.get_aggregation(seen).state
                 finalized = state == 3  # Aggregation.FINALIZED
@@ -115,8 +118,9 @@ def test_sigkill_during_finalize_never_splits_a_release_from_its_ledger_entry(pr
     with _client(proc.port) as client:  # every one can still be released, exactly once
         for agg in aggregations:
             client.finalize(agg)
-        entries = [e.aggregation_id for e in client.ledger("atomic").entries]
-        assert sorted(entries) == sorted(aggregations)
+        ledger = client.ledger("atomic")
+        entries = [e.aggregation_id for e in ledger.entries]
+        assert sorted(entries) == sorted(aggregations) and ledger.audit.releases == len(aggregations)
 
 
 
