@@ -384,3 +384,14 @@ def test_the_cli_exits_3_when_an_audit_refutes_its_ledger(memory_server, monkeyp
     done = subprocess.run([sys.executable, "-m", "clipd", "audit", privacy.ledger_id,
                            "--target", f"127.0.0.1:{memory_server.port}"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 3 and "REFUTED" in done.stdout
+
+
+def test_an_audit_travels_in_an_nvflare_jobs_configuration():
+    """NVFlare rebuilds the aggregator from builtins in the job's configuration: the audit comes back an Audit."""
+    import json
+
+    from clipd.client.nvflare import _privacy, privacy_config
+
+    privacy = Privacy("flare", DELTA, noise_multiplier=1.0, audit=Audit(canaries=7, confidence=0.9))
+    config = json.loads(json.dumps(privacy_config(privacy)))
+    assert config["audit"] == {"canaries": 7, "confidence": 0.9} and _privacy(config) == privacy

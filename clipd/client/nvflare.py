@@ -55,7 +55,7 @@ except ImportError as e:  # pragma: no cover - exercised where nvflare is missin
 
 from ._client import Client
 from .errors import ClipdError
-from .privacy import Adaptive, Privacy
+from .privacy import Adaptive, Audit, Privacy
 from .rounds import PrivateRounds
 
 __all__ = ["ClipdAggregator", "ClipdFedAvg", "ClipdFedAvgRecipe", "privacy_config"]  # noqa: F822 (made on demand)
@@ -72,8 +72,9 @@ def privacy_config(privacy: Privacy | dict | None) -> dict | None:
 def _privacy(config: dict | None) -> Privacy | None:
     if config is None:
         return None
-    adaptive = config.get("adaptive")
-    return Privacy(**{**config, "adaptive": Adaptive(**adaptive) if isinstance(adaptive, dict) else adaptive})
+    adaptive, audit = config.get("adaptive"), config.get("audit")
+    return Privacy(**{**config, "adaptive": Adaptive(**adaptive) if isinstance(adaptive, dict) else adaptive,
+                      "audit": Audit(**audit) if isinstance(audit, dict) else audit})
 
 
 def _numpy(value) -> np.ndarray:
