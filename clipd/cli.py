@@ -314,34 +314,26 @@ def _status(args: argparse.Namespace) -> int:
 
 def _token(args: argparse.Namespace) -> int:
     """Issues a client token (or a submitter token) with the admin token, and prints it alone on stdout."""
-    from clipd.client import Client, ClipdError
-
     admin = args.token or os.environ.get("CLIPD_ADMIN_TOKEN")
     if not admin:
         return _error("the admin token is needed to issue a client token: --token or CLIPD_ADMIN_TOKEN", EXIT_RUNTIME)
     if (args.client is None) == (not args.submitter):
         return _error("give --client ID (a client's token) or --submitter (a trusted submitter's)", EXIT_SETTINGS)
-    root = None
-    if args.cafile:
-        try:
-            with open(args.cafile, "rb") as f:
-                root = f.read()
-        except OSError as e:
-            return _error(f"can't read --cafile {args.cafile}: {e.strerror}", EXIT_RUNTIME)
-    try:
-        with Client(args.target, token=admin, root_certificates=root, retry_timeout=args.timeout,
-                    timeout=args.timeout) as client:
-            scope = {"aggregation": args.aggregation, "ledger": args.ledger}
-            token = (client.submitter_token(**scope, ttl=args.ttl) if args.submitter
-                     else client.client_token(args.client, **scope, ttl=args.ttl))
-    except ClipdError as e:
-        return _error(f"{getattr(e.code, 'name', 'refused')}: {e.details}", EXIT_RUNTIME)
+    def issue(client) -> str:
+        scope = {"aggregation": args.aggregation, "ledger": args.ledger}
+        return (client.submitter_token(**scope, ttl=args.ttl) if args.submitter
+                else client.client_token(args.client, **scope, ttl=args.ttl))
+
+    token = _with_admin_client(args, admin, issue)
+    if isinstance(token, int):
+        return token
     print(token)
     return 0
 
 
-def _audit(args: argparse.Namespace) -> int:
-    """Closes a ledger's canary audit (unless --no-close) and prints it; the last line is the result."""
+def _with_admin_client(args: argparse.Namespace, token: str | None, call):
+    """``call(client)`` on a Client of ``args.target`` (``--cafile``, ``--timeout``) holding ``token``; an exit
+    status, with the error printed, if the CA file can't be read or the server refuses."""
     from clipd.client import Client, ClipdError
 
     root = None
@@ -352,11 +344,19 @@ def _audit(args: argparse.Namespace) -> int:
         except OSError as e:
             return _error(f"can't read --cafile {args.cafile}: {e.strerror}", EXIT_RUNTIME)
     try:
-        with Client(args.target, token=args.token or os.environ.get("CLIPD_ADMIN_TOKEN") or None,
-                    root_certificates=root, retry_timeout=args.timeout, timeout=args.timeout) as client:
-            ledger = client.ledger(args.ledger) if args.no_close else client.close_audit(args.ledger)
+        with Client(args.target, token=token, root_certificates=root, retry_timeout=args.timeout,
+                    timeout=args.timeout) as client:
+            return call(client)
     except ClipdError as e:
         return _error(f"{getattr(e.code, 'name', 'refused')}: {e.details}", EXIT_RUNTIME)
+
+
+def _audit(args: argparse.Namespace) -> int:
+    """Closes a ledger's canary audit (unless --no-close) and prints it; the last line is the result."""
+    ledger = _with_admin_client(args, args.token or os.environ.get("CLIPD_ADMIN_TOKEN") or None,
+                                lambda c: c.ledger(args.ledger) if args.no_close else c.close_audit(args.ledger))
+    if isinstance(ledger, int):
+        return ledger
     if not ledger.HasField("audit"):
         return _error(f"ledger {args.ledger!r} has no audit", EXIT_RUNTIME)
     audit = ledger.audit
