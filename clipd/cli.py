@@ -20,10 +20,12 @@ import os
 import sys
 import tempfile
 import time
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from clipd.status import AGGREGATION_STATES, DEFAULT_ADMIN
+
+if TYPE_CHECKING:  # numpy is imported where it is used: `clipd serve` tunes the process before it loads
+    import numpy as np
 
 DEMO_LAYERS = {"dense/kernel": (32, 24), "dense/bias": (24,), "out/kernel": (8, 24), "out/bias": (8,)}
 
@@ -155,6 +157,8 @@ def _exit_now(status: int) -> None:
 
 def _demo_updates(examples: int, seed: int) -> dict[str, np.ndarray]:
     """Synthetic per-example updates whose norms spread around 1, so about half get clipped."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     scale = np.exp(rng.normal(0.0, 1.0, examples)).astype(np.float32)
     out = {}
@@ -228,6 +232,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _reference(updates: dict[str, np.ndarray], args) -> tuple[list, list[int]]:
     """The expected sums and clip counts: clipd.engine's optax APIs when the server extra (JAX) is here,
     else the same rule in numpy (float64): multiplier min(1, C / norm), counted when < 1."""
+    import numpy as np
+
     names = list(DEMO_LAYERS)
     uniform = args.policy == "per_layer_uniform"
     if _server_missing() is None:
@@ -263,6 +269,8 @@ def _reference(updates: dict[str, np.ndarray], args) -> tuple[list, list[int]]:
 
 
 def _report(result, updates, args, report, seconds) -> int:
+    import numpy as np
+
     names = list(DEMO_LAYERS)
     ref_sums, ref_counts = _reference(updates, args)
     print(f"aggregated {result.examples} examples in {report.batches} batches, {seconds:.2f} s "
@@ -353,6 +361,8 @@ def _with_admin_client(args: argparse.Namespace, token: str | None, call):
 
 def _audit(args: argparse.Namespace) -> int:
     """Closes a ledger's canary audit (unless --no-close) and prints it; the last line is the result."""
+    import numpy as np
+
     ledger = _with_admin_client(args, args.token or os.environ.get("CLIPD_ADMIN_TOKEN") or None,
                                 lambda c: c.ledger(args.ledger) if args.no_close else c.close_audit(args.ledger))
     if isinstance(ledger, int):
@@ -507,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        from clipd import _process
+
+        _process.tune()  # glibc's malloc and OpenBLAS's threads, before numpy loads (clipd/_process.py)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "any_arguments", False):

@@ -145,6 +145,25 @@ def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reuse
     assert budget.pooled == 0
 
 
+def test_updates_sent_while_the_aggregation_warms_up_take_its_prepared_buffers(durable_server):
+    """Clients that send as soon as the aggregation is created (it is still warming up: a layout not compiled
+    yet) wait for its prepared receive buffers instead of taking new ones beside them."""
+    server, target = durable_server()
+    budget = server.servicer.budget
+    layers = {"a": (180_001,), "b": (30, 2_000)}  # a layout no other test compiled: its warm-up takes a while
+    v = {name: np.random.default_rng(5).standard_normal(shape).astype(np.float32) for name, shape in layers.items()}
+    with Client(target, message_bytes=128 * KiB) as client:
+        agg = client.create_aggregation(layers, l2_norm_clip=1.0)
+        assert client.get_aggregation(agg).state == pb.Aggregation.WARMING_UP
+        sent = threading.Thread(target=client.submit, args=(agg, scaled(v, 2.0)), kwargs={"client_id": "early"})
+        sent.start()
+        client.submit(agg, scaled(v, 0.5), client_id="also-early")
+        sent.join()
+        result = client.finalize(agg)
+    assert budget.fresh == 0  # both were received into the two prepared buffers; none was made beside them
+    assert_exact(result, clipped_sum(v, [2.0, 0.5], 1.0))
+
+
 def test_per_layer_bounds_on_large_updates_match_the_reference_api(durable_server):
     _, target = durable_server()
     v = direction(1)

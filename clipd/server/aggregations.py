@@ -519,6 +519,12 @@ class Aggregation:
             self._pending = 0 if count is None else max(0, self._pending - count)  # a failure already set 0
             self.cond.notify_all()
 
+    def wait_warmed(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for the warm-up to end (its programs compiled, a large model's
+        receive buffers prepared); whether it has."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self._state is not State.WARMING_UP, timeout)
+
     def mark_open(self) -> None:
         """The warm-up is done: OPEN (unless it moved on meanwhile)."""
         with self.cond:

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from clipd import _process
 from clipd.server.admin.facade import ServerSnapshot
 from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, Stats
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
@@ -147,7 +148,8 @@ class ClipdServer:
             queue_depth=self.devices.queue_depth, queued_bytes=self.devices.queued_bytes,
             device_kind=self.devices.device_kind, devices=self.devices.describe(), shard_processes=processes,
             payload_bytes_received=servicer.payload_bytes,
-            shard_payload_bytes=self.hosts.payload_bytes if self.hosts is not None else None)
+            shard_payload_bytes=self.hosts.payload_bytes if self.hosts is not None else None,
+            process_tuning=dict(_process.TUNED))
 
     # What the admin API reads and does (admin.facade.ServerFacade) ----------------------------------------------
     def aggregations(self) -> list[Aggregation]:

@@ -39,6 +39,8 @@ class ServerSnapshot:
     shard_processes: list[dict]
     payload_bytes_received: int  # Submit payload this process received itself
     shard_payload_bytes: int | None  # ... and, with shard processes or hosts, what they received
+    # What `clipd serve` set at start-up (clipd/_process.py): each variable's value and where it came from.
+    process_tuning: dict = dataclasses.field(default_factory=dict)
 
     @property
     def streams_saturated(self) -> bool:

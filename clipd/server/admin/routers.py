@@ -141,7 +141,9 @@ def server_state(server: ServerFacade, access: Access) -> APIRouter:
         clip-and-sum steps each has run; the shard processes (``--processes``) or Ray shard hosts (``--ray``),
         each with its own streams, buffers, refusals, restarts (start-up retries included) and the calls it
         forwarded to this process; the Submit payload bytes this process received itself (0 with shard
-        processes or hosts: they receive them) and, with those, the payload bytes they received."""
+        processes or hosts: they receive them) and, with those, the payload bytes they received; what ``clipd
+        serve`` set at start-up (``process_tuning``: glibc's malloc thresholds and OpenBLAS's threads, each
+        with its value and its source, ``mallopt`` or ``environment``; empty in an embedded server)."""
         snapshot = server.snapshot()
         load = snapshot.load
         return {"serving": snapshot.serving, "started_unix_seconds": snapshot.started_unix_seconds,
@@ -155,7 +157,7 @@ def server_state(server: ServerFacade, access: Access) -> APIRouter:
                 "device_kind": snapshot.device_kind, "devices": snapshot.devices,
                 "restarts": snapshot.restarts, "shard_processes": snapshot.shard_processes,
                 "payload_bytes_received": snapshot.payload_bytes_received,
-                "shard_payload_bytes": snapshot.shard_payload_bytes}
+                "shard_payload_bytes": snapshot.shard_payload_bytes, "process_tuning": snapshot.process_tuning}
 
     return router
 

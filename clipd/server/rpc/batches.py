@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -46,8 +47,9 @@ class BatchAssembler:
 
     def __init__(self, layers: tuple[LayerSpec, ...], max_batch_bytes: int,
                  budget: ByteBudget | None = None, wait: float = 0.0, large_bytes: int = 1 << 62,
-                 large_wait: float = 0.0) -> None:
+                 large_wait: float = 0.0, warmed: Callable[[float], object] | None = None) -> None:
         self.layers = layers
+        self.warmed = warmed  # waits (up to its argument, s) for the aggregation's prepared receive buffers
         self.max_batch_bytes = max_batch_bytes  # 0: no limit of its own (the budget's)
         self.budget = budget
         self.wait = wait  # seconds a batch waits for room in the budget...
@@ -125,6 +127,8 @@ class BatchAssembler:
         # A batch that spans messages (a large update) waits for room as long as a stream may be silent: it
         # can't be sent smaller, and the stream is not idle meanwhile (the server is the one that waits).
         wait = self.wait if nbytes <= self.large_bytes else max(self.wait, self.large_wait)
+        if nbytes > self.large_bytes and self.warmed is not None:
+            self.warmed(wait)  # an update that arrives while its aggregation warms up takes a prepared buffer
         self.waiting_for_room = True
         try:
             p.reservation = self.budget.reserve(nbytes, wait)

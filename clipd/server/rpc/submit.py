@@ -128,7 +128,7 @@ class SubmitSession:
                     assembler = self.assembler = BatchAssembler(
                         named.layers, settings.max_batch_bytes, self.servicer.budget,
                         settings.buffer_wait, large_bytes=settings.max_message_bytes,
-                        large_wait=settings.stream_idle_timeout * 0.9)
+                        large_wait=settings.stream_idle_timeout * 0.9, warmed=named.wait_warmed)
                     aggregation = self._bind(message, named, assembler)
                     del named
                     if message.sequence == 0 and not message.chunks:

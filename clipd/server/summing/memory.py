@@ -89,6 +89,7 @@ class ByteBudget:
         self.used = 0
         self.refused = 0
         self.given_back = 0  # bytes given back in all (the server trims the heap after large amounts)
+        self.fresh = 0  # receive buffers allocated outside the pool (none prepared, or all taken)
         self._cond = threading.Condition()
         # Receive buffers of batches given back, by size, for the next batch of that size: a large update's
         # buffer is gigabytes, and faulting in fresh pages ran at about 1 GB/s here (the wire runs at 1-2).
@@ -165,6 +166,7 @@ class ByteBudget:
                 _, array = free.pop()
                 self.pooled -= nbytes
                 return array
+            self.fresh += 1
         return aligned_empty(nbytes)
 
     def _shrink_pool_locked(self, room: int, keep: int = -1) -> None:

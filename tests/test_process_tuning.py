@@ -1,0 +1,84 @@
+"""`clipd serve` tunes its own process (clipd/_process.py): glibc's malloc thresholds and OpenBLAS's threads, with
+no environment variable set, as the Dockerfile's environment does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from service_helpers import ServerProcess, free_port, get_json
+
+VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "OPENBLAS_NUM_THREADS")
+
+# Where glibc puts an 8 MiB malloc: mallinfo2's hblkhd counts the bytes in mmapped chunks. By default (an mmap
+# threshold of 128 KiB at first) it is mapped; under clipd's 32 MiB threshold it comes from the heap.
+PROBE = """
+import ctypes, json, os, sys
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+applied = {}
+if sys.argv[1] == "tuned":
+    from clipd import _process
+    applied = _process.tune()
+    assert "numpy" not in sys.modules
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(8 << 20)
+mapped = libc.mallinfo2().hblkhd - before
+names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "OPENBLAS_NUM_THREADS")
+print(json.dumps({"mapped": mapped, "applied": applied, "env": {k: os.environ.get(k) for k in names}}))
+"""
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in VARIABLES}
+
+
+def _probe(mode: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, mode], env=_clean_env(), capture_output=True, text=True,
+                          timeout=60, check=True)
+    return json.loads(done.stdout)
+
+
+def test_tune_moves_large_mallocs_to_the_heap_and_passes_the_settings_to_children():
+    plain, tuned = _probe("plain"), _probe("tuned")
+    assert plain["mapped"] >= 8 << 20  # glibc's default: mapped, its pages faulted in again on each reuse
+    assert tuned["mapped"] == 0  # below the 32 MiB threshold: from the heap
+    assert tuned["applied"] == {
+        "MALLOC_MMAP_THRESHOLD_": {"value": str(32 << 20), "source": "mallopt"},
+        "MALLOC_TRIM_THRESHOLD_": {"value": str(1 << 30), "source": "mallopt"},
+        "OPENBLAS_NUM_THREADS": {"value": "1", "source": "environment"},
+    }
+    assert tuned["env"] == {k: v["value"] for k, v in tuned["applied"].items()}  # what child processes read
+    assert plain["env"] == dict.fromkeys(VARIABLES)
+
+
+def test_a_variable_in_the_environment_wins():
+    env = {**_clean_env(), "MALLOC_TRIM_THRESHOLD_": "4096"}
+    done = subprocess.run([sys.executable, "-c", PROBE, "tuned"], env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    applied = json.loads(done.stdout)["applied"]
+    assert applied["MALLOC_TRIM_THRESHOLD_"] == {"value": "4096", "source": "environment"}
+    assert applied["MALLOC_MMAP_THRESHOLD_"]["source"] == "mallopt"
+
+
+def test_clipd_serve_tunes_itself_without_any_variable(tmp_path, monkeypatch):
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    admin = free_port()
+    server = ServerProcess(tmp_path / "data", tmp_path / "cache", free_port(), args=("--admin-port", str(admin)))
+    server.start()
+    try:
+        tuning = get_json(f"http://127.0.0.1:{admin}/api/v1/server")["process_tuning"]
+    finally:
+        server.stop()
+    assert {k: v["source"] for k, v in tuning.items()} == {
+        "MALLOC_MMAP_THRESHOLD_": "mallopt", "MALLOC_TRIM_THRESHOLD_": "mallopt", "OPENBLAS_NUM_THREADS": "environment"}
+    assert tuning["MALLOC_MMAP_THRESHOLD_"]["value"] == str(32 << 20)
