@@ -91,9 +91,10 @@ def expected_bound(in_scores, out_scores, confidence=0.95) -> float:
 
 
 def independent_scores(seed, released, raw, stddevs, magnitudes, rate=1.0):
-    """Each canary's score over independent releases: sum over the releases it was drawn for of
-    (c * y - c^2 / 2) / sigma^2, y its projection on the release with the held-in canaries put back; c the
-    release's bound (``magnitudes``: one per release, or one for all)."""
+    """Each canary's score over independent releases: the sum over every release of the log-likelihood ratio of
+    a canary drawn with probability q against an absent one, log(1 - q + q exp((c y - c^2 / 2) / sigma^2)), y its
+    projection on the release with the held-in canaries that were drawn put back; c the release's bound
+    (``magnitudes``: one per release, or one for all)."""
     coordinates, signs = canaries_of(seed, CANARIES, DIMENSION)
     held_in = np.arange(2 * CANARIES) < CANARIES
     scores = np.zeros(2 * CANARIES)
@@ -103,7 +104,8 @@ def independent_scores(seed, released, raw, stddevs, magnitudes, rate=1.0):
         drawn = np.ones(2 * CANARIES, bool) if rate >= 1 else np.random.default_rng([seed, r]).random(2 * CANARIES) < rate
         with_canaries = out[coordinates] + np.where(drawn & held_in, signs * magnitude, 0.0)
         y = signs * (with_canaries - total[coordinates])
-        scores += np.where(drawn, (magnitude * y - magnitude ** 2 / 2) / sigma ** 2, 0.0)
+        share = (magnitude * y - magnitude ** 2 / 2) / sigma ** 2
+        scores += share if rate >= 1 else np.log(1 - rate + rate * np.exp(share))
     return scores[:CANARIES], scores[CANARIES:]
 
 

@@ -36,6 +36,7 @@ from clipd.server.stores.base import (
     FINALIZED,
     OPEN,
     AggregationRecord,
+    AuditRecord,
     FencedOut,
     LedgerConflict,
     LedgerEntry,
@@ -326,22 +327,29 @@ class StoreContract:
         store.delete("r2")
         assert store.noise_stream("L") == NoiseStream(3, b"state-2")  # the ledger's, not the aggregation's
 
-    def test_a_ledgers_audit_is_made_once_and_replaced_with_its_releases(self, store):
-        """The first audit made stays (a second ``create`` returns it); each release's commit replaces it, and
-        a conflicting position writes nothing."""
+    def test_a_ledgers_audit_is_made_once_replaced_with_its_releases_and_closed_for_good(self, store):
+        """The first audit made stays (a second ``create`` returns it); each release's commit replaces it, a
+        conflicting position writes nothing, and once a closed one is stored nothing replaces it (a release
+        that read it open and commits after the close leaves the close as it is)."""
         store.ensure_ledger(LedgerRecord("L", "{}"))
         assert store.ledger_audit("L") is None
-        assert store.save_ledger_audit("L", b"audit-0", create=True) == b"audit-0"
-        assert store.save_ledger_audit("L", b"another", create=True) == b"audit-0" == store.ledger_audit("L")
+        assert store.save_ledger_audit("L", AuditRecord(b"audit-0"), create=True) == b"audit-0"
+        assert store.save_ledger_audit("L", AuditRecord(b"another"), create=True) == b"audit-0"
         store.create(AggregationRecord("r", "{}"))
-        store.commit_release("r", b"r", "L", LedgerEntry("r", "{}", 0.0, 1.0), 0, finished=1.0, audit=b"audit-1")
+        store.commit_release("r", b"r", "L", LedgerEntry("r", "{}", 0.0, 1.0), 0, finished=1.0,
+                             audit=AuditRecord(b"audit-1"))
         assert store.ledger_audit("L") == b"audit-1"
         store.create(AggregationRecord("late", "{}"))
         with pytest.raises(LedgerConflict):
             store.commit_release("late", b"r", "L", LedgerEntry("late", "{}", 0.0, 1.0), 0, finished=1.0,
-                                 audit=b"stale")
+                                 audit=AuditRecord(b"stale"))
         assert store.ledger_audit("L") == b"audit-1"
-        assert store.save_ledger_audit("L", b"closed") == b"closed" == store.ledger_audit("L")
+        assert store.save_ledger_audit("L", AuditRecord(b"closed", closed=True)) == b"closed"
+        store.create(AggregationRecord("after", "{}"))
+        store.commit_release("after", b"r", "L", LedgerEntry("after", "{}", 0.0, 1.0), 1, finished=1.0,
+                             audit=AuditRecord(b"read-open"))
+        assert store.ledger_audit("L") == b"closed" and len(store.ledger_entries("L")) == 2
+        assert store.save_ledger_audit("L", AuditRecord(b"again")) == b"closed"
         assert store.ledger_audit("M") is None
 
 

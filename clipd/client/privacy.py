@@ -42,7 +42,7 @@ class Adaptive:
 class Audit:
     """A canary audit of the ledger (docs/privacy.md, "Canary audits"): ``canaries`` held in and as many held
     out (the model needs twice as many parameters); the lower bound on epsilon holds with ``confidence``.
-    Close it with ``Client.close_audit`` or ``clipd audit LEDGER``; ``Client.get_ledger(...).audit`` shows it."""
+    Close it with ``Client.close_audit`` or ``clipd audit LEDGER``; ``Client.ledger(...).audit`` shows it."""
 
     canaries: int
     confidence: float = 0.95

@@ -2,9 +2,9 @@
 
 An audit of ``N`` canaries draws ``2N`` canaries from a secret seed: the first ``N`` are *held in* (added to the
 releases they are drawn for, as one more unit of the ledger), the other ``N`` *held out* (drawn the same way,
-never added). Canary ``i`` is ``sign_i * c_i * e_{j_i}``: one coordinate ``j_i`` of the flattened model (the
-layers in order, each in C order), all ``2N`` coordinates distinct, a random sign, and the norm ``c_i`` of one
-unit's clipped contribution there (the release's bound; under a per-layer policy its layer's bound; on a secure
+never added). Canary ``i`` is ``sign_i * c * e_{j_i}``: one coordinate ``j_i`` of the flattened model (the
+layers in order, each in C order), all ``2N`` coordinates distinct, a random sign, and the norm ``c`` of one
+unit's clipped contribution (the release's bound; under a per-layer policy the smallest layer bound; on a secure
 grid rounded down to the grid). Distinct coordinates make the canaries orthogonal: under any noise that is
 i.i.d. across coordinates, the canaries' scores are independent draws, so held-in and held-out scores are two
 samples of independent trials (Clopper-Pearson's setting), and the audit costs O(N) per release whatever the
@@ -19,11 +19,14 @@ Which releases a canary is drawn for follows the ledger's rules for a unit:
 
 The server scores canary ``i`` by its projection ``y_{r,i} = sign_i * (release_r[j_i] - raw_r[j_i])`` on each
 release (the release as noised, canaries in; the raw sum without them: the auditor knows every contribution but
-the canaries and the noise, the adversary differential privacy is about). The score is the log-likelihood
-ratio of "held in" against "held out" under the noise the ledger claims: for independent noise of stddev
-``sigma_r`` per coordinate,
+the canaries, the noise and the sampling, the adversary differential privacy is about). The score is the
+log-likelihood ratio of "held in" against "held out" under the noise the ledger claims: for independent noise
+of stddev ``sigma_r`` per coordinate and a sampling rate ``q``,
 
-    score_i = sum over releases r drawn for i of (c_i * y_{r,i} - c_i^2 / 2) / sigma_r^2
+    score_i = sum over every release r of log(1 - q + q exp((c_i * y_{r,i} - c_i^2 / 2) / sigma_r^2))
+
+(without sampling, ``q = 1``: the sum of ``(c y - c^2 / 2) / sigma^2``; the releases that drew a canary are not
+used: the claim's amplification by sampling rests on their being secret)
 
 and for a correlated stream (noise ``sigma * C^-1 Z``), the same of the decorrelated releases ``C y``:
 
@@ -120,35 +123,37 @@ def drawn_for_release(seed: int, release: int, count: int, rate: float) -> np.nd
     return np.random.default_rng([seed, release]).random(count) < rate
 
 
-def magnitudes(coordinates: np.ndarray, layer_sizes: Sequence[int], layer_bounds: Sequence[float],
-               grid_step: float = 0.0) -> np.ndarray:
-    """float64 (2N,): each canary's norm, the bound of the layer its coordinate is in (one bound: every layer's),
-    rounded down to ``grid_step`` if there is one.
+def magnitudes(coordinates: np.ndarray, layer_bounds: Sequence[float], grid_step: float = 0.0) -> np.ndarray:
+    """float64 (2N,): each canary's norm: the smallest of the layers' bounds (one bound: it), so that a canary
+    is within its layer's bound wherever it lands and held-in and held-out canaries are alike, rounded down to
+    ``grid_step`` if there is one.
 
-    >>> magnitudes(np.array([0, 3, 4]), [3, 2], [1.0, 0.5]).tolist()
-    [1.0, 0.5, 0.5]
-    >>> magnitudes(np.array([0]), [3], [1.0], grid_step=0.3).tolist()
+    >>> magnitudes(np.array([0, 3, 4]), [1.0, 0.5]).tolist()
+    [0.5, 0.5, 0.5]
+    >>> magnitudes(np.array([0]), [1.0], grid_step=0.3).tolist()
     [0.8999999999999999]
     """
-    bounds = np.asarray(layer_bounds, np.float64)
-    if bounds.size == 1:
-        values = np.full(coordinates.shape, bounds[0])
-    else:
-        values = bounds[np.searchsorted(np.cumsum(layer_sizes), coordinates, side="right")]
+    value = float(min(layer_bounds))
     if grid_step > 0:
-        values = np.floor(values / grid_step) * grid_step
-    return values
+        value = math.floor(value / grid_step) * grid_step
+    return np.full(coordinates.shape, value)
 
 
-def independent_scores(projections: np.ndarray, magnitudes: np.ndarray, drawn: np.ndarray,
-                       stddev: float) -> np.ndarray:
-    """One independent release's share of each canary's score: ``(c y - c^2 / 2) / sigma^2`` where drawn, else 0.
+def independent_scores(projections: np.ndarray, magnitudes: np.ndarray, rate: float, stddev: float) -> np.ndarray:
+    """One independent release's share of each canary's score: the log-likelihood ratio of a canary that joins
+    the release with probability ``q`` (its sampling rate; 1 without sampling) against one that is absent,
+    ``log(1 - q + q exp((c y - c^2 / 2) / sigma^2))``. Every canary is scored on every release: which releases
+    drew it is the mechanism's secret (the claimed epsilon's amplification by sampling assumes so).
 
-    >>> independent_scores(np.array([1.0, 0.0]), np.array([1.0, 1.0]), np.array([True, False]), 1.0).tolist()
-    [0.5, 0.0]
+    >>> independent_scores(np.array([1.0, 0.0]), np.array([1.0, 1.0]), 1.0, 1.0).tolist()
+    [0.5, -0.5]
+    >>> [round(float(v), 4) for v in independent_scores(np.array([1.0, 0.0]), np.array([1.0, 1.0]), 0.5, 1.0)]
+    [0.2809, -0.2191]
     """
     share = (magnitudes * projections - magnitudes ** 2 / 2) / stddev ** 2
-    return np.where(drawn, share, 0.0)
+    if rate >= 1.0:
+        return share
+    return np.logaddexp(math.log1p(-rate), math.log(rate) + share)
 
 
 def stream_participation(starts: np.ndarray, made: int, min_separation: int, max_participations: int) -> np.ndarray:
@@ -173,9 +178,8 @@ def stream_scores(projections: np.ndarray, magnitudes: np.ndarray, participation
     [0.5, 0.0]
     """
     t = projections.shape[0]
-    c = np.zeros((t, t))
-    for lag in range(t):
-        c += np.diag(np.full(t - lag, coefs[lag]), -lag)
+    lag = np.subtract.outer(np.arange(t), np.arange(t))  # i - j: C[i, j] = c_{i-j} on and below the diagonal
+    c = np.where(lag >= 0, np.asarray(coefs, np.float64)[:t][np.clip(lag, 0, None)], 0.0)
     signal = (participation * magnitudes[:, None]) @ c.T  # rows: C p_i
     observed = projections.T @ c.T  # rows: C y_i
     return ((signal * observed).sum(axis=1) - (signal ** 2).sum(axis=1) / 2) / sigma ** 2
@@ -188,7 +192,7 @@ def epsilon_lower_bound(in_scores: np.ndarray, out_scores: np.ndarray, confidenc
 
     bound = CanaryScoreAuditor(np.asarray(in_scores, np.float64), np.asarray(out_scores, np.float64)
                                ).epsilon_clopper_pearson(1 - confidence, delta)
-    return float(bound) if math.isfinite(bound) else float("inf")
+    return 0.0 if math.isnan(bound) else float(bound)  # NaN (non-finite scores): nothing shown
 
 
 @functools.lru_cache(maxsize=64)

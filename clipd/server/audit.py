@@ -26,6 +26,7 @@ from clipd.engine import _audit as audit
 from clipd.engine import _container as container
 from clipd.engine import _privacy as dp
 from clipd.engine._correlated import CorrelatedNoise
+from clipd.server.stores.base import AuditRecord
 
 AUDIT_MAGIC = b"CLIPDAU1"  # a ledger's audit state in clipd's container format (engine._container)
 METHOD = "clopper_pearson"
@@ -72,6 +73,10 @@ class AuditState:
         return container.to_bytes(AUDIT_MAGIC, header, [("scores", self.scores), ("projections", self.projections),
                                                         ("magnitudes", self.magnitudes)])
 
+    def record_of(self) -> AuditRecord:
+        """What the store keeps of it."""
+        return AuditRecord(self.to_bytes(), self.closed)
+
     @classmethod
     def from_bytes(cls, blob: bytes) -> AuditState:
         header, arrays = container.from_bytes(blob, AUDIT_MAGIC, "ledger audit")
@@ -86,7 +91,7 @@ class AuditState:
             self.projections = np.vstack([self.projections, projections[None, :]])
             self.magnitudes = canaries.magnitudes
         else:
-            self.scores = self.scores + audit.independent_scores(projections, canaries.magnitudes, canaries.drawn,
+            self.scores = self.scores + audit.independent_scores(projections, canaries.magnitudes, canaries.rate,
                                                                  stddev)
         self.releases += 1
 
@@ -136,6 +141,7 @@ class Canaries:
     magnitudes: np.ndarray  # float64 (2N,)
     drawn: np.ndarray  # bool (2N,)
     added: np.ndarray  # bool (2N,)
+    rate: float = 1.0  # the probability that a canary is drawn for an independent release (its sampling rate)
 
     @property
     def values(self) -> np.ndarray:
@@ -151,13 +157,15 @@ def canaries_for(state: AuditState, policy: dp.PrivacyPolicy, plan: dp.ReleasePl
     stream = policy.correlated
     layout = state.layout(sum(sizes), stream.min_separation if stream is not None else 1)
     count = 2 * state.canaries
+    rate = 1.0
     if stream is not None:
         drawn = audit.stream_participation(layout.starts, release, stream.min_separation,
                                            stream.max_participations)[:, release - 1] > 0
     else:
-        drawn = audit.drawn_for_release(state.seed, release, count, sampling_rate(policy.sampling))
-    magnitudes = audit.magnitudes(layout.coordinates, sizes, layer_bounds, plan.grid_step)
-    return Canaries(layout.coordinates, layout.signs, magnitudes, drawn, drawn & layout.held_in)
+        rate = sampling_rate(policy.sampling)
+        drawn = audit.drawn_for_release(state.seed, release, count, rate)
+    magnitudes = audit.magnitudes(layout.coordinates, layer_bounds, plan.grid_step)
+    return Canaries(layout.coordinates, layout.signs, magnitudes, drawn, drawn & layout.held_in, rate)
 
 
 def sampling_rate(sampling: dp.Sampling) -> float:
@@ -202,13 +210,13 @@ def restore(sums: list[np.ndarray], canaries: Canaries, raw: np.ndarray) -> None
 
 
 def by_layer(canaries: Canaries, sums: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per layer of ``sums``: the flat indices of the held-in canaries there and their values (the noise
-    function subtracts them on the device: :func:`clipd.engine._privacy.add_gaussian_noise`'s ``minus``)."""
+    """Per layer of ``sums``: the flat indices of every canary there and what it added (0 if nothing), which the
+    noise function subtracts on the device (:func:`clipd.engine._privacy.add_gaussian_noise`'s ``minus``). The
+    same indices every release: one compiled program per ledger, whichever canaries a release drew."""
     out = [(np.zeros(0, np.int64), np.zeros(0)) for _ in sums]
     values = canaries.values
     for k, which, index in _located(canaries.coordinates, sums):
-        added = canaries.added[which]
-        out[k] = (index[added], values[which][added])
+        out[k] = (index, values[which])
     return out
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import math
 import threading
 import time
@@ -54,7 +55,9 @@ from clipd.server.audit import (
 from clipd.server.audit import projections as canary_projections
 from clipd.server.errors import FailedPrecondition, NotFound
 from clipd.server.sequences import client_of
-from clipd.server.stores.base import FAILED, LedgerConflict, LedgerEntry, LedgerRecord, NoiseStream, Store
+from clipd.server.stores.base import FAILED, AuditRecord, LedgerConflict, LedgerEntry, LedgerRecord, NoiseStream, Store
+
+log = logging.getLogger(__name__)
 
 RELEASE_MAGIC = b"CLIPDRL2"  # a private release in clipd's container format (engine._container)
 _LEGACY_RELEASE_MAGIC = b"CLIPDREL1\n"  # the format of releases stored before it (still read)
@@ -326,7 +329,7 @@ class Ledgers:
         if committed:
             raise FailedPrecondition(f"ledger {policy.ledger_id!r} has {len(committed)} entries made without an"
                                      " audit: an audit covers a ledger from its first release; start a new ledger")
-        self.store.save_ledger_audit(policy.ledger_id, AuditState.new(policy).to_bytes(), create=True)
+        self.store.save_ledger_audit(policy.ledger_id, AuditRecord(AuditState.new(policy).to_bytes()), create=True)
 
     def _audit_of(self, policy: dp.PrivacyPolicy) -> AuditState | None:
         """The ledger's audit while it is open (None: no audit, or closed)."""
@@ -354,7 +357,7 @@ class Ledgers:
                 stream = _stream_of(config, config["stream"]) if config.get("stream") else None
                 state.close(config["delta"], stream, config.get("noise_stddev", 0.0),
                             ledger_epsilon(config, events[:state.releases]))
-                self.store.save_ledger_audit(ledger_id, state.to_bytes())
+                self.store.save_ledger_audit(ledger_id, AuditRecord(state.to_bytes(), closed=True))
         described = self.describe(ledger_id)
         assert described is not None
         return described
@@ -413,9 +416,10 @@ class Ledgers:
         audit_state = self._audit_of(policy)
         canaries = _canaries(audit_state, aggregation, made + 1) if audit_state is not None else None
         sums = list(totals.sums)
-        raw = add_canaries(sums, canaries) if canaries is not None else None
+        raw = None
         noised, at = [], 0
         try:
+            raw = add_canaries(sums, canaries) if canaries is not None else None
             for total, dtype in zip(sums, sum_dtypes):
                 size = int(np.prod(total.shape))
                 value = np.asarray(total, np.float64) + noise[at:at + size].reshape(total.shape)
@@ -429,7 +433,12 @@ class Ledgers:
             noised = list(noised_sums)
             audit_state.record(canaries, projections, plan.noise_stddev, stream=True)
             if made + 1 == stream.releases:  # the stream's last release closes its audit
-                audit_state.close(policy.delta, stream, plan.noise_stddev, after)
+                try:
+                    audit_state.close(policy.delta, stream, plan.noise_stddev, after)
+                except Exception:  # the release stands; the audit stays open (CloseAudit computes it again)
+                    log.exception("ledger %s: closing its audit with its stream's last release failed",
+                                  policy.ledger_id)
+                    audit_state.result = None
         release, _ = draw_release(aggregation, totals, sum_dtypes, after, 0.0, made + 1, tuple(noised))
         release.fields.update(stream_release_fields(policy, plan, made))
         release.fields["dp_event_json"] = event_json
@@ -439,7 +448,7 @@ class Ledgers:
             self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry, made, entry.time,
                                       stream=NoiseStream(made + 1, stream_state_to_bytes(state, made + 1)),
                                       participants=participants,
-                                      audit=audit_state.to_bytes() if audit_state is not None else None)
+                                      audit=audit_state.record_of() if audit_state is not None else None)
         except LedgerConflict as e:
             raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
         self._reserved[policy.ledger_id].pop(aggregation.id, None)
@@ -491,7 +500,7 @@ class Ledgers:
             try:
                 self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry,
                                           len(committed), entry.time,
-                                          audit=state.to_bytes() if state is not None else None)
+                                          audit=state.record_of() if state is not None else None)
             except LedgerConflict as e:
                 raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
             self._reserved[policy.ledger_id].pop(aggregation.id, None)
@@ -582,13 +591,17 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         sums = noised_sums
     else:
         raw_sums = list(totals.sums)
-        raw = add_canaries(raw_sums, canaries) if canaries is not None else None
+        raw = None
         try:
+            raw = add_canaries(raw_sums, canaries) if canaries is not None else None
             if policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
                 on_grid = secure.release(raw_sums, plan.grid_step, plan.grid_scale)
                 sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
                 if canaries is not None and raw is not None:
                     sums, seen = take_canaries(sums, canaries, raw)
+            elif canaries is not None and raw is not None and max(np.size(s) for s in raw_sums) >= 2 ** 31:
+                sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes)
+                sums, seen = take_canaries(sums, canaries, raw)  # (on the host: the device indexes in int32)
             elif canaries is not None and raw is not None:  # taken out on the device: no copy of the release
                 sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes,
                                              minus=by_layer(canaries, raw_sums))

@@ -127,10 +127,10 @@ class BatchAssembler:
         # A batch that spans messages (a large update) waits for room as long as a stream may be silent: it
         # can't be sent smaller, and the stream is not idle meanwhile (the server is the one that waits).
         wait = self.wait if nbytes <= self.large_bytes else max(self.wait, self.large_wait)
-        if nbytes > self.large_bytes and self.warmed is not None:
-            self.warmed(wait)  # an update that arrives while its aggregation warms up takes a prepared buffer
-        self.waiting_for_room = True
+        self.waiting_for_room = True  # (the server is the one that waits: the stream is not idle)
         try:
+            if nbytes > self.large_bytes and self.warmed is not None:
+                self.warmed(wait)  # an update that arrives while its aggregation warms up takes a prepared buffer
             p.reservation = self.budget.reserve(nbytes, wait)
         finally:
             self.waiting_for_room = False

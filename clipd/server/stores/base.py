@@ -72,6 +72,15 @@ class NoiseStream:
     state: bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class AuditRecord:
+    """A ledger's canary audit as the store keeps it: its state (``server.audit.AuditState``) and whether it is
+    closed (a closed one is never replaced by a release's commit: a close is final)."""
+
+    state: bytes
+    closed: bool = False
+
+
 class LedgerConflict(Exception):
     """The ledger gained an entry since the caller read it (another process released on it)."""
 
@@ -171,7 +180,7 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = (), audit: bytes | None = None) -> None:
+                       participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
         """One transaction: the release kept, ``entry`` appended, the aggregation FINALIZED.
 
         ``position``: the number of entries the caller saw; ``LedgerConflict``
@@ -180,7 +189,7 @@ class Store(abc.ABC):
         aggregation or the ledger does not exist. ``stream``: the ledger's noise
         stream after this release (it replaces the one before); ``participants``:
         the clients that took part in it, recorded at ``position``; ``audit``: the
-        ledger's audit state after this release (it replaces the one before).
+        ledger's audit after this release (it replaces the one before, unless that one is closed).
         """
 
     @abc.abstractmethod
@@ -188,9 +197,10 @@ class Store(abc.ABC):
         """The ledger's canary audit state (``server.audit.AuditState``), or None: it has no audit."""
 
     @abc.abstractmethod
-    def save_ledger_audit(self, ledger_id: str, state: bytes, *, create: bool = False) -> bytes:
-        """Stores the ledger's audit state, durably; returns the stored one. ``create``: only if it has none
-        (then the one it has is returned): two processes that open an audit at once agree on one."""
+    def save_ledger_audit(self, ledger_id: str, audit: AuditRecord, *, create: bool = False) -> bytes:
+        """Stores the ledger's audit, durably, unless the stored one is closed; returns the stored state.
+        ``create``: only if it has none (then the one it has is returned): two processes that open an audit at
+        once agree on one."""
 
     @abc.abstractmethod
     def noise_stream(self, ledger_id: str) -> NoiseStream | None:
@@ -221,7 +231,7 @@ class MemoryStore(Store):
         self._entries: dict[str, list[LedgerEntry]] = {}
         self._streams: dict[str, NoiseStream] = {}
         self._participations: dict[tuple[str, str], list[int]] = {}
-        self._audits: dict[str, bytes] = {}
+        self._audits: dict[str, AuditRecord] = {}
         self._releases: dict[str, bytes] = {}
         self._epochs: dict[tuple[str, int], int] = {}
         self._key = secrets.token_bytes(32)
@@ -303,7 +313,7 @@ class MemoryStore(Store):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = (), audit: bytes | None = None) -> None:
+                       participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
         with self._lock:
             record = self._records[aggregation_id]
             entries = self._entries[ledger_id]
@@ -313,7 +323,7 @@ class MemoryStore(Store):
             if stream is not None:
                 self._streams[ledger_id] = stream
             if audit is not None:
-                self._audits[ledger_id] = bytes(audit)
+                self._put_audit_locked(ledger_id, audit)
             for client in participants:
                 self._participations.setdefault((ledger_id, client), []).append(position)
             self._releases[aggregation_id] = release
@@ -327,14 +337,19 @@ class MemoryStore(Store):
 
     def ledger_audit(self, ledger_id: str) -> bytes | None:
         with self._lock:
-            return self._audits.get(ledger_id)
+            stored = self._audits.get(ledger_id)
+            return stored.state if stored is not None else None
 
-    def save_ledger_audit(self, ledger_id: str, state: bytes, *, create: bool = False) -> bytes:
+    def save_ledger_audit(self, ledger_id: str, audit: AuditRecord, *, create: bool = False) -> bytes:
         with self._lock:
-            if create:
-                return self._audits.setdefault(ledger_id, bytes(state))
-            self._audits[ledger_id] = bytes(state)
-            return self._audits[ledger_id]
+            if not (create and ledger_id in self._audits):
+                self._put_audit_locked(ledger_id, audit)
+            return self._audits[ledger_id].state
+
+    def _put_audit_locked(self, ledger_id: str, audit: AuditRecord) -> None:
+        stored = self._audits.get(ledger_id)
+        if stored is None or not stored.closed:
+            self._audits[ledger_id] = AuditRecord(bytes(audit.state), audit.closed)
 
     def noise_stream(self, ledger_id: str) -> NoiseStream | None:
         with self._lock:

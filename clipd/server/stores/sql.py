@@ -31,6 +31,7 @@ from clipd.engine import CorruptStateError, PartialState
 from clipd.server.stores.base import (
     FINALIZED,
     AggregationRecord,
+    AuditRecord,
     FencedOut,
     LedgerConflict,
     LedgerEntry,
@@ -99,7 +100,8 @@ _AUDIT_TABLES = (
         ledger {text} PRIMARY KEY REFERENCES ledgers (id),
         nbytes {integer} NOT NULL,
         crc32 {integer} NOT NULL,
-        state {blob} NOT NULL
+        state {blob} NOT NULL,
+        closed {integer} NOT NULL  -- 1 once closed: a release's commit no longer replaces it
     )""",
 )
 
@@ -109,8 +111,9 @@ def audit_tables(*, text: str, integer: str, blob: str) -> tuple[str, ...]:
     return tuple(statement.format(text=text, integer=integer, blob=blob) for statement in _AUDIT_TABLES)
 
 
-_UPSERT_AUDIT = ("INSERT INTO ledger_audits (ledger, nbytes, crc32, state) VALUES (?, ?, ?, ?) ON CONFLICT (ledger)"
-                 " DO UPDATE SET nbytes = excluded.nbytes, crc32 = excluded.crc32, state = excluded.state")
+_UPSERT_AUDIT = ("INSERT INTO ledger_audits (ledger, nbytes, crc32, state, closed) VALUES (?, ?, ?, ?, ?)"
+                 " ON CONFLICT (ledger) DO UPDATE SET nbytes = excluded.nbytes, crc32 = excluded.crc32,"
+                 " state = excluded.state, closed = excluded.closed WHERE ledger_audits.closed = 0")
 
 
 def checked(blob: bytes, nbytes: int, crc: int, what: str) -> bytes:
@@ -406,7 +409,7 @@ class SQLStore(Store):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = (), audit: bytes | None = None) -> None:
+                       participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
         """One commit: the release in its row, the entry at ``position``, FINALIZED, raw checkpoints gone,
         the noise stream, the participations and the audit."""
         release = bytes(release)
@@ -420,14 +423,14 @@ class SQLStore(Store):
 
     def _add_release(self, tx: Tx, key: int, release: bytes, ledger_id: str, entry: LedgerEntry,
                      position: int, finished: float, stream: NoiseStream | None = None,
-                     participants: Sequence[str] = (), audit: bytes | None = None) -> list:
+                     participants: Sequence[str] = (), audit: AuditRecord | None = None) -> list:
         """In ``tx``: the entry at ``position``, the release's row, FINALIZED, every checkpoint row dropped
         (returns :meth:`_drop_checkpoints`); the ledger's noise stream and audit replaced, the participants
         recorded."""
         self._append_entry(tx, ledger_id, entry, position)
         if audit is not None:
-            audit = bytes(audit)
-            tx.execute(_UPSERT_AUDIT, (ledger_id, len(audit), zlib.crc32(audit), audit))
+            state = bytes(audit.state)
+            tx.execute(_UPSERT_AUDIT, (ledger_id, len(state), zlib.crc32(state), state, int(audit.closed)))
         if stream is not None:
             state = bytes(stream.state)
             tx.execute("INSERT INTO ledger_streams (ledger, releases, nbytes, crc32, state) VALUES (?, ?, ?, ?, ?)"
@@ -454,14 +457,15 @@ class SQLStore(Store):
         nbytes, crc, state = rows[0]
         return checked(bytes(state), nbytes, crc, f"the audit of ledger {ledger_id!r}")
 
-    def save_ledger_audit(self, ledger_id: str, state: bytes, *, create: bool = False) -> bytes:
-        state = bytes(state)
+    def save_ledger_audit(self, ledger_id: str, audit: AuditRecord, *, create: bool = False) -> bytes:
+        state = bytes(audit.state)
+        row = (ledger_id, len(state), zlib.crc32(state), state, int(audit.closed))
         with self._transaction() as tx:
             if create:
-                tx.execute("INSERT INTO ledger_audits (ledger, nbytes, crc32, state) VALUES (?, ?, ?, ?)"
-                           " ON CONFLICT (ledger) DO NOTHING", (ledger_id, len(state), zlib.crc32(state), state))
+                tx.execute("INSERT INTO ledger_audits (ledger, nbytes, crc32, state, closed) VALUES (?, ?, ?, ?, ?)"
+                           " ON CONFLICT (ledger) DO NOTHING", row)
             else:
-                tx.execute(_UPSERT_AUDIT, (ledger_id, len(state), zlib.crc32(state), state))
+                tx.execute(_UPSERT_AUDIT, row)
             nbytes, crc, stored = tx.row("SELECT nbytes, crc32, state FROM ledger_audits WHERE ledger = ?",
                                          (ledger_id,))
         return checked(bytes(stored), nbytes, crc, f"the audit of ledger {ledger_id!r}")

@@ -51,7 +51,7 @@ from collections.abc import Iterator, Sequence
 
 from clipd.engine import CorruptStateError, PartialState
 from clipd.server.credentials import load_key
-from clipd.server.stores.base import FencedOut, LedgerEntry, NoiseStream
+from clipd.server.stores.base import AuditRecord, FencedOut, LedgerEntry, NoiseStream
 from clipd.server.stores.sql import NEXT_GENERATION, SQLStore, Tx, audit_tables, checked, ledger_tables, stream_tables
 
 SCHEMA_VERSION = 5  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards; 3 no noise
@@ -299,7 +299,7 @@ class SQLiteStore(SQLStore):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = (), audit: bytes | None = None) -> None:
+                       participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
         """The release file durable first, then one commit: its row, the entry, FINALIZED, raw rows gone, the
         noise stream and the participations."""
         with self._files_lock:
