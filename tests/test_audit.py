@@ -155,6 +155,7 @@ def audit_independent(client, privacy: Privacy, releases: int, rate: float = 1.0
     in_scores, out_scores = independent_scores(audit.seed, released, raw, [f.noise_stddev for f in fields],
                                                magnitude, rate)
     assert_server_agrees(audit, in_scores, out_scores)
+    audit_independent.last = (released, raw)
     return audit
 
 
@@ -168,6 +169,26 @@ def test_a_sound_mechanism_is_not_refuted(client, case, seed):
     else:  # secure noise draws from a CSPRNG only: no seed; the two runs are two draws
         audit = audit_independent(client, gaussian(3.0, noise="secure", accountant="zcdp"), 2)
     assert 0 <= audit.epsilon_lower < audit.epsilon_claimed and not audit.refuted
+
+
+def test_a_sampled_ledger_is_scored_without_the_secret_of_its_draws(client):
+    """Poisson sampling at q = 0.02 over 100 releases (z = 1.2): the claimed epsilon is amplified by the draws'
+    being secret. Scores that knew which releases drew each canary would refute this sound ledger; the
+    server's, the subsampled Gaussian's likelihood ratio over every release, do not."""
+    rate, releases = 0.02, 100
+    privacy = gaussian(1.2, seed=7, sampling="poisson", sampling_rate=rate)
+    audit = audit_independent(client, privacy, releases, rate)
+    assert not audit.refuted and audit.epsilon_lower < audit.epsilon_claimed
+    with_the_secret = np.zeros(2 * CANARIES)
+    released, raw = audit_independent.last  # (the releases audit_independent scored)
+    coordinates, signs = canaries_of(audit.seed, CANARIES, DIMENSION)
+    held_in = np.arange(2 * CANARIES) < CANARIES
+    for r, (out, total) in enumerate(zip(released, raw), start=1):
+        drawn = np.random.default_rng([audit.seed, r]).random(2 * CANARIES) < rate
+        y = signs * (out[coordinates] + np.where(drawn & held_in, signs * CLIP, 0.0) - total[coordinates])
+        sigma = 1.2 * CLIP
+        with_the_secret += np.where(drawn, (CLIP * y - CLIP ** 2 / 2) / sigma ** 2, 0.0)
+    assert expected_bound(with_the_secret[:CANARIES], with_the_secret[CANARIES:]) > audit.epsilon_claimed
 
 
 @pytest.mark.parametrize("break_", ["mean_noise_on_the_sum", "noise_10x_too_small", "secure_noise_10x_too_small"])
