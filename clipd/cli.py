@@ -477,12 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="issue a client's credential (the admin's): client ids it can't choose",
                            description="Prints a client token: its holder submits as --client only, to --aggregation"
                                        " or to every aggregation of --ledger (docs/threat-model.md).")
-    token.add_argument("--target", default="localhost:50051", metavar="HOST:PORT",
-                       help="the server's gRPC address (default: localhost:50051)")
-    token.add_argument("--token", metavar="TOKEN", default=None,
-                       help="the admin token (default: $CLIPD_ADMIN_TOKEN)")
-    token.add_argument("--cafile", metavar="FILE", default=None,
-                       help="PEM file of the CA that signed the server's certificate (TLS)")
+    _add_admin_client_flags(token)
     scope = token.add_mutually_exclusive_group(required=True)
     scope.add_argument("--aggregation", metavar="ID", default=None, help="the token is for this aggregation only")
     scope.add_argument("--ledger", metavar="ID", default=None,
@@ -492,8 +487,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a trusted submitter's token instead: it may name any client id (a framework's server)")
     token.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
                        help="valid for this long (default: as long as its aggregation and the server's key)")
-    token.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
-                       help="give up on an unreachable server after this long (default: 10)")
     token.set_defaults(run=_token)
     audit = sub.add_parser("audit", help="close a ledger's canary audit and print its lower bound on epsilon",
                            description="Closes the ledger's canary audit (admin; later releases carry no canaries)"
@@ -502,18 +495,22 @@ def build_parser() -> argparse.ArgumentParser:
                                        " epsilon_claimed=<e> confidence=<c>'. Exit status 3 if the bound passes"
                                        " the claim (docs/privacy.md, 'Canary audits').")
     audit.add_argument("ledger", metavar="LEDGER", help="the ledger's id")
-    audit.add_argument("--target", default="localhost:50051", metavar="HOST:PORT",
-                       help="the server's gRPC address (default: localhost:50051)")
-    audit.add_argument("--token", metavar="TOKEN", default=None,
-                       help="the admin token (default: $CLIPD_ADMIN_TOKEN)")
-    audit.add_argument("--cafile", metavar="FILE", default=None,
-                       help="PEM file of the CA that signed the server's certificate (TLS)")
+    _add_admin_client_flags(audit)
     audit.add_argument("--no-close", action="store_true",
                        help="print the audit as it stands; an open audit shows its progress only")
-    audit.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
-                       help="give up on an unreachable server after this long (default: 10)")
     audit.set_defaults(run=_audit)
     return parser
+
+
+def _add_admin_client_flags(parser: argparse.ArgumentParser) -> None:
+    """--target, --token, --cafile and --timeout of a command that calls the server's gRPC API as the admin."""
+    parser.add_argument("--target", default="localhost:50051", metavar="HOST:PORT",
+                        help="the server's gRPC address (default: localhost:50051)")
+    parser.add_argument("--token", metavar="TOKEN", default=None, help="the admin token (default: $CLIPD_ADMIN_TOKEN)")
+    parser.add_argument("--cafile", metavar="FILE", default=None,
+                        help="PEM file of the CA that signed the server's certificate (TLS)")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="give up on an unreachable server after this long (default: 10)")
 
 
 def main(argv: list[str] | None = None) -> int:
