@@ -1,11 +1,9 @@
 # clipd: the gRPC clipping service and its admin API.
 FROM python:3.11-slim
 
+# (`clipd serve` sets glibc's mmap threshold and OPENBLAS_NUM_THREADS itself: clipd/_process.py.)
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    OPENBLAS_NUM_THREADS=1 \
-    MALLOC_MMAP_THRESHOLD_=33554432 \
-    MALLOC_TRIM_THRESHOLD_=1073741824 \
     CLIPD_HOST=0.0.0.0 \
     CLIPD_GRPC_PORT=50051 \
     CLIPD_ADMIN_PORT=8080 \
