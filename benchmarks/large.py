@@ -176,14 +176,16 @@ _SERVE = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIG
 class Server:
     """``clipd serve`` on free loopback ports, with ``data_dir`` and the extra flags; stop() always."""
 
-    def __init__(self, data_dir: str, params: int, workdir: str, extra: list[str], start_timeout: float) -> None:
+    def __init__(self, data_dir: str, params: int, workdir: str, extra: list[str], start_timeout: float,
+                 plain: bool = False) -> None:
+        """``plain``: the environment as it is (no SERVER_ENV): what a pip-installed ``clipd serve`` gets."""
         self.port = _free_port()
         command = [sys.executable, "-c", _SERVE, str(os.getpid()), "--grpc-port", str(self.port),
                    "--admin-port", "-1", "--data-dir", data_dir,
                    "--max-parameters", str(params),
                    "--compilation-cache-dir", os.path.join(workdir, "jax-cache"), "--log-level", "warning", *extra]
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}
-        for key, value in SERVER_ENV.items():
+        for key, value in ({} if plain else SERVER_ENV).items():
             env.setdefault(key, value)
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []  # its last lines, for an error message
@@ -422,6 +424,55 @@ def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, ext
     return row
 
 
+def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str], timeout: float) -> list[dict]:
+    """``count`` rounds of a job on one plain ``clipd serve`` (memory store, no variables set), as a user runs
+    them: each round's aggregation created, then at once 2 clients each send one whole update (the first two
+    of the large rows'), then Finalize and cancel. Per round: seconds from creation to OPEN (its warm-up), and
+    from creation to the last acknowledgement, and the payload GB/s over the latter."""
+    from clipd.client import Client
+    from clipd.v1 import clipd_pb2 as pb
+
+    width = params // LAYERS
+    names = [f"layer{k}" for k in range(LAYERS)]
+    layers = {name: (width,) for name in names}
+    updates = [np.multiply(v, np.float32(c)) for c in SCALARS[:AT_ONCE]]
+    server = Server("memory", params, workdir, extra, start_timeout=min(120.0, timeout), plain=True)
+    out = []
+    try:
+        clients = [Client(server.target, timeout=timeout, retry_timeout=min(60.0, timeout)) for _ in range(AT_ONCE)]
+        for _ in range(count):
+            opened: list[float] = []
+            t0 = time.perf_counter()
+            aggregation = clients[0].create_aggregation(layers, policy="global", l2_norm_clip=CLIP)
+
+            def send(i: int, aggregation: str = aggregation) -> None:
+                clients[i].submit(aggregation, {n: updates[i][k * width:(k + 1) * width][None]
+                                                for k, n in enumerate(names)}, client_id=f"round-{i}")
+
+            def watch(aggregation: str = aggregation, opened: list = opened, t0: float = t0) -> None:
+                with Client(server.target) as watcher:
+                    while watcher.get_aggregation(aggregation).state == pb.Aggregation.WARMING_UP:
+                        time.sleep(0.01)
+                opened.append(time.perf_counter() - t0)
+
+            threads = [threading.Thread(target=send, args=(i,)) for i in range(AT_ONCE)]
+            threads.append(threading.Thread(target=watch))
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout)
+            round_s = time.perf_counter() - t0
+            clients[0].finalize(aggregation)
+            clients[0].cancel(aggregation)
+            out.append({"open_s": opened[0] if opened else math.nan, "round_s": round_s,
+                        "gbps": AT_ONCE * params * 4 / round_s / 1e9})
+        for client in clients:
+            client.close()
+    finally:
+        server.stop()
+    return out
+
+
 def _wait_open(client, aggregation: str, deadline: float) -> None:
     from clipd.v1 import clipd_pb2 as pb
 
@@ -479,8 +530,13 @@ def main() -> None:
     parser.add_argument("--disk-backed", action="store_true",
                         help="v and the clients' update buffers in files mapped into memory (on by itself from"
                              " P = 2^30: client and server then fit a 24 GB machine side by side)")
+    parser.add_argument("--rounds", type=int, default=0, metavar="N",
+                        help="instead: N rounds of a job on one plain clipd serve (see rounds()), per P")
     args = parser.parse_args()
     sizes = [1 << 22] if args.quick else (args.params or [1 << 28, 1 << 29])
+    if args.rounds:
+        run_rounds(sorted(set(sizes)), args)
+        return
     if args.huge:
         sizes = sizes + [1 << 30]
     sizes = sorted(set(sizes))
@@ -540,6 +596,25 @@ def main() -> None:
                      f" gbps_small={small['gbps']:.3f} peak_over_update={peak:.3f}")
     for line in lines:
         print(line)
+
+
+def run_rounds(sizes: list[int], args) -> None:
+    print(f"rounds of a job: {args.rounds} rounds, each created then at once {AT_ONCE} clients x one update of P"
+          f" float32 in {LAYERS} layers; a plain clipd serve (memory store); {os.cpu_count()} CPUs")
+    print(f"{'params':>12} | {'round':>5} | {'open s':>7} | {'round s':>8} | {'GB/s':>6}")
+    workdir = tempfile.mkdtemp(prefix="clipd-rounds-")
+    try:
+        for params in sizes:
+            v = base_vector(params, args.seed)
+            found = rounds(params, args.rounds, v, workdir, args.server_arg, args.timeout or 1800.0)
+            for k, r in enumerate(found, start=1):
+                print(f"{params:>12,} | {k:>5} | {r['open_s']:>7.3f} | {r['round_s']:>8.3f} | {r['gbps']:>6.3f}")
+            later = statistics.median(r["open_s"] for r in found[1:]) if len(found) > 1 else math.nan
+            print(f"rounds: params={params} first_open_s={found[0]['open_s']:.3f} later_open_s={later:.3f}"
+                  f" later_over_first_round_s={statistics.median(r['round_s'] for r in found[1:]) / found[0]['round_s']:.3f}"
+                  if len(found) > 1 else f"rounds: params={params} first_open_s={found[0]['open_s']:.3f}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def test_updates_larger_than_a_message_and_the_staging_buffer_are_summed_exactly
     assert server.servicer.budget.used == 0  # every reservation went back once its step had read the buffer
 
 
-def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reused(durable_server):
+def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reused_by_the_next_round(durable_server):
     server, target = durable_server()
     budget = server.servicer.budget
     with Client(target, message_bytes=128 * KiB) as client:
@@ -137,11 +137,23 @@ def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reuse
         reused = {array.ctypes.data for entries in budget._pool.values() for _, array in entries}
         assert reused == prepared  # every update was received into a prepared buffer: no new one was made
         result = client.finalize(agg)
-    assert_exact(result, clipped_sum(v, cs, 1.0))
-    assert budget.pooled == 0  # Finalize gives them back
+        assert_exact(result, clipped_sum(v, cs, 1.0))
+        assert budget.pooled == 2 * UPDATE_BYTES  # kept past Finalize, for the next round of these layers
+        made = budget.fresh
+        # The next round of the same layers opens with the same buffers: no page faulted in again.
+        again = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+        wait_open(server, again)
+        assert {array.ctypes.data for entries in budget._pool.values() for _, array in entries} == prepared
+        for i, c in enumerate(cs):
+            client.submit(again, scaled(v, c), client_id=f"silo-{i}")
+        assert_exact(client.finalize(again), clipped_sum(v, cs, 1.0))
+        assert budget.fresh == made  # every update of both rounds was received into the first round's buffers
     # An aggregation whose updates fit a message prepares nothing.
     with Client(target) as client:
         wait_open(server, client.create_aggregation({"w": (1000,)}, l2_norm_clip=1.0))
+    assert budget.pooled == 2 * UPDATE_BYTES
+    budget.pool_idle = 0.0
+    budget.drop_idle_buffers()  # unused for pool_idle: freed
     assert budget.pooled == 0
 
 

@@ -150,8 +150,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             if isinstance(request, codec.Malformed):
                 raise InvalidArgument(f"malformed Finalize request: {request.reason}")
             limit = self.chunk_limit(request.max_chunk_bytes)
-            self.budget.drop_pool()  # receive buffers are not kept past a round: its result needs the room
             result = self.lifecycle.finalize(request.aggregation_id)
+            self.budget.fit_pool()  # the receive buffers wait for the next round, as far as the result leaves room
         except ClipdError as e:
             self.refuse(context, e, "Finalize")
         yield pb.FinalizeResponse(stats=codec.stats_to_proto(result.stats))

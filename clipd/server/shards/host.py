@@ -373,7 +373,7 @@ class ShardHost:
             self.registry.remove(aggregation.id)
             aggregation.cancel()
             self.devices.forget(aggregation)
-        self.servicer.budget.drop_pool()
+        self.servicer.budget.fit_pool()  # what fits waits for the next round (pool_idle)
         return host_pb.ForgetResponse()
 
     def _serve(self, request: host_pb.ServeRequest) -> host_pb.ServeResponse:

@@ -10,6 +10,7 @@ the RPC layer (which receives batches into them) and by the summing runtime (whi
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import math
@@ -140,14 +141,25 @@ class ByteBudget:
         fresh page costs the kernel a zeroing pass: here about as long as receiving it). They stay pooled
         like any other (``pool_idle``, :meth:`drop_pool`).
 
+        Sets already pooled (the last round's, of the same layers) count, and are kept fresh: the next round of
+        a job reuses its buffers instead of faulting in new pages.
+
         >>> budget = ByteBudget(10_000)
         >>> budget.prepare([4096, 1024], 3), budget.pooled, budget.used  # room for one set beside it
         (1, 5120, 0)
+        >>> budget.prepare([4096, 1024], 1), budget.fresh  # the pooled set is the one asked for: nothing new
+        (1, 0)
         >>> budget.reserve(5120, wait=0).buffer(4096).nbytes, budget.pooled  # taken from the pool
         (4096, 1024)
         """
-        made = 0
-        for _ in range(count):
+        with self._cond:
+            now = time.monotonic()
+            wanted = collections.Counter(sizes)
+            pooled = min(len(self._pool.get(n, ())) // k for n, k in wanted.items()) if wanted else 0
+            for n in wanted:  # reused soon: not idle
+                self._pool[n] = [(now, array) for _, array in self._pool.get(n, [])]
+        made = min(pooled, count)
+        for _ in range(count - made):
             with self._cond:
                 if self.used + self.pooled + sum(sizes) > self.limit:
                     break
@@ -180,8 +192,14 @@ class ByteBudget:
             if not entries:
                 del self._pool[size]
 
+    def fit_pool(self) -> None:
+        """Frees pooled buffers until they fit what the budget allows now (an aggregation finished: its result
+        may take room); what stays waits ``pool_idle`` for the next round of the same layers."""
+        with self._cond:
+            self._shrink_pool_locked(self.limit - self.used)
+
     def drop_pool(self) -> None:
-        """Frees every pooled buffer (an aggregation finished: the next may have other sizes, or none come)."""
+        """Frees every pooled buffer."""
         with self._cond:
             self._pool.clear()
             self.pooled = 0
