@@ -232,13 +232,14 @@ def test_a_round_with_secure_noise(client):
     assert 0.5 < np.std(noise * m / release.noise_stddev) < 1.6  # 40 draws: a loose check of the scale
 
 
-def test_rounds_on_a_blt_stream_enforce_each_nodes_participation(client):
-    """mechanism="blt", n = 3 rounds, b = 2, k = 2, z = 0: round 1 is Flower's noiseless mean; in round 2 the
+def test_rounds_on_a_correlated_stream_enforce_each_nodes_participation(client):
+    """mechanism="banded", n = 3 rounds, b = 2, k = 2, z = 0: round 1 is Flower's noiseless mean; in round 2 the
     same nodes took part one round ago: each is refused and the model stays as it was; round 3 takes them
-    again. The rounds are the stream's releases 0, 1, 2."""
+    again. The rounds are the stream's releases 0, 1, 2. (The server enforces participation the same way
+    whatever the stream's mechanism; a BLT stream's own releases are tests/test_correlated_service.py's.)"""
     m = 4
     model, updates = _model(6), _updates(m, seed=7)
-    strategy = _strategy(client, m, privacy=_privacy(mechanism="blt", releases=3, min_separation=2,
+    strategy = _strategy(client, m, privacy=_privacy(mechanism="banded", releases=3, min_separation=2,
                                                      max_participations=2))
 
     def replies(nodes):
