@@ -8,6 +8,7 @@ process 60 s to connect: two jobs at once on 2 cores can miss that).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -48,12 +49,34 @@ def _run(command: list[str], cwd: pathlib.Path, timeout: float = 100.0) -> subpr
     try:
         out, err = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
+        _kill_job(job, cwd)
         return None
     done = subprocess.CompletedProcess(command, job.returncode, out, err)
     done.cwd = cwd  # type: ignore[attr-defined]
     return done
+
+
+def _kill_job(job: subprocess.Popen, workspace: pathlib.Path) -> None:
+    """Kills a hung job whole. The simulator runs in a process group of its own (NVFlare's), and its
+    processes hold the job's pipes: killing the job's group leaves them, and reading the pipes to their end
+    would wait for ever. So every process whose command line names the job's workspace is killed too."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    for process in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            named = str(workspace) in (process / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if named:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(process.name), signal.SIGKILL)
+    try:
+        job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # a process we could not find holds the pipes: stop reading them
+        for pipe in (job.stdout, job.stderr):
+            if pipe is not None:
+                pipe.close()
+        job.wait(10)
 
 
 def _twice(run) -> subprocess.CompletedProcess | None:
