@@ -4,9 +4,10 @@ The math is ``engine._audit``'s. Here, per release of an audited ledger (under t
 :class:`~clipd.server.privacy.Ledgers`):
 
 1. :func:`canaries_for` says which canaries the release is drawn for and their values;
-2. :func:`add_canaries` adds the held-in ones to the raw sums (in place; it returns the raw values at every
-   canary's coordinate), the release is noised as any other, then :func:`take_canaries` gives back the sums
-   without the canaries and every canary's projection on the release as noised;
+2. :func:`canaries_added` holds the held-in ones in the raw sums (in place; it yields the raw values at every
+   canary's coordinate) while the release is noised as any other; then :func:`take_canaries` (or the noise on
+   the device, :func:`by_layer`) gives back the sums without the canaries, and every canary's projection on
+   the release as noised;
 3. :meth:`AuditState.record` adds the release to the audit, and the state is committed with the release.
 
 The seed and the scores never leave the server while the audit is open; :meth:`AuditState.close` computes the
@@ -15,10 +16,11 @@ bound and keeps the result (a correlated stream's audit closes by itself with it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -133,13 +135,12 @@ class AuditState:
 
 @dataclasses.dataclass(frozen=True)
 class Canaries:
-    """The canaries of one release: every canary's coordinate, signed unit, norm, and whether it is drawn for
-    this release and added (held in and drawn)."""
+    """The canaries of one release: every canary's coordinate, signed unit and norm, and whether it is added
+    (held in and drawn for this release)."""
 
     coordinates: np.ndarray  # int64 (2N,)
     signs: np.ndarray  # float64 (2N,)
     magnitudes: np.ndarray  # float64 (2N,)
-    drawn: np.ndarray  # bool (2N,)
     added: np.ndarray  # bool (2N,)
     rate: float = 1.0  # the probability that a canary is drawn for an independent release (its sampling rate)
 
@@ -165,7 +166,7 @@ def canaries_for(state: AuditState, policy: dp.PrivacyPolicy, plan: dp.ReleasePl
         rate = sampling_rate(policy.sampling)
         drawn = audit.drawn_for_release(state.seed, release, count, rate)
     magnitudes = audit.magnitudes(layout.coordinates, layer_bounds, plan.grid_step)
-    return Canaries(layout.coordinates, layout.signs, magnitudes, drawn, drawn & layout.held_in, rate)
+    return Canaries(layout.coordinates, layout.signs, magnitudes, drawn & layout.held_in, rate)
 
 
 def sampling_rate(sampling: dp.Sampling) -> float:
@@ -189,24 +190,28 @@ def _located(coordinates: np.ndarray, sums: Sequence[np.ndarray]) -> list[tuple[
     return out
 
 
-def add_canaries(sums: list[np.ndarray], canaries: Canaries) -> np.ndarray:
-    """Adds the held-in canaries to ``sums`` (float64, in place; a layer that can't be written is copied into
-    the list); returns the raw value at every canary's coordinate."""
+@contextlib.contextmanager
+def canaries_added(sums: list[np.ndarray], canaries: Canaries | None) -> Iterator[np.ndarray | None]:
+    """While it lasts, the held-in canaries are in ``sums`` (float64, in place; a layer that can't be written is
+    copied into the list); yields the raw value at every canary's coordinate (None without canaries). The raw
+    values are put back after, exactly, whatever happened."""
+    if canaries is None:
+        yield None
+        return
     raw = np.zeros(canaries.coordinates.size)
-    values = canaries.values
-    for k, which, index in _located(canaries.coordinates, sums):
-        layer = sums[k]
-        if not (isinstance(layer, np.ndarray) and layer.flags.writeable):
-            layer = sums[k] = np.array(layer, np.float64)
-        raw[which] = np.take(layer, index)
-        np.put(layer, index, raw[which] + values[which])
-    return raw
-
-
-def restore(sums: list[np.ndarray], canaries: Canaries, raw: np.ndarray) -> None:
-    """Undoes :func:`add_canaries`: the raw values back, exactly."""
-    for k, which, index in _located(canaries.coordinates, sums):
-        np.put(sums[k], index, raw[which])
+    values, added = canaries.values, []
+    try:
+        for k, which, index in _located(canaries.coordinates, sums):
+            layer = sums[k]
+            if not (isinstance(layer, np.ndarray) and layer.flags.writeable):
+                layer = sums[k] = np.array(layer, np.float64)
+            raw[which] = np.take(layer, index)
+            np.put(layer, index, raw[which] + values[which])
+            added.append((k, which, index))
+        yield raw
+    finally:
+        for k, which, index in added:
+            np.put(sums[k], index, raw[which])
 
 
 def by_layer(canaries: Canaries, sums: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:

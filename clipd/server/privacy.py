@@ -43,15 +43,7 @@ from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
 from clipd.engine._correlated import CorrelatedNoise, Mechanism
 from clipd.server.aggregations import SELF_ASSERTED, TAKES_BATCHES, Aggregation, State
-from clipd.server.audit import (
-    AuditState,
-    Canaries,
-    add_canaries,
-    by_layer,
-    canaries_for,
-    restore,
-    take_canaries,
-)
+from clipd.server.audit import AuditState, Canaries, by_layer, canaries_added, canaries_for, take_canaries
 from clipd.server.audit import projections as canary_projections
 from clipd.server.errors import FailedPrecondition, NotFound
 from clipd.server.sequences import client_of
@@ -416,19 +408,15 @@ class Ledgers:
         audit_state = self._audit_of(policy)
         canaries = _canaries(audit_state, aggregation, made + 1) if audit_state is not None else None
         sums = list(totals.sums)
-        raw = None
         noised, at = [], 0
-        try:
-            raw = add_canaries(sums, canaries) if canaries is not None else None
+        with canaries_added(sums, canaries) as raw:
             for total, dtype in zip(sums, sum_dtypes):
                 size = int(np.prod(total.shape))
                 value = np.asarray(total, np.float64) + noise[at:at + size].reshape(total.shape)
                 noised.append(value.astype(np.promote_types(dtype, np.float32)))
                 at += size
-        finally:
-            if canaries is not None and raw is not None:
-                restore(sums, canaries, raw)
-        if audit_state is not None and canaries is not None and raw is not None:
+        if raw is not None:
+            assert audit_state is not None and canaries is not None  # (raw values: an audit's canaries were in)
             noised_sums, projections = take_canaries(noised, canaries, raw)
             noised = list(noised_sums)
             audit_state.record(canaries, projections, plan.noise_stddev, stream=True)
@@ -591,26 +579,20 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         sums = noised_sums
     else:
         raw_sums = list(totals.sums)
-        raw = None
-        try:
-            raw = add_canaries(raw_sums, canaries) if canaries is not None else None
+        with canaries_added(raw_sums, canaries) as raw:
             if policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
                 on_grid = secure.release(raw_sums, plan.grid_step, plan.grid_scale)
                 sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
-                if canaries is not None and raw is not None:
-                    sums, seen = take_canaries(sums, canaries, raw)
-            elif canaries is not None and raw is not None and max(np.size(s) for s in raw_sums) >= 2 ** 31:
+            elif canaries is None or max(np.size(s) for s in raw_sums) >= 2 ** 31:  # (the device indexes in int32)
                 sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes)
-                sums, seen = take_canaries(sums, canaries, raw)  # (on the host: the device indexes in int32)
-            elif canaries is not None and raw is not None:  # taken out on the device: no copy of the release
+            else:  # the canaries taken out on the device: no copy of the release
+                assert raw is not None
                 sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes,
                                              minus=by_layer(canaries, raw_sums))
                 seen = canary_projections(sums, canaries, raw, taken_out=True)
-            else:
-                sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes)
-        finally:
-            if canaries is not None and raw is not None:
-                restore(raw_sums, canaries, raw)
+        if raw is not None and not seen.size:  # the canaries still in the release: taken out on the host
+            assert canaries is not None
+            sums, seen = take_canaries(sums, canaries, raw)
     if policy.release_mean:
         sums = tuple((s / np.asarray(policy.public_denominator, s.dtype)).astype(s.dtype) for s in sums)
     bound = aggregation.policy.example_bound(aggregation.layers)
