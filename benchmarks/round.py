@@ -20,10 +20,12 @@ Every client must finish without an error (the client's own retries are fine: a 
 stream slots answers RESOURCE_EXHAUSTED with a retry hint, and the client waits and tries
 again); the reconnects are counted. Each run's result is checked against a float64 numpy
 reference of the clipped sum. Columns: wall seconds, GB/s of payload, the server's CPU
-seconds (``clipd serve`` and its shard processes, or the sinks), clients that saw an error,
-reconnects. The last line is::
+seconds (``clipd serve`` and its shard processes, or the sinks; from before the clients connect),
+the server's CPU from the start to the last acknowledgement per client (ms), clients that saw an
+error, reconnects. The last line is::
 
     round: clients=<n> exact=<True|False> errors=<n> throughput_ratio=<round GB/s over 8 clients'>
+           retries_per_client=<reconnects / clients> server_ms_per_client=<server CPU from the start, per client>
 
 and with ``--sinks``::
 
@@ -120,7 +122,8 @@ def _bulk_client(target: str, aggregation: str, seeds: list[int], start, done) -
     done.put((time.monotonic(), 0, report.reconnects, []))
 
 
-def _run(kind, target: str, aggregation: str, groups: list[list[int]]) -> tuple[float, int, int, list]:
+def _run(kind, target: str, aggregation: str, groups: list[list[int]], at_start=None) -> tuple[float, int, int, list]:
+    """Runs the clients of ``groups`` (a process each) and starts them together (``at_start()`` just before)."""
     ctx = multiprocessing.get_context("spawn")
     start, done = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=kind, args=(target, aggregation, group, start, done)) for group in groups]
@@ -130,6 +133,8 @@ def _run(kind, target: str, aggregation: str, groups: list[list[int]]) -> tuple[
         if done.get(timeout=900) != "ready":
             raise RuntimeError("a client process reported before the start")
     time.sleep(0.2)  # the last ones reach ``start.wait()``
+    if at_start is not None:
+        at_start()
     t0 = time.monotonic()
     start.set()
     ends = [done.get(timeout=900) for _ in procs]
@@ -240,9 +245,11 @@ def measure_sink(kind: str, mode: str, processes: int, clients: int, client_proc
         else:
             groups = [seeds[i::8] for i in range(8)]
         cpu = [_server_cpu(p.pid) for p in sinks]
-        wall, errors, _, samples = _run(_bare_clients, target, "round" if mode == "round" else "bulk", groups)
-        cpu = sum(_server_cpu(p.pid) for p in sinks) - sum(cpu)
-        return wall, errors, 0, errors == 0, samples, cpu
+        at_start: list[float] = []
+        wall, errors, _, samples = _run(_bare_clients, target, "round" if mode == "round" else "bulk", groups,
+                                        lambda: at_start.append(sum(_server_cpu(p.pid) for p in sinks)))
+        end = sum(_server_cpu(p.pid) for p in sinks)
+        return wall, errors, 0, errors == 0, samples, end - sum(cpu), end - at_start[0]
     finally:
         for sink in sinks:
             sink.kill()
@@ -262,6 +269,50 @@ def _server_cpu(pid: int) -> float:
             fields = f.read().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+# Where a clipd process's threads spend its CPU (``clipd serve`` names each native thread after its Python thread).
+PARTS = (("clipd-device", "summing"), ("tf_", "summing"), ("clipd-committer", "durability"),
+         ("clipd-one", "handlers"), ("clipd-grpc", "handlers"), ("clipd-shard-in", "handlers"),
+         ("clipd-submit", "handlers"), ("clipd-first", "handlers"),
+         ("event_engine", "gRPC"), ("grpc", "gRPC"), ("Thread-", "gRPC"))  # core's threads, the sync server's loop
+PART_NAMES = ("gRPC", "handlers", "summing", "durability", "control", "other")
+
+
+def _cpu_by_part(pid: int) -> dict[str, float]:
+    """CPU seconds so far of ``clipd serve`` (pid) and its shard processes, by part: ``gRPC`` (the runtime's
+    threads and the server's loop), ``handlers`` (the RPCs' threads: session, parsing, waiting for durability),
+    ``summing`` (the device worker, XLA's threads), ``durability`` (the committer), ``control`` (the control
+    process, whole), ``other`` (the rest, threads that ended included)."""
+    parts = dict.fromkeys(PART_NAMES, 0.0)
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(p) for p in f.read().split()]
+    parts["control"] = _server_cpu(pid) - sum(_process_cpu(c) for c in children)
+    for child in children:
+        live = 0.0
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{child}/task"):
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/{child}/task/{task}/comm") as f:
+                        name = f.read().strip()
+                    with open(f"/proc/{child}/task/{task}/schedstat") as f:  # (ns: a thread's ticks would round
+                        seconds = int(f.read().split()[0]) / 1e9           # each of hundreds of threads down)
+                    part = next((p for prefix, p in PARTS if name.startswith(prefix)), "other")
+                    parts[part] += seconds
+                    live += seconds
+        parts["other"] += max(0.0, _process_cpu(child) - live)
+    return parts
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` alone (its threads, ended ones included)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
 
 
 def _reference(seeds: list[int]) -> np.ndarray:
@@ -289,32 +340,45 @@ def measure(mode: str, processes: int, clients: int, client_processes: int, work
             aggregation = c.create_aggregation({"x": (WIDTH,)}, l2_norm_clip=CLIP)
             c.submit(aggregation, {"x": np.zeros((1, WIDTH), np.float32)}, client_id="warm-up")
         cpu = _server_cpu(server.pid)
+        at_start: list[float] = []
+        parts: list[dict[str, float]] = []
+
+        def started() -> None:
+            at_start.append(_server_cpu(server.pid))
+            parts.append(_cpu_by_part(server.pid))
+
         if mode == "round":
             groups = [seeds[i::client_processes] for i in range(client_processes)]
-            wall, errors, reconnects, samples = _run(_round_clients, target, aggregation, groups)
+            wall, errors, reconnects, samples = _run(_round_clients, target, aggregation, groups, started)
         else:
             groups = [seeds[i::8] for i in range(8)]
-            wall, errors, reconnects, samples = _run(_bulk_client, target, aggregation, groups)
-        cpu = _server_cpu(server.pid) - cpu  # the clients' wait before the start included (small)
+            wall, errors, reconnects, samples = _run(_bulk_client, target, aggregation, groups, started)
+        end = _server_cpu(server.pid)
+        by_part = {k: v - parts[0][k] for k, v in _cpu_by_part(server.pid).items()}
         with Client(target) as c:
             result = c.finalize(aggregation)
         expected = _reference(seeds)
         exact = result.examples == clients + 1 and bool(
             np.allclose(result.sums["x"], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max()))
-        return wall, errors, reconnects, exact, samples, cpu
+        return wall, errors, reconnects, exact, samples, end - cpu, end - at_start[0], by_part
     finally:
         stop_process(server)
 
 
-def _table(gb: float, runs: dict[str, list]) -> dict[str, float]:
-    print(f"{'mode':<20}| {'wall s':>7} | {'GB/s':>6} | {'server CPU s':>12} | {'errors':>6} | {'reconnects':>10} | exact")
-    print("-" * 83)
+def _table(gb: float, runs: dict[str, list], clients: int) -> dict[str, float]:
+    """Prints the medians; ``server CPU s``: from before the clients connect (their connections and calls before
+    the start included); ``ms/client``: the server's CPU from the start to the end, per client."""
+    print(f"{'mode':<20}| {'wall s':>7} | {'GB/s':>6} | {'server CPU s':>12} | {'ms/client':>9} | {'errors':>6} |"
+          f" {'reconnects':>10} | exact")
+    print("-" * 95)
     table = {}
     for mode, results in runs.items():
         wall = statistics.median(r[0] for r in results)
         table[mode] = gb / wall
+        per_client = statistics.median(r[6] for r in results) / clients * 1e3
+        table[f"{mode} ms/client"] = per_client
         print(f"{mode:<20}| {wall:7.3f} | {gb / wall:6.3f} | {statistics.median(r[5] for r in results):12.2f} |"
-              f" {max(r[1] for r in results):6d} |"
+              f" {per_client:9.2f} | {max(r[1] for r in results):6d} |"
               f" {statistics.median(r[2] for r in results):10.0f} | {all(r[3] for r in results)}")
     return table
 
@@ -342,10 +406,10 @@ def main() -> None:
                 kind, mode = key.split(" ", 1)
                 run = measure_sink(kind, mode, args.processes, args.clients, args.client_processes, repeat)
                 runs[key].append(run)
-                print(f"  repeat {repeat + 1}: {key:>15}: {run[0]:.2f} s, server CPU {run[5]:.2f} s, errors {run[1]}"
+                print(f"  repeat {repeat + 1}: {key:>15}: {run[0]:.2f} s, server CPU {run[5]:.2f} s ({run[6]:.2f} s from the start), errors {run[1]}"
                       f" {run[4][:1]}", flush=True)
         print()
-        table = _table(gb, runs)
+        table = _table(gb, runs, args.clients)
         print()
         ratios = {kind: table[f"{kind} round"] / table[f"{kind} 8 clients"] for kind in ("sync", "aio")}
         print(f"sinks: clients={args.clients} sync_round_ratio={ratios['sync']:.3f} aio_round_ratio={ratios['aio']:.3f}"
@@ -358,17 +422,24 @@ def main() -> None:
             for mode in (("round", "8 clients") if repeat % 2 == 0 else ("8 clients", "round")):
                 run = measure(mode, args.processes, args.clients, args.client_processes, workdir, repeat)
                 runs[mode].append(run)
-                print(f"  repeat {repeat + 1}: {mode:>9}: {run[0]:.2f} s, server CPU {run[5]:.2f} s, errors {run[1]},"
+                print(f"  repeat {repeat + 1}: {mode:>9}: {run[0]:.2f} s, server CPU {run[5]:.2f} s ({run[6]:.2f} s from the start), errors {run[1]},"
                       f" reconnects {run[2]}, exact {run[3]} {run[4][:1]}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print()
-    table = _table(gb, runs)
+    table = _table(gb, runs, args.clients)
     exact = all(r[3] for results in runs.values() for r in results)
     errors = max(r[1] for r in runs["round"])
     print()
+    print()
+    print("server CPU from the start, ms per client, by part (medians):")
+    for mode, results in runs.items():
+        split = {part: statistics.median(r[7][part] for r in results) / args.clients * 1e3 for part in PART_NAMES}
+        print(f"  {mode:<10} " + "  ".join(f"{part} {ms:.2f}" for part, ms in split.items()))
+    retries = statistics.median(r[2] for r in runs["round"]) / args.clients
     print(f"round: clients={args.clients} exact={exact} errors={errors}"
-          f" throughput_ratio={table['round'] / table['8 clients']:.3f}")
+          f" throughput_ratio={table['round'] / table['8 clients']:.3f} retries_per_client={retries:.3f}"
+          f" server_ms_per_client={table['round ms/client']:.2f}")
 
 
 if __name__ == "__main__":

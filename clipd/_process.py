@@ -16,13 +16,19 @@ service benchmark sets, is faster and keeps them. The malloc setting is made wit
 and put in the environment for the processes it starts (shard processes, the secure sampler's workers), whose
 glibc reads it at start-up. This module imports
 nothing but the standard library: it runs before numpy is imported (OpenBLAS reads its variable then).
+
+Besides, :func:`name_threads`: each thread's name is given to its native thread, so ``top -H``, ``ps -L`` and
+``/proc/<pid>/task/<tid>/comm`` say which part of the server spends the CPU (``benchmarks/round.py`` splits
+it so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+import threading
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 SETTINGS = {  # environment variable: (mallopt parameter, value); None: not a malloc setting
@@ -61,3 +67,32 @@ def _mallopt():
     function.argtypes, function.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return function
 
+
+
+PR_SET_NAME = 15  # linux/prctl.h: the calling thread's name (15 bytes and a NUL)
+
+
+def name_threads() -> bool:
+    """From now on each Python thread started in this process gives its name (its first 15 bytes, what Linux
+    keeps) to its native thread; False where the C library has no ``prctl`` (not Linux): nothing is changed.
+    (The main thread keeps the process's name, which the threads native code starts from it inherit.)"""
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c")).prctl
+    except (OSError, AttributeError, TypeError):
+        return False
+    prctl.argtypes, prctl.restype = [ctypes.c_int, ctypes.c_char_p], ctypes.c_int
+
+    def name(text: str) -> None:
+        with contextlib.suppress(Exception):  # (a name is a convenience: never worth a failed thread)
+            prctl(PR_SET_NAME, text.encode(errors="replace")[:15])
+
+    start = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def bootstrap_inner(thread: threading.Thread) -> None:
+        name(thread.name)
+        start(thread)
+
+    if not getattr(start, "names_native_thread", False):
+        bootstrap_inner.names_native_thread = True  # type: ignore[attr-defined]
+        threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
+    return True

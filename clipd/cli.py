@@ -518,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         from clipd import _process
 
         _process.tune()  # glibc's malloc and OpenBLAS's threads, before numpy loads (clipd/_process.py)
+        _process.name_threads()  # its native threads named as its Python threads (top -H shows which is busy)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "any_arguments", False):

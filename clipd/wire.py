@@ -5,9 +5,10 @@ arguments, and the values of the engine's enums; ``float32`` ... are the DType c
 the byte order of tensors (little-endian) and how they are cut into chunks; the 16-bit wire formats a
 float32 layer may be sent in (``to_wire_dtype``, ``widen_into``); the Submit format, both halves (the
 client's encoder copies a batch's data once, a message at a time as it is sent, the server's parser not
-at all); the metadata keys (retry-after, the bearer credential) and Submit's method path; which shard
-sums a client id. Imports numpy and ``clipd.v1`` only (``ml_dtypes`` when a bfloat16 layer is met; the
-16-bit wire formats need neither it nor JAX), so the client keeps its small dependency set.
+at all); the metadata keys (retry-after, the bearer credential, SubmitOne's accepted sequence) and the
+Submit methods' paths; which shard sums a client id. Imports numpy and ``clipd.v1`` only (``ml_dtypes``
+when a bfloat16 layer is met; the 16-bit wire formats need neither it nor JAX), so the client keeps its
+small dependency set.
 
 The Submit encoding of a batch of two examples of one float32 layer of shape (3,):
 
@@ -37,6 +38,8 @@ AUTHORIZATION_KEY = "authorization"  # "Bearer <token>": the admin token or an a
 BEARER = "Bearer "
 CLIENT_TOKEN_PREFIX = "cct1_"  # a client token: "cct1_<its fields, JSON in base64url>.<the server's MAC>"
 SUBMIT_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Clipd'].full_name}/Submit"
+SUBMIT_ONE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Clipd'].full_name}/SubmitOne"
+ACCEPTED_SEQUENCE_KEY = "accepted-sequence"  # SubmitOne's refusal of a sequence the client is past: where it is
 FINALIZE_MIN_CHUNK_BYTES = 64 * 1024  # Finalize's max_chunk_bytes: the least a server accepts...
 FINALIZE_DEFAULT_CHUNK_BYTES = 1 << 20  # ...and what 0 means
 

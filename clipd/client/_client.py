@@ -122,6 +122,10 @@ class Client:
     them in place while ``submit`` runs. ``window_bytes`` bounds the bytes of batches sent and not yet
     acknowledged (a batch larger than it is sent alone).
 
+    ``one_message`` (default True): a submission that is one batch of at most ``message_bytes`` (most
+    cross-device updates) goes as one SubmitOne call, which costs the server about what the message costs
+    (no stream, no hello, no placement call); False: always a Submit stream. Both are exactly once.
+
     ``wire_dtype``: None (default) sends each layer in its own dtype; ``"bfloat16"`` or ``"float16"``
     sends the float32 layers' values in that 16-bit format, half the bytes (the server widens them back
     to float32 and sums in float32; other dtypes go as they are); ``submit(wire_dtype=...)`` overrides it.
@@ -147,6 +151,7 @@ class Client:
         retry_timeout: float = 60.0,
         retry_delay: float = 0.05,
         wire_dtype: str | None = None,
+        one_message: bool = True,
     ) -> None:
         wire.check_wire_dtype(wire_dtype)
         if message_bytes > max_message_bytes - 64 * 1024:
@@ -168,8 +173,11 @@ class Client:
         self._channel = self._open_channel(target)
         self._stub = pb_grpc.ClipdStub(self._channel)
         self._submit = _submit_call(self._channel)
+        self._submit_one = _submit_one_call(self._channel)
+        self.one_message = one_message  # a submission of one batch in one message goes as one SubmitOne call
+        self._next_sequences: dict[tuple[str, str], int] = {}  # (aggregation, client) -> its next batch, as known
         self._placements: dict[str, pb.Placement] = {}  # aggregation id -> where its shards are summed
-        self._endpoints: dict[str, tuple[grpc.Channel, Any]] = {}  # "host:port" -> (channel, its Submit)
+        self._endpoints: dict[str, tuple[grpc.Channel, Any, Any]] = {}  # "host:port" -> (channel, Submit, SubmitOne)
         self._routing_lock = threading.Lock()
         self._metadata = ((wire.AUTHORIZATION_KEY, wire.BEARER + token),) if token else ()
         self.token_client_id = client_token_id(token)  # a client token's client id (None for other tokens)
@@ -190,7 +198,7 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
-        for channel, _ in self._endpoints.values():
+        for channel, _, _ in self._endpoints.values():
             channel.close()
 
     def __enter__(self) -> Client:
@@ -325,6 +333,9 @@ class Client:
             Layer(layer.name, tuple(layer.shape), wire.DTYPE_NAMES[layer.dtype]) for layer in aggregation.layers
         ]
         self._units[aggregation_id] = (_unit_name(aggregation.unit), aggregation.client_ids)
+        if aggregation.HasField("placement"):  # (a server older than Aggregation.placement: asked when needed)
+            with self._routing_lock:
+                self._placements.setdefault(aggregation_id, aggregation.placement)
 
     # Streaming ------------------------------------------------------------------------------
     def submit(self, aggregation_id: str, updates: Any, *, client_id: str | None = None,
@@ -383,10 +394,21 @@ class Client:
             client_id = self.token_client_id or ("" if client_ids == "credential" else uuid.uuid4().hex)
         if unit == "client":
             contribution = sum_rows(iter_updates(updates, layers), layers)
+            if contribution and self.one_message and not progress:
+                report = self._one_message(aggregation_id, client_id, contribution, wire_dtype)
+                if report is not None:
+                    return report
             stream = _BatchStream(aggregation_id, client_id, iter([contribution] if contribution else []),
                                   self.message_bytes, self.window_bytes, wire_dtype)
             return self._stream(stream, progress)
         batches = rebatch(iter_updates(updates, layers), example_nbytes(layers, wire_dtype), self.message_bytes)
+        if self.one_message and not progress:
+            head = list(itertools.islice(batches, 2))
+            if len(head) == 1:
+                report = self._one_message(aggregation_id, client_id, head[0], wire_dtype)
+                if report is not None:
+                    return report
+            batches = itertools.chain(head, batches)
         streams = (spread if spread is not None else self.placement(aggregation_id).shards) if client_id else 1
         if streams < 1:
             raise ValueError(f"spread: at least 1 stream, got {streams}")
@@ -434,6 +456,55 @@ class Client:
         return SubmitReport(spread.client_id, spread.batches_acked, spread.examples_acked, spread.bytes_acked,
                             sum(r.reconnects for r in reports), time.perf_counter() - started,
                             sum(r.resumed_bytes for r in reports))
+
+    def _one_message(self, aggregation_id: str, client_id: str, batch: list[np.ndarray],
+                     wire_dtype: str | None) -> SubmitReport | None:
+        """``batch``, the whole submission, as one SubmitOne call; None if it takes more than one message or the
+        server has no SubmitOne (the caller streams it then).
+
+        Numbered after what this client knows of ``client_id`` (1 for a new one); a server that says the client
+        is further (another submission's batches: ``accepted-sequence``) gets it numbered after that, once.
+        Retried as a stream is (unavailable, or a refusal with a retry hint: after that long), the same message
+        each time, so the server drops a copy it already holds. On failure the error carries the submission's
+        progress: :meth:`resume` resends the batch on a stream, under the same number and writer.
+        """
+        writer = uuid.uuid4().hex
+        sequence = self._next_sequences.get((aggregation_id, client_id), 1) if client_id else 1
+        message = wire.submit_batch(aggregation_id, client_id, sequence, batch, self.message_bytes, writer, wire_dtype)
+        if len(message) != 1:
+            return None
+        started, reconnects, renumbered = time.perf_counter(), 0, False
+        deadline = time.monotonic() + self.retry_timeout
+        while True:
+            try:
+                response = self._submit_one_to(aggregation_id, client_id)(message[0], timeout=self.timeout,
+                                                                           metadata=self._metadata)
+                break
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+            if error.code == grpc.StatusCode.UNIMPLEMENTED and not reconnects:
+                self.one_message = False  # a server older than SubmitOne: stream from now on
+                return None
+            accepted = trailing.get(wire.ACCEPTED_SEQUENCE_KEY)
+            if error.code == grpc.StatusCode.FAILED_PRECONDITION and accepted is not None and not renumbered:
+                sequence, renumbered = int(accepted) + 1, True  # (refused before anything of it was taken)
+                message = wire.submit_batch(aggregation_id, client_id, sequence, batch, self.message_bytes, writer,
+                                            wire_dtype)
+                continue
+            if not error.retryable or time.monotonic() > deadline:
+                unfinished = _BatchStream(aggregation_id, client_id, iter(()), self.message_bytes, self.window_bytes,
+                                          wire_dtype)
+                unfinished.hold_sent(sequence, batch, writer)
+                raise _with_progress(error, unfinished) from None
+            if error.code == grpc.StatusCode.UNAVAILABLE:  # its shard's process may have moved: ask again
+                self._forget_placement(aggregation_id)
+            reconnects += 1
+            time.sleep(_backoff(error, self.retry_delay, reconnects - 1))
+        client_id = response.client_id or client_id
+        self._next_sequences[(aggregation_id, client_id)] = max(sequence, response.accepted_sequence) + 1
+        return SubmitReport(client_id, 1, batch[0].shape[0], sum(a.nbytes for a in batch), reconnects,
+                            time.perf_counter() - started)
 
     def resume(self, error: ClipdError, *, progress: bool = False) -> SubmitReport:
         """Continues the submission that raised ``error``: resends its unacknowledged batches with
@@ -533,15 +604,28 @@ class Client:
     def _submit_to(self, aggregation_id: str, client_id: str):
         """The Submit call that reaches the process summing ``client_id``'s shard (this client's channel
         when the server names no endpoints)."""
-        placement = self.placement(aggregation_id)
+        return self._route(self.placement(aggregation_id), client_id, 1) or self._submit
+
+    def _submit_one_to(self, aggregation_id: str, client_id: str):
+        """The SubmitOne call to make: straight to ``client_id``'s shard's process if this client knows the
+        aggregation's placement already, else on this client's channel (the server passes it on: no call
+        to learn the placement first)."""
+        with self._routing_lock:
+            placement = self._placements.get(aggregation_id)
+        return (self._route(placement, client_id, 2) if placement is not None and client_id else None) \
+            or self._submit_one
+
+    def _route(self, placement: pb.Placement, client_id: str, call: int):
+        """The ``call`` (1: Submit, 2: SubmitOne) on the endpoint of ``client_id``'s shard; None without
+        endpoints."""
         if not placement.endpoints:
-            return self._submit
+            return None
         endpoint = placement.endpoints[wire.shard_of(client_id, placement.shards)]
         with self._routing_lock:
             if endpoint not in self._endpoints:
                 channel = self._open_channel(endpoint)
-                self._endpoints[endpoint] = (channel, _submit_call(channel))
-            return self._endpoints[endpoint][1]
+                self._endpoints[endpoint] = (channel, _submit_call(channel), _submit_one_call(channel))
+            return self._endpoints[endpoint][call]
 
     def _forget_placement(self, aggregation_id: str) -> None:
         with self._routing_lock:
@@ -616,6 +700,12 @@ def _submit_call(channel: grpc.Channel):
     """Submit on ``channel``, sending messages the client serialized itself (clipd.wire): one copy of the data."""
     return channel.stream_stream(wire.SUBMIT_METHOD, request_serializer=None,
                                  response_deserializer=pb.SubmitResponse.FromString)
+
+
+def _submit_one_call(channel: grpc.Channel):
+    """SubmitOne on ``channel``, its one message serialized by the client itself (clipd.wire)."""
+    return channel.unary_unary(wire.SUBMIT_ONE_METHOD, request_serializer=None,
+                               response_deserializer=pb.SubmitResponse.FromString)
 
 
 class _SharedSource:
@@ -879,6 +969,18 @@ class _BatchStream:
     def acknowledge(self, sequence: int) -> None:
         with self._cond:
             self._acknowledge_locked(sequence)
+
+    def hold_sent(self, sequence: int, batch: list[np.ndarray], writer: str) -> None:
+        """The whole submission is ``batch``, already sent as ``sequence`` by ``writer`` (a one-message
+        submission that failed) and not acknowledged: a resume resends it under that number and writer."""
+        with self._cond:
+            self.writer_id = writer
+            self._next_sequence = sequence + 1
+            entry = _Sent(sequence, batch[0].shape[0], sum(a.nbytes for a in batch), batch,
+                          wire.wire_nbytes(batch, self.wire_dtype))
+            self._window.append(entry)
+            self._unacked_bytes += entry.nbytes
+            self._exhausted = True
 
     def _acknowledge_locked(self, sequence: int) -> None:
         while self._window and self._window[0].sequence <= sequence:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import threading
 import time
@@ -323,7 +324,7 @@ class Aggregation:
     def shard_of(self, client_id: str) -> int:
         return shard_of(client_id, self.shards)
 
-    @property
+    @functools.cached_property
     def parameters(self) -> int:
         """Elements of all layers together."""
         return sum(layer.size for layer in self.layers)

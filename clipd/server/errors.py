@@ -40,6 +40,18 @@ class FailedPrecondition(ClipdError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Behind(FailedPrecondition):
+    """A one-message batch numbered at or below what its client already has (another submission's): the client
+    numbers after ``accepted`` (the trailing metadata ``accepted-sequence``), or opens a Submit stream."""
+
+    def __init__(self, message: str, accepted: int) -> None:
+        super().__init__(message)
+        self.accepted = accepted
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((wire.ACCEPTED_SEQUENCE_KEY, str(self.accepted)),)
+
+
 class ResourceExhausted(ClipdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -61,6 +61,9 @@ class Settings:
     max_device_rows: int = 4096  # examples per device step, rounded down to a power of two
     staging_bytes: int = 16 * MiB  # host buffer (x2) per aggregation that examples are packed into
     max_streams: int = 256  # Submit streams at once; more get RESOURCE_EXHAUSTED with a retry hint
+    # One-message submissions (SubmitOne): max_streams run at once, this many more wait their turn (unread);
+    # beyond, RESOURCE_EXHAUSTED with an appointment (rpc.limits.Admission).
+    one_message_queue: int = 8192
     unary_workers: int = 16  # threads kept for unary RPCs and health checks, whatever the streams do
     stream_idle_timeout: float = 30.0  # a Submit stream that sends nothing for this long is closed
     admin_token: str = ""  # the admin credential: every RPC and admin route; "" = auth off (loopback only)
@@ -97,7 +100,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         for field in ("max_message_bytes", "max_aggregations", "max_layers", "max_name_length", "max_clients",
-                      "max_device_rows", "staging_bytes", "max_streams", "unary_workers"):
+                      "max_device_rows", "staging_bytes", "max_streams", "unary_workers", "one_message_queue"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
         for field in ("memory_budget", "max_batch_bytes", "max_buffered_bytes", "max_parameters",

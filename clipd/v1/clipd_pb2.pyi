@@ -225,7 +225,7 @@ class CreateAggregationRequest(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., aggregation_id: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., self_asserted_client_ids: bool = ...) -> None: ...
 
 class Aggregation(_message.Message):
-    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason", "submit_token", "privacy", "planned_ledger_epsilon", "unit", "client_ids")
+    __slots__ = ("aggregation_id", "layers", "policy", "state", "layer_bounds", "examples", "created_unix_seconds", "failure_reason", "submit_token", "privacy", "planned_ledger_epsilon", "unit", "client_ids", "placement")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Aggregation.State]
@@ -253,6 +253,7 @@ class Aggregation(_message.Message):
     PLANNED_LEDGER_EPSILON_FIELD_NUMBER: _ClassVar[int]
     UNIT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     aggregation_id: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     policy: ClipPolicy
@@ -266,7 +267,8 @@ class Aggregation(_message.Message):
     planned_ledger_epsilon: float
     unit: PrivacyUnit
     client_ids: str
-    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ..., submit_token: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., planned_ledger_epsilon: _Optional[float] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ...) -> None: ...
+    placement: Placement
+    def __init__(self, aggregation_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., layer_bounds: _Optional[_Iterable[float]] = ..., examples: _Optional[int] = ..., created_unix_seconds: _Optional[float] = ..., failure_reason: _Optional[str] = ..., submit_token: _Optional[str] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., planned_ledger_epsilon: _Optional[float] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("layer", "dtype", "shape", "offset", "data")

@@ -49,6 +49,11 @@ class ClipdStub(object):
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.SubmitOne = channel.unary_unary(
+                '/clipd.v1.Clipd/SubmitOne',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.SubmitResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/clipd.v1.Clipd/GetStats',
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.GetStatsRequest.SerializeToString,
@@ -110,6 +115,24 @@ class ClipdServicer(object):
     def Submit(self, request_iterator, context):
         """Streams batches in; the server answers with acknowledgements of what it
         has accumulated. See SubmitRequest for sequencing and resumption.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitOne(self, request, context):
+        """One whole batch in one message, answered once it is durably in the sum:
+        the path for an update that fits in one message (a cross-device client).
+        The request is a SubmitRequest whose chunks hold the whole batch (sequence
+        >= 1, no hello); the answer is as Submit's acknowledgement. Exactly once as
+        Submit: the same batch sent again by the same writer is a duplicate
+        (answered once durable); a sequence at or below the client's accepted one
+        from another writer is FAILED_PRECONDITION with the trailing metadata
+        "accepted-sequence" (number after it, or open a Submit stream). A call
+        waits for a worker unread (it costs no buffer); when the server's queue
+        of such calls is full it answers RESOURCE_EXHAUSTED with "retry-after-ms",
+        an appointment spread over the time the server needs for the calls it
+        holds (50 ms to 30 s).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -193,6 +216,11 @@ def add_ClipdServicer_to_server(servicer, server):
             ),
             'Submit': grpc.stream_stream_rpc_method_handler(
                     servicer.Submit,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.SubmitRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.SubmitResponse.SerializeToString,
+            ),
+            'SubmitOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitOne,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.SubmitRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.SubmitResponse.SerializeToString,
             ),
@@ -316,6 +344,33 @@ class Clipd(object):
             request_iterator,
             target,
             '/clipd.v1.Clipd/Submit',
+            clipd_dot_v1_dot_clipd__pb2.SubmitRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/SubmitOne',
             clipd_dot_v1_dot_clipd__pb2.SubmitRequest.SerializeToString,
             clipd_dot_v1_dot_clipd__pb2.SubmitResponse.FromString,
             options,

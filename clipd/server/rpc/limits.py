@@ -1,13 +1,18 @@
-"""Admission control of long-lived streams: the slots of Submit streams (and health-watch and reflection streams).
+"""Admission control: the slots of long-lived streams (Submit, health-watch, reflection) and the queue of
+one-message submissions (SubmitOne).
 
 A stream that can't have a slot is refused with ``ResourceExhausted`` carrying a retry hint: the refusal is about
-the server's load now, not about the request, so a client may try again. The byte budget of the batches those
-streams carry is :mod:`clipd.server.summing.memory`'s.
+the server's load now, not about the request, so a client may try again. A one-message submission waits its turn
+instead (:class:`Admission`), and only a full queue refuses, with an appointment. The byte budget of the batches
+both carry is :mod:`clipd.server.summing.memory`'s.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import threading
+import time
 
 from clipd.server.errors import ResourceExhausted
 
@@ -102,3 +107,115 @@ class StreamSlots:
     @property
     def saturated(self) -> bool:
         return self.active >= self.limit
+
+
+MIN_RETRY_AFTER = 0.05  # seconds: the least and the most a refused one-message submission is told to wait
+MAX_RETRY_AFTER = 30.0
+RATE_WINDOW = 5.0  # seconds of finished calls the drain rate is measured over
+FIRST_CALL_SECONDS = 0.1  # what a call is taken to last before any has finished (a server just started)
+
+
+class Admission:
+    """One-message submissions (SubmitOne): ``workers`` run at once on a thread pool of their own, up to ``queue``
+    more wait for a worker, and beyond that a newcomer is refused with an appointment.
+
+    A waiting call costs no buffer: gRPC reads a call's message when a worker takes it up (until then the
+    runtime holds at most its flow-control window of it). So a round of thousands of clients that arrive together
+    queues instead of being refused, and the other RPCs keep threads of their own. A newcomer that finds
+    ``workers + queue`` calls held is refused (``RESOURCE_EXHAUSTED``) with a retry hint that spreads the refused
+    over the time the server needs: the first after the calls held would drain at the rate calls have finished
+    over the last ``RATE_WINDOW`` seconds, each next one a call's time later, between ``MIN_RETRY_AFTER`` and
+    ``MAX_RETRY_AFTER``.
+
+    >>> admission = Admission(workers=1, queue=1)
+    >>> admission.held = 2                                # one running, one waiting: the queue is full
+    >>> first, second = admission.retry_after(now=0.0), admission.retry_after(now=0.0)
+    >>> round(first, 3), round(second, 3)                 # 10 calls/s assumed before any finished
+    (0.2, 0.3)
+    >>> admission.held = 1; admission.retry_after(now=0.0) is None
+    True
+    """
+
+    def __init__(self, workers: int, queue: int) -> None:
+        self.workers, self.queue = workers, queue
+        self.pool = _CountingPool(self, workers)
+        self.held = 0  # calls handed to the pool and not finished (running or waiting)
+        self.refused = 0
+        self._finished: collections.deque[float] = collections.deque(maxlen=max(64, 4 * workers))
+        self._booked = 0.0  # the latest appointment given (time.monotonic())
+        self._lock = threading.Lock()
+
+    def retry_after(self, now: float | None = None) -> float | None:
+        """None if a newcomer may wait for a worker; else the seconds after which it should come back (booked)."""
+        if self.held < self.workers + self.queue:  # (read without the lock: one more or less is harmless)
+            return None
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self.refused += 1
+            rate = self._rate(now)
+            self._booked = max(now + self.held / rate, self._booked + 1.0 / rate)
+            return min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, self._booked - now))
+
+    def _rate(self, now: float) -> float:
+        """Calls finished a second over the last ``RATE_WINDOW`` seconds (at least one a second)."""
+        recent = [t for t in self._finished if now - t <= RATE_WINDOW]
+        if len(recent) < 2:
+            return max(1.0, self.workers / FIRST_CALL_SECONDS)
+        return max(1.0, (len(recent) - 1) / max(recent[-1] - recent[0], 1e-3))
+
+    def _started(self) -> None:
+        with self._lock:
+            self.held += 1
+
+    def _ended(self) -> None:
+        with self._lock:
+            self.held -= 1
+            self._finished.append(time.monotonic())
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ServerPool(concurrent.futures.ThreadPoolExecutor):
+    """A gRPC server's thread pool that stops asking whether a thread is idle once all of its threads exist.
+
+    The standard pool asks at every hand-over (``_adjust_thread_count``), with a semaphore acquired with a zero
+    timeout; when none is idle (a busy server) that acquire waits on a condition for zero seconds, which lets
+    go of the GIL: the server's one polling thread paid a switch to another thread on every call it handed
+    over. Once ``max_workers`` threads run there is nothing to decide."""
+
+    def _adjust_thread_count(self) -> None:
+        if len(self._threads) < self._max_workers:
+            super()._adjust_thread_count()
+
+
+class _CountingPool(ServerPool):
+    """The one-message calls' pool (gRPC runs a handler whose behavior names it, ``experimental_thread_pool``, on
+    it): counts each call from its hand-over to its end, however it ends (a client gone while it waited too)."""
+
+    def __init__(self, admission: Admission, workers: int) -> None:
+        super().__init__(workers, thread_name_prefix="clipd-one")
+        self._admission = admission
+
+    def submit(self, fn, /, *args, **kwargs):
+        self._admission._started()
+        try:
+            return super().submit(self._counted, fn, *args, **kwargs)
+        except BaseException:
+            self._admission._ended()
+            raise
+
+    def _counted(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._admission._ended()
+
+
+def on_pool(behavior, pool: concurrent.futures.ThreadPoolExecutor):
+    """``behavior`` (a handler's function) run by gRPC on ``pool`` instead of the server's."""
+    def run(request, context):
+        return behavior(request, context)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return run

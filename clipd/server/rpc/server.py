@@ -12,9 +12,9 @@ import grpc
 
 from clipd import wire
 from clipd.server.credentials import bearer_token, same
-from clipd.server.errors import ClipdError, PermissionDenied, Unauthenticated
+from clipd.server.errors import ClipdError, PermissionDenied, ResourceExhausted, Unauthenticated
 from clipd.server.rpc.codec import lenient
-from clipd.server.rpc.limits import StreamSlots
+from clipd.server.rpc.limits import StreamSlots, on_pool
 from clipd.server.rpc.service import ClipdServicer
 from clipd.server.settings import Settings
 from clipd.v1 import clipd_pb2
@@ -25,7 +25,8 @@ OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 # Methods a submit token may call: the handler checks the token against the aggregation.
-SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", f"/{SERVICE_NAME}/GetAggregation", f"/{SERVICE_NAME}/GetPlacement")
+SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", wire.SUBMIT_ONE_METHOD, f"/{SERVICE_NAME}/GetAggregation",
+                        f"/{SERVICE_NAME}/GetPlacement")
 PENDING_CALLS = 16_384  # calls gRPC core holds for the server's loop before it drops any (server_options)
 OTHER_STREAMS = 16  # Health/Watch and reflection streams at once (beside max_streams Submit streams)
 
@@ -38,7 +39,9 @@ class Guard(grpc.ServerInterceptor):
     aggregation: a submit token may submit to its aggregation and read its spec);
     every other RPC needs the admin token: no credential is UNAUTHENTICATED, a
     submit token is PERMISSION_DENIED. Health ``Watch`` and reflection streams take one of
-    ``OTHER_STREAMS`` slots, so they can't use up the threads of anything else.
+    ``OTHER_STREAMS`` slots, so they can't use up the threads of anything else. A SubmitOne call
+    waits for its own pool's thread (``Admission``), or is refused at once with an appointment when
+    that pool's queue is full: decided here, before anything of it is read.
     """
 
     def __init__(self, admin_token: str, servicer: ClipdServicer) -> None:
@@ -56,6 +59,13 @@ class Guard(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        if method == wire.SUBMIT_ONE_METHOD:
+            admission = self._servicer.admission
+            wait = admission.retry_after()
+            if wait is not None:
+                return _refusing(handler, self._servicer, ResourceExhausted(
+                    f"{admission.held} one-message submissions are held ({admission.queue} may wait); come back"
+                    f" in {wait:.2f} s", retry_after=wait), method)
         if method.startswith(OPEN_METHODS):
             return self._limited(handler, method) if handler.response_streaming else handler
         if not self._admin_token:
@@ -114,16 +124,20 @@ def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: Cl
 
 
 def clipd_handlers(servicer) -> list[grpc.GenericRpcHandler]:
-    """The Clipd service's handlers, made from its descriptor; Submit is parsed by ``wire`` (no copies)."""
+    """The Clipd service's handlers, made from its descriptor; Submit and SubmitOne are parsed by ``wire`` (no
+    copies), and SubmitOne runs on its admission's pool."""
     service = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
     handlers = {}
     for method in service.methods:
         parse = getattr(clipd_pb2, method.input_type.name).FromString
-        if method.name == "Submit":
+        if method.name in ("Submit", "SubmitOne"):
             parse = wire.parse_submit_request
         parse = lenient(parse)  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
+        behavior = getattr(servicer, method.name)
+        if method.name == "SubmitOne":
+            behavior = on_pool(behavior, servicer.admission.pool)
         handlers[method.name] = HANDLER_KINDS[method.client_streaming, method.server_streaming](
-            getattr(servicer, method.name),
+            behavior,
             request_deserializer=parse,
             response_serializer=getattr(clipd_pb2, method.output_type.name).SerializeToString,
         )

@@ -7,7 +7,9 @@ durable acknowledgement; docs/ARCHITECTURE.md draws it hop by hop). A broken str
 :mod:`clipd.server.rpc.resume`.
 
 Abuse limits on that path: a stream takes one of ``max_streams`` slots (else
-RESOURCE_EXHAUSTED with a retry hint); a batch reserves its bytes in the one
+RESOURCE_EXHAUSTED with a retry hint); a one-message submission (SubmitOne) waits for one of
+``max_streams`` threads of its own, up to ``one_message_queue`` of them (else RESOURCE_EXHAUSTED with
+an appointment: ``limits.Admission``); a batch reserves its bytes in the one
 buffer budget of the server when its first chunk arrives; a stream that sends
 nothing for ``stream_idle_timeout`` seconds is closed (UNAVAILABLE: the client
 reconnects and resends what was not acknowledged); a message that does not
@@ -34,9 +36,9 @@ from clipd.server.lifecycle import Lifecycle
 from clipd.server.logs import event
 from clipd.server.rpc import codec
 from clipd.server.rpc.auth import Authenticator, check_id
-from clipd.server.rpc.limits import StreamSlots
+from clipd.server.rpc.limits import Admission, StreamSlots
 from clipd.server.rpc.resume import ParkedBatches
-from clipd.server.rpc.submit import SubmitSession, stream_owner
+from clipd.server.rpc.submit import SubmitSession, stream_owner, submit_one
 from clipd.server.settings import Settings
 from clipd.server.summing.memory import ByteBudget
 from clipd.v1 import clipd_pb2 as pb
@@ -72,6 +74,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.auth = Authenticator(settings.admin_token, self.registry, submit_tokens, bool(settings.tls_client_ca_file))
         self.budget = ByteBudget(settings.max_buffered_bytes or self._memory_left)
         self.stream_slots = StreamSlots(settings.max_streams, "Submit stream")
+        self.admission = Admission(settings.max_streams, settings.one_message_queue)  # SubmitOne's own pool
         self.rejections: dict[str, int] = {}  # gRPC status name -> count
         self.payload_bytes = 0  # tensor bytes of the batches that Submit streams delivered to this process
         self._lock = threading.Lock()
@@ -131,7 +134,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
                               policy=codec.policy_to_proto(aggregation.policy, aggregation.reject_non_finite),
                               state=codec.STATES[aggregation.state], layer_bounds=aggregation.accumulator.bounds,
                               privacy=codec.privacy_to_proto(aggregation.privacy) if aggregation.privacy else None,
-                              unit=wire.UNITS[aggregation.unit.value], client_ids=aggregation.client_ids)
+                              unit=wire.UNITS[aggregation.unit.value], client_ids=aggregation.client_ids,
+                              placement=self._placement(aggregation))
 
     @_status_on_error
     def ListAggregations(self, request, context) -> pb.ListAggregationsResponse:
@@ -181,6 +185,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             planned_ledger_epsilon=aggregation.planned_epsilon,
             unit=wire.UNITS[aggregation.unit.value],
             client_ids=aggregation.client_ids,
+            placement=self._placement(aggregation),
         )
 
     @_status_on_error
@@ -205,6 +210,9 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         """Where each shard is summed (the admin, or a holder of the aggregation's submit token)."""
         aggregation = self.check_submitter(bearer_token(context.invocation_metadata()), request.aggregation_id,
                                            "submit to")
+        return self._placement(aggregation)
+
+    def _placement(self, aggregation: Aggregation) -> pb.Placement:
         endpoints = self.lifecycle.shards.endpoints()
         return pb.Placement(aggregation_id=aggregation.id, shards=aggregation.shards,
                             endpoints=[endpoints[k % len(endpoints)] for k in range(aggregation.shards)]
@@ -225,6 +233,12 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             yield from session.acknowledgements(context)
         finally:
             self.stream_slots.release(owner, session)
+
+    @_status_on_error
+    def SubmitOne(self, request, context) -> pb.SubmitResponse:
+        """One whole batch in one message (:func:`submit_one`), on the admission's pool (``Guard``)."""
+        return submit_one(self, request, bearer_token(context.invocation_metadata()),
+                          self.auth.certified_client(context), context)
 
     def check_submitter(self, token: str | None, aggregation_id: str, action: str) -> Aggregation:
         """The aggregation, if ``token`` may submit to it (:meth:`Authenticator.authorize`)."""

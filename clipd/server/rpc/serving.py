@@ -11,7 +11,6 @@ port, with TLS when the settings have a certificate.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -22,6 +21,7 @@ from clipd.server.aggregations import Registry
 from clipd.server.credentials import SubmitTokens
 from clipd.server.lifecycle import Lifecycle, Shards
 from clipd.server.privacy import Ledgers
+from clipd.server.rpc.limits import ServerPool
 from clipd.server.rpc.reflection import enable_reflection
 from clipd.server.rpc.server import OTHER_STREAMS, SERVICE_NAME, Guard, server_options
 from clipd.server.rpc.service import ClipdServicer
@@ -83,8 +83,8 @@ def serving_process(settings: Settings, store: Store, registry, make_shards: Cal
     servicer = ClipdServicer(settings, lifecycle, SubmitTokens(store.submit_token_key()))
     guard = Guard(admin_token, servicer)
     server = grpc.server(
-        concurrent.futures.ThreadPoolExecutor(max_workers=settings.max_streams + OTHER_STREAMS + settings.unary_workers,
-                                              thread_name_prefix=f"clipd-grpc-{role}"),
+        ServerPool(max_workers=settings.max_streams + OTHER_STREAMS + settings.unary_workers,
+                   thread_name_prefix=f"clipd-grpc-{role}"),
         options=list(options if options is not None else server_options(settings)), interceptors=[guard])
     server.add_generic_rpc_handlers(tuple(handlers(servicer)))
     checks = health.HealthServicer()

@@ -1,4 +1,5 @@
-"""One Submit stream on the server: its reader thread takes batches in, its response side acknowledges them.
+"""One Submit stream on the server: its reader thread takes batches in, its response side acknowledges them; and
+a one-message submission (SubmitOne, :func:`submit_one`): the same path for a batch that fits in one message.
 
 Request path of a batch: the stream's reader (``SubmitSession.read``) -> ``BatchAssembler.add`` (chunks checked and
 reassembled) -> ``Lifecycle.submit`` (finite? under policy REJECT; ``Aggregation.accept``: sequence numbers,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import threading
 import time
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -19,7 +21,7 @@ import grpc
 from clipd import wire
 from clipd.engine import Unit
 from clipd.server.aggregations import Aggregation, State
-from clipd.server.errors import ClipdError, FailedPrecondition, InvalidArgument, Unavailable
+from clipd.server.errors import Behind, ClipdError, FailedPrecondition, InvalidArgument, Unavailable
 from clipd.server.rpc import codec
 from clipd.server.rpc.batches import BatchAssembler
 from clipd.v1 import clipd_pb2 as pb
@@ -318,3 +320,79 @@ class SubmitSession:
 
 
 _GONE = Exception("the client went away")  # (a sentinel: nothing is sent to a client that is gone)
+
+
+def submit_one(servicer: Any, message, token: str | None, certified: str | None, context) -> pb.SubmitResponse:
+    """SubmitOne: one whole batch in one message, taken in as a stream's batch is and answered once it is durable.
+
+    The same checks, in the same order, as a stream's first message and batch (who may submit, the client's
+    identity and participation, the sequence number); the same hand-over (``BatchAssembler.add`` ->
+    ``Lifecycle.submit``) and the same acknowledgement (its client's durable sequence: the checkpoint that makes
+    it durable is shared by every batch that arrived since the last). No hello: a batch numbered at or below what
+    the client has is a duplicate if this writer sent it last (answered once durable), else ``Behind``.
+    """
+    if isinstance(message, codec.Malformed):
+        raise InvalidArgument(f"malformed SubmitRequest: {message.reason}")
+    settings = servicer.settings
+    aggregation = servicer.check_submitter(token, message.aggregation_id, "submit to")
+    client = servicer.auth.client_identity(token, certified, aggregation, message.client_id)
+    if aggregation.unit is Unit.CLIENT and wire.SPREAD_MARK in client:
+        raise InvalidArgument(f"client_id {client!r}: under unit client a client contributes one batch, so"
+                              " its submission is not spread over streams (send it as one client)")
+    sequence, writer = message.sequence, message.writer_id
+    if sequence < 1:
+        raise InvalidArgument(f"sequence must be >= 1, got {sequence} (SubmitOne carries a whole batch: no hello)")
+    servicer.lifecycle.check_participation(aggregation, client)
+    aggregation.check_contribution(client, sequence)
+    durable, accepted, last_writer = aggregation.attach(client, writer)
+    try:
+        if sequence <= accepted and not (sequence == accepted and last_writer == writer):
+            raise Behind(f"client {client!r} has batches up to {accepted} (another submission's): number this one"
+                         f" {accepted + 1}", accepted)
+        if sequence > durable:
+            assembler = BatchAssembler(aggregation.layers, settings.max_batch_bytes, servicer.budget,
+                                       settings.buffer_wait, large_bytes=settings.max_message_bytes,
+                                       warmed=aggregation.wait_warmed)
+            try:
+                batch = assembler.add(sequence, message.chunks)
+                if batch is None:
+                    raise InvalidArgument(f"batch {sequence}: SubmitOne takes a whole batch in one message (a larger"
+                                          " one goes on a Submit stream)")
+            finally:
+                assembler.discard()  # (a batch that was not whole: its reservation given back)
+            del message  # a zero-copy batch keeps its message alive: nothing else may
+            servicer.payload_bytes += batch.nbytes
+            servicer.lifecycle.submit(aggregation, client, writer, batch)
+            del batch
+            durable = _durable_after(aggregation, client, sequence, context)
+    finally:
+        aggregation.detach(client, writer)
+    return pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=max(accepted, sequence),
+                             aggregation_examples=aggregation.examples, client_id=client)
+
+
+def _durable_after(aggregation: Aggregation, client: str, sequence: int, context) -> int:
+    """Waits until ``client``'s batch ``sequence`` is durable: its durable sequence then. The aggregation wakes
+    this call alone (a listener of its client); it gives up when the caller is gone or the aggregation ended."""
+    woken = threading.Event()
+
+    def listener(durable: int | None) -> None:  # (called under the aggregation's lock: it must not block)
+        woken.set()
+
+    aggregation.listen(client, listener)
+    try:
+        while True:
+            durable = aggregation.durable(client)
+            if durable >= sequence:
+                return durable
+            state = aggregation.state
+            if state is State.CANCELLED:
+                raise FailedPrecondition(f"aggregation {aggregation.id} was cancelled")
+            if state is State.FAILED:
+                raise FailedPrecondition(f"aggregation {aggregation.id} failed: {aggregation.failure_reason}")
+            if not context.is_active():
+                raise Unavailable("the client went away before its batch was durable")
+            woken.wait(PROGRESS_PERIOD)
+            woken.clear()
+    finally:
+        aggregation.unlisten(client, listener)

@@ -49,17 +49,20 @@ def _timeout(context) -> float | None:
     return None if remaining is None or remaining > 1e6 else max(0.001, remaining)
 
 
-def passing_through(channel: grpc.Channel, index: int, submit=None, placement=None) -> grpc.GenericRpcHandler:
+def passing_through(channel: grpc.Channel, index: int, submit=None, placement=None,
+                    submit_one=None) -> grpc.GenericRpcHandler:
     """The Clipd service, every call passed through to ``channel`` with its metadata and ``index`` added.
 
     ``submit``: Submit's own handler (raw bytes in and out) instead of passing it through too;
-    ``placement``: GetPlacement's own handler (bytes in and out), likewise.
+    ``placement``: GetPlacement's own handler (bytes in and out), likewise; ``submit_one``: SubmitOne's.
     """
     handlers = {}
     for method in SERVICE.methods:
         path = f"/{SERVICE.full_name}/{method.name}"
         if method.name == "GetPlacement" and placement is not None:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(placement)
+        elif method.name == "SubmitOne" and submit_one is not None:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(submit_one)
         elif method.name == "Submit":
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 submit or _pass(channel.stream_stream(path), index, streaming_in=True))
@@ -71,10 +74,12 @@ def passing_through(channel: grpc.Channel, index: int, submit=None, placement=No
     return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
-def _pass_unary(call, index: int):
+def _pass_unary(call, index: int, vouch=None):
+    """A unary call passed on; ``vouch``: see :func:`_forwarded_metadata`."""
     def forward(request: bytes, context):
         try:
-            future = call.future(request, metadata=_forwarded_metadata(context, index), timeout=_timeout(context))
+            future = call.future(request, metadata=_forwarded_metadata(context, index, vouch),
+                                 timeout=_timeout(context))
             context.add_callback(future.cancel)
             return future.result()
         except grpc.RpcError as e:

@@ -41,7 +41,6 @@ this point) and merges the final checkpoints it reads back from the store.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -60,6 +59,7 @@ from clipd.server.credentials import bearer_token
 from clipd.server.errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.internal.v1 import shard_host_pb2_grpc as host_grpc
+from clipd.server.rpc.limits import ServerPool, on_pool
 from clipd.server.rpc.submit import stream_owner
 from clipd.server.settings import Settings
 from clipd.server.shards.forward import _pass, _pass_unary, passing_through
@@ -201,7 +201,9 @@ class ShardHost:
             lambda: Devices(store, settings.checkpoint_interval, settings.checkpoint_max_duty, settings.warmup_timeout,
                             process=(index, self.count)), admin_token="",
             handlers=lambda servicer: [passing_through(self.control, index, submit=self._submit,
-                                                       placement=self._get_placement)],
+                                                       placement=self._get_placement,
+                                                       submit_one=on_pool(self._submit_one,
+                                                                          servicer.admission.pool))],
             role="shard", options=[*[(k, v) for k, v in server_options(settings)
                                                 if k != "grpc.so_reuseport"], ("grpc.so_reuseport", 1)])
         self.serving.set_serving(False)  # until the control process says every shard process is up
@@ -210,6 +212,7 @@ class ShardHost:
         self.servicer, self.public = self.serving.servicer, self.serving.grpc
         self.servicer.prepare_receive_buffers(self.devices)
         self._to_sibling: dict = {}
+        self._one_to_sibling: dict = {}
         if private_dir is not None:
             self.set_siblings({i: f"unix:{socket_path(private_dir, i)}" for i in range(self.count) if i != index})
         # (Its own port is bound with SO_REUSEPORT too, the server's option: a port 0 would then let the kernel hand
@@ -223,20 +226,25 @@ class ShardHost:
             return
         # The private socket: Submit forwarded by the other shard processes, and the control's calls.
         workers = settings.max_streams + OTHER_STREAMS + settings.unary_workers
-        self.private = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="clipd-shard-in"),
+        self.private = grpc.server(ServerPool(workers, thread_name_prefix="clipd-shard-in"),
                                    options=server_options(settings))
         self.private.add_generic_rpc_handlers((
             grpc.method_handlers_generic_handler(SERVICE.full_name, {
-                "Submit": grpc.stream_stream_rpc_method_handler(self._submit)}),))
+                "Submit": grpc.stream_stream_rpc_method_handler(self._submit),
+                "SubmitOne": grpc.unary_unary_rpc_method_handler(
+                    on_pool(self._submit_one, self.servicer.admission.pool))}),))
         host_grpc.add_ShardHostServicer_to_server(_ShardHostService(self), self.private)
         self.private.add_insecure_port(f"unix:{socket_path(private_dir, index)}")
 
     def set_siblings(self, targets: dict[int, str]) -> None:
         """Where the other shard processes take the Submit streams this one forwards to them."""
+        vouch = self.servicer.auth.client_tokens.vouch
+        channels = {i: peer_channel(self.settings, t, self._options) for i, t in targets.items()}
         self._to_sibling = {
-            i: _pass(peer_channel(self.settings, t, self._options).stream_stream(f"/{SERVICE.full_name}/Submit"),
-                     self.index, streaming_in=True, vouch=self.servicer.auth.client_tokens.vouch)
-            for i, t in targets.items()}
+            i: _pass(channel.stream_stream(f"/{SERVICE.full_name}/Submit"), self.index, streaming_in=True, vouch=vouch)
+            for i, channel in channels.items()}
+        self._one_to_sibling = {i: _pass_unary(channel.unary_unary(wire.SUBMIT_ONE_METHOD), self.index, vouch=vouch)
+                                for i, channel in channels.items()}
 
     # Opening an aggregation ------------------------------------------------------------------------
     def _open_from_store(self, aggregation_id: str) -> Aggregation:
@@ -265,15 +273,25 @@ class ShardHost:
     # Submit: here, or on to the process that owns the shard ----------------------------------------
     def _owner(self, message, token: str | None, context) -> int:
         """The process that sums the stream's shard (this one when that can't be known, or the caller may not
-        submit: it refuses, as one process does). Read from the store's record once: nothing is opened for
-        routing, and a caller who may not submit costs no search for what its token is."""
+        submit: it refuses, as one process does). From the aggregation if it is open here, else from the store's
+        record: nothing is opened for routing, and a caller who may not submit costs no search for what its
+        token is."""
         if isinstance(message, self._malformed) or not message.aggregation_id:
             return self.index
-        record = self.store.get(message.aggregation_id)
-        if record is None or not self.servicer.auth.may_submit(token, record.aggregation_id, record_scope(record)):
+        aggregation_id = message.aggregation_id
+        scope, shards = Registry.scope(self.registry, aggregation_id), None
+        if scope is not None:  # open here (a one-message round asks once a client: no store read)
+            with contextlib.suppress(NotFound):
+                shards = Registry.get(self.registry, aggregation_id).shards
+        if scope is None or shards is None:
+            record = self.store.get(aggregation_id)
+            if record is None:
+                return self.index
+            scope, shards = record_scope(record), AggregationSpec.from_json(record.spec).shards
+        if not self.servicer.auth.may_submit(token, aggregation_id, scope):
             return self.index
         client = message.client_id or self.servicer.auth.credential_client_id(token, context) or ""
-        return owner_of(wire.shard_of(client, AggregationSpec.from_json(record.spec).shards), self.count)
+        return owner_of(wire.shard_of(client, shards), self.count)
 
     def _submit(self, raw_requests, context):
         token = bearer_token(context.invocation_metadata())
@@ -313,6 +331,23 @@ class ShardHost:
             yield from forward(itertools.chain([first], raw_requests), context)
         finally:
             self.servicer.stream_slots.release(owner_key)
+
+    def _submit_one(self, raw: bytes, context) -> bytes:
+        """SubmitOne: summed here if this process owns the client's shard, else passed on to the one that does
+        (one hop over the private socket, bytes as they came)."""
+        token = bearer_token(context.invocation_metadata())
+        message = self._parse(raw)
+        owner = self._owner(message, token, context)
+        if owner == self.index:
+            del raw
+            return self.servicer.SubmitOne(message, context).SerializeToString()
+        del message
+        forward = self._one_to_sibling.get(owner)
+        if forward is None:  # a Ray host that has not heard of its siblings yet (it just restarted)
+            self.servicer.refuse(context, Unavailable(f"shard process {owner} is not reachable yet; retry"),
+                                 "SubmitOne")
+            raise AssertionError("refuse aborts the call")
+        return forward(raw, context)
 
     # The control process's calls -------------------------------------------------------------------
     def handle(self, name: str, request):
@@ -450,7 +485,10 @@ def main() -> None:
     """
     orders = json.loads(sys.stdin.readline())
     settings = Settings(**orders["settings"])
+    from clipd import _process
     from clipd.server import logs
+
+    _process.name_threads()  # (as clipd serve's: top -H shows which thread is busy)
 
     logs.configure(settings.log_level, settings.log_format)
     parent = os.getppid()

@@ -106,20 +106,23 @@ class ByteBudget:
         return self._limit() if callable(self._limit) else self._limit
 
     def reserve(self, nbytes: int, wait: float) -> Reservation:
-        if nbytes > self.limit:
-            raise ResourceExhausted(f"a batch of {nbytes} bytes exceeds the buffer of {self.limit} bytes;"
+        limit = self.limit  # (a derived limit is computed once a try: it sums the open aggregations)
+        if nbytes > limit:
+            raise ResourceExhausted(f"a batch of {nbytes} bytes exceeds the buffer of {limit} bytes;"
                                     " send smaller batches")
         deadline = time.monotonic() + wait
         with self._cond:
-            self._shrink_pool_locked(self.limit - self.used - nbytes, keep=nbytes)
-            while self.used + nbytes > self.limit:
+            if self._pool:
+                self._shrink_pool_locked(limit - self.used - nbytes, keep=nbytes)
+            while self.used + nbytes > limit:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.refused += 1
                     raise ResourceExhausted(
-                        f"a batch of {nbytes} bytes does not fit: {self.used} of {self.limit} bytes are"
+                        f"a batch of {nbytes} bytes does not fit: {self.used} of {limit} bytes are"
                         " buffered for other batches; retry later", retry_after=1.0)
                 self._cond.wait(left)
+                limit = self.limit
             self.used += nbytes
         return Reservation(self, nbytes)
 
@@ -131,7 +134,8 @@ class ByteBudget:
             for array in buffers:
                 self._pool.setdefault(array.nbytes, []).append((now, array))
                 self.pooled += array.nbytes
-            self._shrink_pool_locked(self.limit - self.used)
+            if self._pool:
+                self._shrink_pool_locked(self.limit - self.used)
             self._cond.notify_all()
 
     def prepare(self, sizes: Sequence[int], count: int) -> int:
