@@ -174,11 +174,18 @@ def test_stalled_streams_of_one_credential_never_refuse_a_client_with_another():
 
         updates = np.random.default_rng(1).standard_normal((24, WIDTH)).astype(np.float32)
         started = time.monotonic()
-        with Client(target, token=honest_token, retry_timeout=10) as client:
+        with Client(target, token=honest_token, retry_timeout=10, one_message=False) as client:  # a stream
             report = client.submit(honest, [{"w": updates[i : i + 8]} for i in range(0, 24, 8)], client_id="honest")
         took = time.monotonic() - started
         assert report.examples == 24 and report.reconnects == 0 and took < 5.0, (report, took)
         assert server.servicer.stream_slots.evicted >= 1
+        # A one-message submission takes no stream slot at all: the flood never holds it up.
+        evicted = server.servicer.stream_slots.evicted
+        with Client(target, token=honest_token, retry_timeout=10) as client:
+            extra = np.random.default_rng(2).standard_normal((1, WIDTH)).astype(np.float32)
+            report = client.submit(honest, {"w": extra}, client_id="honest-2")
+        assert report.examples == 1 and report.reconnects == 0 and server.servicer.stream_slots.evicted == evicted
+        updates = np.concatenate([updates, extra])
         wait_until(lambda: grpc.StatusCode.UNAVAILABLE in held.codes, 5, "the evicted stream's UNAVAILABLE (reconnect)",
                    step=0.05)
         with Client(target, token="admin-secret") as admin:

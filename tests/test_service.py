@@ -29,6 +29,15 @@ from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 
+@pytest.fixture(params=["one message", "stream"])
+def client(server, request):
+    """The conftest's client, twice: a submission that fits one message goes as one SubmitOne call, or always on a
+    Submit stream (``one_message=False``): every contract below holds on both paths."""
+    with Client(f"127.0.0.1:{server.port}", message_bytes=64 << 10, max_message_bytes=4 << 20,
+                one_message=request.param == "one message") as client:
+        yield client
+
+
 @pytest.mark.parametrize(
     "policy,clip,layer_clips",
     [

@@ -403,11 +403,16 @@ class Client:
             return self._stream(stream, progress)
         batches = rebatch(iter_updates(updates, layers), example_nbytes(layers, wire_dtype), self.message_bytes)
         if self.one_message and not progress:
-            head = list(itertools.islice(batches, 2))
-            if len(head) == 1:
-                report = self._one_message(aggregation_id, client_id, head[0], wire_dtype)
-                if report is not None:
-                    return report
+            head: list[list[np.ndarray]] = []
+            try:
+                head.extend(itertools.islice(batches, 2))
+            except Exception as e:  # a bad update: reported by the stream, after the good ones before it
+                batches = _raising(e)
+            else:
+                if len(head) == 1:
+                    report = self._one_message(aggregation_id, client_id, head[0], wire_dtype)
+                    if report is not None:
+                        return report
             batches = itertools.chain(head, batches)
         streams = (spread if spread is not None else self.placement(aggregation_id).shards) if client_id else 1
         if streams < 1:
@@ -700,6 +705,12 @@ def _submit_call(channel: grpc.Channel):
     """Submit on ``channel``, sending messages the client serialized itself (clipd.wire): one copy of the data."""
     return channel.stream_stream(wire.SUBMIT_METHOD, request_serializer=None,
                                  response_deserializer=pb.SubmitResponse.FromString)
+
+
+def _raising(error: Exception) -> Iterator[list[np.ndarray]]:
+    """A source of batches whose next one is ``error``."""
+    raise error
+    yield  # (a generator)
 
 
 def _submit_one_call(channel: grpc.Channel):

@@ -26,16 +26,19 @@ def checkpoint_due_at(key: tuple[Aggregation, int], slot, now: float, queued) ->
     """When the shard's next checkpoint may start (None: nothing to write, or it is being written).
 
     Every ``checkpoint_interval``, spaced so that writing takes at most ``checkpoint_max_duty`` of the
-    time; at once when the batches waiting for it hold at least half the bytes it writes (whole updates
-    of a large model: spacing those would only delay their acknowledgements, which their clients wait
-    for) and no batch of the shard is queued (summed first: one checkpoint for both), or, while a stream
-    is receiving a batch of the shard, once that had as long as the last checkpoint took to write
-    (waiting less than a checkpoint takes costs this one less than a second checkpoint costs that one).
+    time. Where that duty cycle is what spaces them (a large model, whose checkpoint takes long), at once
+    when the batches waiting for it hold at least half the bytes it writes (whole updates: spacing those
+    would only delay their acknowledgements, which their clients wait for) and no batch of the shard is
+    queued (summed first: one checkpoint for both), or, while a stream is receiving a batch of the shard,
+    once that had as long as the last checkpoint took to write (waiting less than a checkpoint takes costs
+    this one less than a second checkpoint costs that one). A small model's checkpoints keep the interval
+    whatever they hold: a round of thousands of one-example clients shares one every interval, instead of
+    one a step.
     """
     if not slot.dirty or slot.committing or key in queued:
         return None
     aggregation, shard = key
-    if 2 * slot.unsaved_bytes < aggregation.parameters * 8:
+    if 2 * slot.unsaved_bytes < aggregation.parameters * 8 or not slot.spaced_by_duty:
         return slot.checkpoint_due
     if slot.full_since is None:
         slot.full_since = now

@@ -526,6 +526,7 @@ class DeviceWorker:
             if slot is not None and final is None:
                 slot.committing = False
                 slot.checkpoint_due = started + max(self.checkpoint_interval, took / self.checkpoint_max_duty)
+                slot.spaced_by_duty = took / self.checkpoint_max_duty > self.checkpoint_interval
                 slot.last_commit_seconds = took
             self._recheck = True
             self._cond.notify_all()
