@@ -36,6 +36,8 @@ Run::
     python benchmarks/round.py                        # 2,000 clients, 2 shard processes
     python benchmarks/round.py --clients 200 --client-processes 2 --repeats 1   # a quick one
     python benchmarks/round.py --sinks                # bare sync vs grpc.aio sinks, same clients
+    python benchmarks/round.py --clients 5000 --update-kib 16          # many small updates
+    python benchmarks/round.py --clients 1000 --store memory --processes 0    # clipd serve alone, no shards
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import time
 import numpy as np
 from scale import stop_process  # benchmarks/scale.py (benchmarks/ is this script's directory)
 
-WIDTH = 65_536  # float32: 256 KiB an update
+WIDTH = int(os.environ.get("CLIPD_ROUND_WIDTH", 65_536))  # float32: 256 KiB an update (--update-kib sets it)
 CLIP = 1.0
 
 
@@ -283,15 +285,16 @@ def _cpu_by_part(pid: int) -> dict[str, float]:
     """CPU seconds so far of ``clipd serve`` (pid) and its shard processes, by part: ``gRPC`` (the runtime's
     threads and the server's loop), ``handlers`` (the RPCs' threads: session, parsing, waiting for durability),
     ``summing`` (the device worker, XLA's threads), ``durability`` (the committer), ``control`` (the control
-    process, whole), ``other`` (the rest, threads that ended included)."""
+    process of shard processes, whole), ``other`` (the rest, threads that ended included)."""
     parts = dict.fromkeys(PART_NAMES, 0.0)
     children: list[int] = []
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/children") as f:
                 children += [int(p) for p in f.read().split()]
-    parts["control"] = _server_cpu(pid) - sum(_process_cpu(c) for c in children)
-    for child in children:
+    if children:  # the control process holds no payload: counted whole
+        parts["control"] = _server_cpu(pid) - sum(_process_cpu(c) for c in children)
+    for child in children or [pid]:  # (no shard processes: clipd serve sums itself, split by thread)
         live = 0.0
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{child}/task"):
@@ -323,13 +326,15 @@ def _reference(seeds: list[int]) -> np.ndarray:
     return total
 
 
-def measure(mode: str, processes: int, clients: int, client_processes: int, workdir: str, repeat: int):
+def measure(mode: str, processes: int, clients: int, client_processes: int, workdir: str, repeat: int,
+            store: str = "durable"):
     from clipd.client import Client
 
     port = _free_port()
+    data_dir = os.path.join(workdir, f"data-{port}") if store == "durable" else "memory"
     server = subprocess.Popen(
         [sys.executable, "-m", "clipd", "serve", "--grpc-port", str(port), "--admin-port", "-1", "--data-dir",
-         os.path.join(workdir, f"data-{port}"), "--processes", str(processes), "--compilation-cache-dir",
+         data_dir, "--processes", str(processes), "--compilation-cache-dir",
          os.path.join(workdir, "jax-cache"), "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
     try:
         if "serving" not in server.stdout.readline():
@@ -390,12 +395,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=2000)
     parser.add_argument("--client-processes", type=int, default=8)
-    parser.add_argument("--processes", type=int, default=2, help="shard processes of clipd serve (or sinks)")
+    parser.add_argument("--processes", type=int, default=2,
+                        help="shard processes of clipd serve (0: none, it sums itself), or sinks")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sinks", action="store_true", help="bare sync and grpc.aio sinks instead of clipd")
+    parser.add_argument("--update-kib", type=int, default=256, help="KiB of one client's update (float32)")
+    parser.add_argument("--store", choices=("durable", "memory"), default="durable",
+                        help="clipd's store: a data directory (SQLite), or memory (one process: --processes 0)")
     args = parser.parse_args()
+    if args.store == "memory" and args.processes:
+        parser.error("--store memory runs one process: add --processes 0 (shard processes share a durable store)")
+    global WIDTH
+    WIDTH = args.update_kib * 256
+    os.environ["CLIPD_ROUND_WIDTH"] = str(WIDTH)  # (the client processes are spawned: they read it at import)
     gb = args.clients * WIDTH * 4 / 1e9
-    what = f"bare sinks x {args.processes}" if args.sinks else f"clipd serve --processes {args.processes}"
+    what = f"bare sinks x {args.processes}" if args.sinks else \
+        f"clipd serve --processes {args.processes}, {args.store} store"
     print(f"round benchmark: {args.clients} clients x one update of {WIDTH * 4:,} B = {gb:.3f} GB; {what};"
           f" {args.repeats} repeats, medians")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
@@ -420,7 +435,7 @@ def main() -> None:
     try:
         for repeat in range(args.repeats):
             for mode in (("round", "8 clients") if repeat % 2 == 0 else ("8 clients", "round")):
-                run = measure(mode, args.processes, args.clients, args.client_processes, workdir, repeat)
+                run = measure(mode, args.processes, args.clients, args.client_processes, workdir, repeat, args.store)
                 runs[mode].append(run)
                 print(f"  repeat {repeat + 1}: {mode:>9}: {run[0]:.2f} s, server CPU {run[5]:.2f} s ({run[6]:.2f} s from the start), errors {run[1]},"
                       f" reconnects {run[2]}, exact {run[3]} {run[4][:1]}", flush=True)

@@ -147,10 +147,18 @@ def test_round_benchmark_small_round_is_exact_without_errors(smoke_runs):
     lines = out.stdout.strip().splitlines()
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and "wall" not in line}
     assert set(rows) == {"round", "8 clients"}, out.stdout
-    match = re.fullmatch(r"round: clients=100 exact=True errors=0 throughput_ratio=(\d+\.\d{3})", lines[-1])
+    match = re.fullmatch(r"round: clients=100 exact=True errors=0 throughput_ratio=(\d+\.\d{3})"
+                         r" retries_per_client=(\d+\.\d{3}) server_ms_per_client=(\d+\.\d{2})", lines[-1])
     assert match, out.stdout
     expected = float(rows["round"][1]) / float(rows["8 clients"][1])
     assert abs(float(match[1]) - expected) <= 0.02 * expected + 0.002, out.stdout
+    assert float(match[2]) == int(rows["round"][5]) / 100 and float(match[3]) == float(rows["round"][3]), out.stdout
+    # The server's CPU from the start, split by the part of it that spent it, adds up to the whole.
+    split = next(line for line in lines if line.strip().startswith("round ") and "gRPC" in line).split()[1:]
+    parts = dict(zip(split[::2], map(float, split[1::2])))
+    assert set(parts) == {"gRPC", "handlers", "summing", "durability", "control", "other"}, out.stdout
+    # (whole processes are counted in 10 ms ticks, threads in ns: three processes' ticks over 100 clients, 0.3 ms)
+    assert abs(sum(parts.values()) - float(match[3])) <= 0.4 + 0.02 * float(match[3]), out.stdout
 
 
 def test_round_benchmark_compares_bare_sync_and_aio_sinks(smoke_runs):
@@ -160,7 +168,7 @@ def test_round_benchmark_compares_bare_sync_and_aio_sinks(smoke_runs):
     lines = out.stdout.strip().splitlines()
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in lines if "|" in line and "wall" not in line}
     assert set(rows) == {"sync round", "sync 8 clients", "aio round", "aio 8 clients"}, out.stdout
-    assert all(row[3].strip() == "0" and row[5].strip() == "True" for row in rows.values()), out.stdout  # no errors
+    assert all(row[4].strip() == "0" and row[6].strip() == "True" for row in rows.values()), out.stdout  # no errors
     rate = {mode: float(row[1]) for mode, row in rows.items()}  # GB/s, printed to 1 MB/s: under 1% off at 0.1 GB/s
     match = re.fullmatch(r"sinks: clients=40 sync_round_ratio=(\d+\.\d{3}) aio_round_ratio=(\d+\.\d{3})"
                          r" aio_over_sync_round=(\d+\.\d{3})", lines[-1])
