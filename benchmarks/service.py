@@ -98,11 +98,10 @@ over two rounds of one stream per server, the servers' order alternating;
 count checked. Acknowledgements under load (during the throughput runs) are
 not timed here: ``Client.submit`` only returns the total.
 
-The run needs glibc's malloc kept from returning big buffers to the OS and
-single-threaded OpenBLAS (see shared/DESIGN.md, "Measured on these machines"):
-the script re-executes itself with ``MALLOC_MMAP_THRESHOLD_=33554432``,
-``MALLOC_TRIM_THRESHOLD_=1073741824`` and ``OPENBLAS_NUM_THREADS=1`` when they
-are not already set to those values. It uses the sync gRPC API throughout.
+The process tunes itself as ``clipd serve`` does at start-up, nothing more
+(``clipd._process.tune``: glibc's mmap threshold, single-threaded OpenBLAS; an
+environment that sets them wins), so the servers here run as a user's do. It
+uses the sync gRPC API throughout.
 
 The last two lines are machine-readable:
 ``durable_vs_memory_ratio=<x>``: the smaller of the small/batched and large
@@ -121,23 +120,14 @@ from __future__ import annotations
 import os
 import sys
 
-# Must be in the environment before the process starts (glibc reads them at start-up).
-REQUIRED_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "33554432",
-    "MALLOC_TRIM_THRESHOLD_": "1073741824",
-    "OPENBLAS_NUM_THREADS": "1",
-}
-_REEXEC_MARK = "CLIPD_SERVICE_BENCH_REEXEC"
+from clipd import _process  # (the standard library only: numpy is not loaded yet)
 
-if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in REQUIRED_ENV.items()):
-    if os.environ.get(_REEXEC_MARK):
-        sys.exit("benchmarks/service.py: could not set " + ", ".join(REQUIRED_ENV) + " by re-executing")
-    _env = {**os.environ, **REQUIRED_ENV, _REEXEC_MARK: "1"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], _env)
+if __name__ == "__main__":  # as `clipd serve` sets itself up at start-up (before numpy loads): clipd/_process.py
+    _process.tune()
+    _process.name_threads()
+TUNED = tuple(_process.SETTINGS)  # what the environment line shows
 
-import argparse  # noqa: E402  (after the re-exec on purpose: nothing heavy is loaded twice)
+import argparse  # noqa: E402  (after the tuning on purpose: OpenBLAS reads its variable as numpy loads)
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import inspect  # noqa: E402
@@ -594,7 +584,7 @@ def print_environment(settings: dict[str, Settings], cases: Sequence[Case], repe
     print(f"jax device: {device.platform} / {device.device_kind} ({jax.device_count()} device(s)); "
           f"python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
           f"grpcio {grpc.__version__}, protobuf {api_implementation.Type()}, numpy {np.__version__}")
-    print("environment: " + ", ".join(f"{k}={os.environ.get(k, '')}" for k in (*REQUIRED_ENV, "XLA_FLAGS")))
+    print("environment: " + ", ".join(f"{k}={os.environ.get(k, '')}" for k in (*TUNED, "XLA_FLAGS")))
     durable_dir = settings["durable"].data_dir
     same = {k: v for k, v in dataclasses.asdict(settings["durable"]).items() if k != "data_dir"}
     print(f"servers: {'one child process' if server_process else 'this process'}; sync gRPC API; "
