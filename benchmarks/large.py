@@ -19,13 +19,14 @@ The large rows run against the server's memory store (``--data-dir memory``) and
 store (a fresh temporary directory: SQLite plus checkpoint files, fsynced); the 1 MiB row
 against the memory store (``--small-durable`` adds it on the durable store too). Each row's
 server is started with ``--max-parameters P`` (room for the model) and otherwise its defaults;
-``--server-arg`` (repeatable) appends flags to its command line. The server's environment gets
-``MALLOC_MMAP_THRESHOLD_=33554432``, ``MALLOC_TRIM_THRESHOLD_=1073741824`` and
-``OPENBLAS_NUM_THREADS=1`` (as the Dockerfile and benchmarks/service.py set them) unless the
-environment already sets them.
+``--server-arg`` (repeatable) appends flags to its command line. It is a plain ``clipd serve``:
+this process's environment as it is (clipd serve tunes its allocator and BLAS threads itself).
 
-The clock runs from the first submit (the threads are released at once) to the last
-acknowledgement (the last ``submit`` returning); the Finalize (called right after) is timed on its
+The clock (column ``clock``) of a ``create`` row runs from the aggregation's creation, the clients
+sending at once (as a user's round goes: each client reads the layers, then submits, while the
+aggregation may still be warming up), to the last acknowledgement (the last ``submit`` returning);
+an ``open`` row (large, memory store) waits for the aggregation to be OPEN and its clients to have
+read the layers, then runs from the first submit. The Finalize (called right after) is timed on its
 own. Computing the update buffers of the second clients (and the 1 MiB examples)
 is inside the clock, the same bytes multiplied in both kinds of rows. The server's memory is its
 process tree's (``clipd serve`` and all its descendants) VmRSS summed, sampled every 25 ms by a
@@ -33,9 +34,9 @@ thread from ``/proc/<pid>/status``; the idle RSS is measured once the server has
 the aggregation is created (so the peak counts its sums: 12 bytes a parameter, 3 updates' worth),
 and the peak is sampled until the Finalize has returned.
 
-Columns: case, store, params (P), examples (all clients', as the finalized aggregation counts
+Columns: case, store, clock, params (P), examples (all clients', as the finalized aggregation counts
 them), clipped (as it counts them: 2 of the 4 large examples, half of the 1 MiB ones), submit s
-(first submit to last acknowledgement), finalize s, GB/s (payload bytes, 4 x P x 4, over the submit
+(creation, or the first submit, to the last acknowledgement), finalize s, GB/s (payload bytes, 4 x P x 4, over the submit
 seconds: until every update is durably acknowledged; 1 GB = 1e9 bytes; the Finalize, which returns
 a sum as large as one update for the large rows and of 1 MiB for the small one, has its own column), peak/update (the peak RSS of the server's tree minus its
 idle RSS, over the update size P x 4 bytes), reconnects (the sum of ``SubmitReport.reconnects``),
@@ -53,9 +54,10 @@ check (1800 s, ``--quick`` 30 s).
 Per P, two ratios: ``memory_over_small`` (large on the memory store over 1 MiB examples, GB/s)
 and ``durable_over_memory`` (large, durable over memory); then, per P (the largest last)::
 
-    large: params=<P> gbps_memory=<a> gbps_durable=<b> gbps_small=<c> peak_over_update=<d>
+    large: params=<P> gbps_memory=<a> gbps_durable=<b> gbps_small=<c> peak_over_update=<d> gbps_memory_from_open=<e>
 
-d: the larger peak/update of the two large rows. The last line is the one for the largest P.
+a, b, c: the ``create`` rows; d: the larger peak/update of the two large ``create`` rows; e: the
+``open`` row. The last line is the one for the largest P.
 
 Run::
 
@@ -98,8 +100,6 @@ SCALARS = (0.25, 0.5, 2.0, 4.0)  # c_i: powers of two (exact in float32); ||v|| 
 CLIENTS = len(SCALARS)
 AT_ONCE = 2  # clients submitting at once (threads)
 TOLERANCE = 1e-6  # max |result - reference| <= TOLERANCE * max |reference|
-SERVER_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824",
-              "OPENBLAS_NUM_THREADS": "1"}
 SAMPLE_INTERVAL = 0.025  # seconds between RSS samples
 CHECK_CHUNK = 1 << 22  # elements per chunk of the float64 checks
 
@@ -176,17 +176,14 @@ _SERVE = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIG
 class Server:
     """``clipd serve`` on free loopback ports, with ``data_dir`` and the extra flags; stop() always."""
 
-    def __init__(self, data_dir: str, params: int, workdir: str, extra: list[str], start_timeout: float,
-                 plain: bool = False) -> None:
-        """``plain``: the environment as it is (no SERVER_ENV): what a pip-installed ``clipd serve`` gets."""
+    def __init__(self, data_dir: str, params: int, workdir: str, extra: list[str], start_timeout: float) -> None:
+        """A plain ``clipd serve``: the environment as it is, what a pip-installed one gets (it tunes itself)."""
         self.port = _free_port()
         command = [sys.executable, "-c", _SERVE, str(os.getpid()), "--grpc-port", str(self.port),
                    "--admin-port", "-1", "--data-dir", data_dir,
                    "--max-parameters", str(params),
                    "--compilation-cache-dir", os.path.join(workdir, "jax-cache"), "--log-level", "warning", *extra]
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}
-        for key, value in ({} if plain else SERVER_ENV).items():
-            env.setdefault(key, value)
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []  # its last lines, for an error message
         lines: queue.Queue[str] = queue.Queue()
@@ -293,8 +290,8 @@ def small_check(total: np.ndarray, v: np.ndarray, gain: float) -> float:
 
 # One row ------------------------------------------------------------------------------------------------
 class Row:
-    def __init__(self, case: str, store: str, params: int) -> None:
-        self.case, self.store, self.params = case, store, params
+    def __init__(self, case: str, store: str, params: int, clock: str = "create") -> None:
+        self.case, self.store, self.params, self.clock = case, store, params, clock
         self.examples = 0
         self.submit_s = self.finalize_s = math.nan
         self.peak_over_update = math.nan
@@ -323,11 +320,13 @@ def _error(e: BaseException) -> str:
 
 
 def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, extra: list[str],
-            timeout: float, disk: str | None = None) -> Row:
-    """One row: a fresh server, one aggregation, 4 clients (2 at once), Finalize, the check."""
+            timeout: float, disk: str | None = None, clock: str = "create") -> Row:
+    """One row: a fresh server, one aggregation, 4 clients (2 at once), Finalize, the check. ``clock``
+    "create": the clients start as the aggregation is created (the clock with it, as a user's run goes);
+    "open": they start once it is OPEN, the clock with them."""
     from clipd.client import Client
 
-    row = Row(case, store, params)
+    row = Row(case, store, params, clock)
     deadline = time.monotonic() + timeout
     data_dir = "memory" if store == "memory" else tempfile.mkdtemp(prefix="data-", dir=workdir)
     large = case == "large"
@@ -341,10 +340,12 @@ def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, ext
         server = Server(data_dir, params, workdir, extra, start_timeout=min(120.0, timeout))
         idle = tree_rss(server.proc.pid)  # before the aggregation: its sums count in the peak
         clients = [Client(server.target, timeout=timeout, retry_timeout=min(60.0, timeout)) for _ in range(CLIENTS)]
-        aggregation = clients[0].create_aggregation(layers, policy="global", l2_norm_clip=CLIP)
-        _wait_open(clients[0], aggregation, deadline)
-        for client in clients:
-            client.layers(aggregation)  # connected, the layers known: nothing of it in the clock
+        made: list[str] = []  # the aggregation, once created
+        if clock == "open":
+            made.append(clients[0].create_aggregation(layers, policy="global", l2_norm_clip=CLIP))
+            _wait_open(clients[0], made[0], deadline)
+            for client in clients:
+                client.layers(made[0])  # connected, the layers known: nothing of it in the clock
         lock, ready = threading.Lock(), threading.Barrier(AT_ONCE + 1)
         reports = []
 
@@ -374,7 +375,7 @@ def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, ext
                     if update is None:
                         continue
                     client_id = f"{'large' if large else 'small'}-{i}"
-                    report = clients[i].submit(aggregation, update, client_id=client_id)
+                    report = clients[i].submit(made[0], update, client_id=client_id)
                     with lock:
                         reports.append(report)
                 except Exception as e:  # reported in the row
@@ -390,6 +391,9 @@ def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, ext
         sampler.peak = tree_rss(server.proc.pid)
         with sampler:
             t0 = time.perf_counter()
+            if clock == "create":  # the clients submit at once (each reads the layers first, as submit does)
+                made.append(clients[0].create_aggregation(layers, policy="global", l2_norm_clip=CLIP))
+            aggregation = made[0]
             start.set()
             for thread in threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
@@ -436,7 +440,7 @@ def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str
     names = [f"layer{k}" for k in range(LAYERS)]
     layers = {name: (width,) for name in names}
     updates = [np.multiply(v, np.float32(c)) for c in SCALARS[:AT_ONCE]]
-    server = Server("memory", params, workdir, extra, start_timeout=min(120.0, timeout), plain=True)
+    server = Server("memory", params, workdir, extra, start_timeout=min(120.0, timeout))
     out = []
     try:
         clients = [Client(server.target, timeout=timeout, retry_timeout=min(60.0, timeout)) for _ in range(AT_ONCE)]
@@ -485,7 +489,8 @@ def _wait_open(client, aggregation: str, deadline: float) -> None:
 
 
 # Output ----------------------------------------------------------------------------------------------------
-HEADER = (f"{'case':<6} | {'store':<7} | {'params':>10} | {'examples':>8} | {'clipped':>7} | {'submit s':>8} |"
+HEADER = (f"{'case':<6} | {'store':<7} | {'clock':<6} | {'params':>10} | {'examples':>8} | {'clipped':>7} |"
+          f" {'submit s':>8} |"
           f" {'finalize s':>10} | {'GB/s':>6} | {'peak/update':>11} | {'reconnects':>10} | {'errors':>6} | exact")
 
 
@@ -497,7 +502,8 @@ def summarize(runs: list[Row]) -> dict:
         values = list(values)
         return statistics.median(values) if values else math.nan
 
-    return dict(case=runs[0].case, store=runs[0].store, params=runs[0].params, examples=runs[0].examples,
+    return dict(case=runs[0].case, store=runs[0].store, clock=runs[0].clock, params=runs[0].params,
+                examples=runs[0].examples,
                 clipped=runs[0].clipped,
                 submit_s=median(r.submit_s for r in ok), finalize_s=median(r.finalize_s for r in ok),
                 gbps=median(r.gbps for r in ok), peak=median(r.peak_over_update for r in ok),
@@ -507,7 +513,8 @@ def summarize(runs: list[Row]) -> dict:
 
 
 def print_row(s: dict) -> None:
-    print(f"{s['case']:<6} | {s['store']:<7} | {s['params']:>10} | {s['examples']:>8} | {s['clipped']:>7} |"
+    print(f"{s['case']:<6} | {s['store']:<7} | {s['clock']:<6} | {s['params']:>10} | {s['examples']:>8} |"
+          f" {s['clipped']:>7} |"
           f" {s['submit_s']:8.3f} | {s['finalize_s']:10.3f} | {s['gbps']:6.3f} | {s['peak']:11.3f} |"
           f" {s['reconnects']:>10} |"
           f" {s['errors']:>6} | {s['exact']} ({s['rel_error']:.1e})", flush=True)
@@ -545,9 +552,10 @@ def main() -> None:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     timeout = args.timeout or (30.0 if args.quick else 1800.0)
-    cases = [("large", "memory"), ("large", "durable"), ("1 MiB", "memory")]
+    cases = [("large", "memory", "create"), ("large", "durable", "create"), ("1 MiB", "memory", "create"),
+             ("large", "memory", "open")]
     if args.small_durable:
-        cases.append(("1 MiB", "durable"))
+        cases.append(("1 MiB", "durable", "create"))
 
     print(f"large benchmark: {CLIENTS} clients x one update of P float32 in {LAYERS} layers (global clip {CLIP},"
           f" c_i = {', '.join(map(str, SCALARS))}), {AT_ONCE} at once; P = {', '.join(f'{p:,}' for p in sizes)};"
@@ -561,13 +569,13 @@ def main() -> None:
         for params in sizes:
             disk = workdir if args.disk_backed or params >= 1 << 30 else None
             v = base_vector(params, args.seed, disk)
-            runs: dict[tuple[str, str], list[Row]] = {case: [] for case in cases}
+            runs: dict[tuple[str, str, str], list[Row]] = {case: [] for case in cases}
             for repeat in range(args.repeats):
-                for case, store in (cases if repeat % 2 == 0 else cases[::-1]):
-                    row = measure(case, store, params, v, workdir, args.server_arg, timeout, disk)
-                    runs[(case, store)].append(row)
-                    all_errors += [f"P={params} {case}/{store} repeat {repeat + 1}: {e}" for e in row.errors]
-                    print(f"  P={params} repeat {repeat + 1}: {case:>5}/{store:<7} {row.gbps:.3f} GB/s,"
+                for case, store, clock in (cases if repeat % 2 == 0 else cases[::-1]):
+                    row = measure(case, store, params, v, workdir, args.server_arg, timeout, disk, clock)
+                    runs[(case, store, clock)].append(row)
+                    all_errors += [f"P={params} {case}/{store}/{clock} repeat {repeat + 1}: {e}" for e in row.errors]
+                    print(f"  P={params} repeat {repeat + 1}: {case:>5}/{store:<7}/{clock:<6} {row.gbps:.3f} GB/s,"
                           f" peak/update {row.peak_over_update:.3f}, errors {len(row.errors)}", flush=True)
             del v
             tables[params] = [summarize(runs[case]) for case in cases]
@@ -587,13 +595,15 @@ def main() -> None:
     print()
     lines = []
     for params, rows in tables.items():
-        by = {(s["case"], s["store"]): s for s in rows}
-        memory, durable, small = by[("large", "memory")], by[("large", "durable")], by[("1 MiB", "memory")]
+        by = {(s["case"], s["store"], s["clock"]): s for s in rows}
+        memory, durable = by[("large", "memory", "create")], by[("large", "durable", "create")]
+        small, at_open = by[("1 MiB", "memory", "create")], by[("large", "memory", "open")]
         print(f"P={params}: memory_over_small={memory['gbps'] / small['gbps']:.3f}"
               f" durable_over_memory={durable['gbps'] / memory['gbps']:.3f}")
         peak = max(memory["peak"], durable["peak"])
         lines.append(f"large: params={params} gbps_memory={memory['gbps']:.3f} gbps_durable={durable['gbps']:.3f}"
-                     f" gbps_small={small['gbps']:.3f} peak_over_update={peak:.3f}")
+                     f" gbps_small={small['gbps']:.3f} peak_over_update={peak:.3f}"
+                     f" gbps_memory_from_open={at_open['gbps']:.3f}")
     for line in lines:
         print(line)
 

@@ -200,18 +200,19 @@ def test_large_benchmark_quick_run(smoke_runs):
     lines = out.stdout.strip().splitlines()
     header = next(line for line in lines if line.startswith("case "))
     assert [" ".join(part.split()) for part in header.split("|")] == [
-        "case", "store", "params", "examples", "clipped", "submit s", "finalize s", "GB/s", "peak/update",
+        "case", "store", "clock", "params", "examples", "clipped", "submit s", "finalize s", "GB/s", "peak/update",
         "reconnects", "errors", "exact"], header
     rows = {}
     for line in lines:
         parts = [part.strip() for part in line.split("|")]
-        if len(parts) == 12 and parts[0] in ("large", "1 MiB"):
-            rows[parts[0], parts[1]] = parts
-    assert set(rows) == {("large", "memory"), ("large", "durable"), ("1 MiB", "memory")}, out.stdout
+        if len(parts) == 13 and parts[0] in ("large", "1 MiB"):
+            rows[parts[0], parts[1], parts[2]] = parts
+    assert set(rows) == {("large", "memory", "create"), ("large", "durable", "create"), ("1 MiB", "memory", "create"),
+                         ("large", "memory", "open")}, out.stdout
     params = 1 << 22
     gbps, peak = {}, {}
-    for key, (case, _store, p, examples, clipped, submit_s, _finalize_s, rate, over, reconnects, errors, exact) \
-            in rows.items():
+    for key, (case, _store, _clock, p, examples, clipped, submit_s, _finalize_s, rate, over, reconnects, errors,
+              exact) in rows.items():
         assert int(p) == params, key
         # one update per client, or P / 262,144 examples of 1 MiB each; two of the four clients' clipped
         assert (int(examples), int(clipped)) == ((4, 2) if case == "large" else (64, 32)), (key, out.stdout)
@@ -222,16 +223,19 @@ def test_large_benchmark_quick_run(smoke_runs):
         gbps[key], peak[key] = _positive(rate), _positive(over)
         expected = 4 * params * 4 / seconds / 1e9  # 4 clients x P float32, over the submit seconds
         assert abs(gbps[key] - expected) <= 0.02 * expected + 0.002, (key, out.stdout)
-    memory, durable, small = gbps["large", "memory"], gbps["large", "durable"], gbps["1 MiB", "memory"]
+    memory, durable = gbps["large", "memory", "create"], gbps["large", "durable", "create"]
+    small, at_open = gbps["1 MiB", "memory", "create"], gbps["large", "memory", "open"]
     match = re.fullmatch(rf"P={params}: memory_over_small=(\d+\.\d{{3}}) durable_over_memory=(\d+\.\d{{3}})", lines[-2])
     assert match, out.stdout
     for got, expected in zip(match.groups(), (memory / small, durable / memory)):
         assert abs(float(got) - expected) <= 0.02 * expected + 0.002, out.stdout
     match = re.fullmatch(r"large: params=(\d+) gbps_memory=(\d+\.\d{3}) gbps_durable=(\d+\.\d{3})"
-                         r" gbps_small=(\d+\.\d{3}) peak_over_update=(\d+\.\d{3})", lines[-1])
+                         r" gbps_small=(\d+\.\d{3}) peak_over_update=(\d+\.\d{3})"
+                         r" gbps_memory_from_open=(\d+\.\d{3})", lines[-1])
     assert match and int(match[1]) == params, out.stdout
-    for got, expected in zip(match.groups()[1:], (memory, durable, small, max(peak["large", "memory"],
-                                                                                 peak["large", "durable"]))):
+    for got, expected in zip(match.groups()[1:], (memory, durable, small, max(peak["large", "memory", "create"],
+                                                                                 peak["large", "durable", "create"]),
+                                                   at_open)):
         assert _positive(got) == expected, out.stdout
 
 
