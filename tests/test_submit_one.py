@@ -194,6 +194,8 @@ def test_a_full_queue_refuses_with_appointments_within_bounds_that_the_client_ke
         for thread in held:
             thread.join(30)
         assert admission.refused >= 5
+        load = server.snapshot().load  # what /metrics and /api/v1/server show
+        assert (load.refused_one_message, load.one_message_limit) == (admission.refused, 2)
         _assert_sum(admin_finalize(target, agg), [_update(0), _update(10), _update(11), _update(30)])
     finally:
         server.stop(grace=1.0)

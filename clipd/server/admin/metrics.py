@@ -65,6 +65,12 @@ class SnapshotCollector:
                                 value=snapshot.load.stream_limit)
         yield CounterMetricFamily("clipd_refused_streams", "Submit streams refused: every slot taken (every process).",
                                   value=snapshot.load.refused_streams)
+        yield GaugeMetricFamily("clipd_one_message_held", "One-message submissions (SubmitOne) running or waiting"
+                                " for a worker (every process).", value=snapshot.load.one_message_held)
+        yield GaugeMetricFamily("clipd_one_message_limit", "One-message submissions that may be held: workers and"
+                                " queue (every process).", value=snapshot.load.one_message_limit)
+        yield CounterMetricFamily("clipd_refused_one_message", "One-message submissions refused with an appointment:"
+                                  " the queue was full (every process).", value=snapshot.load.refused_one_message)
         yield GaugeMetricFamily("clipd_buffered_bytes", "Bytes of partly received and queued batches (every process).",
                                 value=snapshot.load.buffered_bytes)
         yield GaugeMetricFamily("clipd_buffer_limit_bytes", "The limit of clipd_buffered_bytes.",

@@ -137,8 +137,9 @@ def server_state(server: ServerFacade, access: Access) -> APIRouter:
     @router.get("/api/v1/server", dependencies=[access.read])
     def server_view() -> dict[str, Any]:
         """The whole server: its uptime; Submit streams, buffered bytes and refusals summed over every process
-        that receives (this one, or its shard processes); the devices in use (a device worker each) and the
-        clip-and-sum steps each has run; the shard processes (``--processes``) or Ray shard hosts (``--ray``),
+        that receives (this one, or its shard processes); its one-message submissions (held: running or waiting
+        for a worker; the limit of those; refused with an appointment); the devices in use (a device worker each)
+        and the clip-and-sum steps each has run; the shard processes (``--processes``) or Ray shard hosts (``--ray``),
         each with its own streams, buffers, refusals, restarts (start-up retries included) and the calls it
         forwarded to this process; the Submit payload bytes this process received itself (0 with shard
         processes or hosts: they receive them) and, with those, the payload bytes they received; what ``clipd
@@ -150,6 +151,8 @@ def server_state(server: ServerFacade, access: Access) -> APIRouter:
                 "uptime_seconds": max(0.0, time.time() - snapshot.started_unix_seconds),
                 "streams": {"active": load.active_streams, "limit": load.stream_limit,
                             "refused": load.refused_streams},
+                "one_message": {"held": load.one_message_held, "limit": load.one_message_limit,
+                                "refused": load.refused_one_message},
                 "buffered_bytes": {"used": load.buffered_bytes, "limit": load.buffer_limit},
                 "refused_batches": load.refused_batches, "rejections": dict(sorted(load.rejections.items())),
                 "participation_refusals": dict(sorted(load.participation_refusals.items())),

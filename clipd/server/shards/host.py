@@ -396,10 +396,11 @@ class ShardHost:
 
     def load(self) -> host_pb.Load:
         """This process's Submit streams, buffers and refusals (the control sums them with its own)."""
-        slots, budget = self.servicer.stream_slots, self.servicer.budget
+        slots, budget, admission = self.servicer.stream_slots, self.servicer.budget, self.servicer.admission
         return host_pb.Load(active_streams=slots.active, stream_limit=slots.limit, refused_streams=slots.refused,
                             buffered_bytes=budget.used, buffer_limit=budget.limit, refused_batches=budget.refused,
-                            rejections=dict(self.servicer.rejections),
+                            one_message_held=admission.held, one_message_limit=admission.workers + admission.queue,
+                            refused_one_message=admission.refused, rejections=dict(self.servicer.rejections),
                             participation_refusals=dict(self.ledgers.participation_refusals))
 
     def _forget(self, request: host_pb.ForgetRequest) -> host_pb.ForgetResponse:

@@ -71,7 +71,7 @@ def sum_loads(loads: list[host_pb.Load]) -> host_pb.Load:
     total = host_pb.Load()
     for load in loads:
         for field in ("active_streams", "stream_limit", "refused_streams", "buffered_bytes", "buffer_limit",
-                      "refused_batches"):
+                      "refused_batches", "one_message_held", "one_message_limit", "refused_one_message"):
             setattr(total, field, getattr(total, field) + getattr(load, field))
         for name in ("rejections", "participation_refusals"):
             into = getattr(total, name)
@@ -80,12 +80,19 @@ def sum_loads(loads: list[host_pb.Load]) -> host_pb.Load:
     return total
 
 
+def one_message(load: host_pb.Load) -> dict:
+    """One-message submissions (SubmitOne) as the admin API shows them: held (running or waiting), the limit of
+    those, refused with an appointment."""
+    return {"held": load.one_message_held, "limit": load.one_message_limit, "refused": load.refused_one_message}
+
+
 def describe_load(load: host_pb.Load | None) -> dict:
     """A shard process's load as the admin API shows it; every value None until it reported (``load`` None)."""
     if load is None:
-        return {"streams": None, "buffered_bytes": None, "refused_batches": None, "rejections": None,
-                "participation_refusals": None}
+        return {"streams": None, "one_message": None, "buffered_bytes": None, "refused_batches": None,
+                "rejections": None, "participation_refusals": None}
     return {"streams": {"active": load.active_streams, "limit": load.stream_limit, "refused": load.refused_streams},
+            "one_message": one_message(load),
             "buffered_bytes": {"used": load.buffered_bytes, "limit": load.buffer_limit},
             "refused_batches": load.refused_batches, "rejections": dict(sorted(load.rejections.items())),
             "participation_refusals": dict(sorted(load.participation_refusals.items()))}

@@ -112,7 +112,7 @@ class StatsResponse(_message.Message):
     def __init__(self, aggregations: _Optional[_Mapping[str, AggregationStats]] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., queued_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("active_streams", "stream_limit", "refused_streams", "buffered_bytes", "buffer_limit", "refused_batches", "rejections", "participation_refusals")
+    __slots__ = ("active_streams", "stream_limit", "refused_streams", "buffered_bytes", "buffer_limit", "refused_batches", "rejections", "participation_refusals", "one_message_held", "one_message_limit", "refused_one_message")
     class RejectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,9 @@ class Load(_message.Message):
     REFUSED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     PARTICIPATION_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    ONE_MESSAGE_HELD_FIELD_NUMBER: _ClassVar[int]
+    ONE_MESSAGE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_ONE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     active_streams: int
     stream_limit: int
     refused_streams: int
@@ -143,7 +146,10 @@ class Load(_message.Message):
     refused_batches: int
     rejections: _containers.ScalarMap[str, int]
     participation_refusals: _containers.ScalarMap[str, int]
-    def __init__(self, active_streams: _Optional[int] = ..., stream_limit: _Optional[int] = ..., refused_streams: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., buffer_limit: _Optional[int] = ..., refused_batches: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., participation_refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    one_message_held: int
+    one_message_limit: int
+    refused_one_message: int
+    def __init__(self, active_streams: _Optional[int] = ..., stream_limit: _Optional[int] = ..., refused_streams: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., buffer_limit: _Optional[int] = ..., refused_batches: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., participation_refusals: _Optional[_Mapping[str, int]] = ..., one_message_held: _Optional[int] = ..., one_message_limit: _Optional[int] = ..., refused_one_message: _Optional[int] = ...) -> None: ...
 
 class ForgetRequest(_message.Message):
     __slots__ = ("aggregation_id",)
