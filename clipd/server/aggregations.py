@@ -568,10 +568,13 @@ class Aggregation:
         with self.cond:
             self._check_not_ended()
 
-    def finish(self, shard_totals: list[PartialState], released=None) -> Result:
+    def finish(self, shard_totals: list[PartialState], released=None,
+               buffers: Callable[[list[int]], list[np.ndarray] | None] | None = None) -> Result:
         """The last step of a finalize: every shard's final totals committed (``shard_totals``, merged here: a
         client in two shards is refused, ``OverlapError``), and under a privacy policy the committed release
-        (``released``: its ``fields`` and noised ``sums``); FINALIZED, its result kept (its float64 sums dropped)."""
+        (``released``: its ``fields`` and noised ``sums``); FINALIZED, its result kept (its float64 sums dropped).
+        ``buffers(sizes)``: a buffer of each size that the sums in their dtypes may be written into (the receive
+        buffers a large model's round no longer needs: its result then takes no memory beside them), or None."""
         totals = PartialState.merge_all(shard_totals)
         with self.cond:
             self._check_not_ended()
@@ -582,7 +585,7 @@ class Aggregation:
             self._device_stats = [None] * self.shards
             self.mark_durable(totals.clients)
             self._move_locked(State.FINALIZED)
-            self.result = self._result_locked()
+            self.result = self._result_locked(buffers)
             self._keep_result_only_locked()
             return self.result
 
@@ -600,11 +603,19 @@ class Aggregation:
         """Drops the float64 sums once the result holds the sums in their dtypes (the store keeps them)."""
         self._shard_totals = [totals.without_sums() for totals in self._shard_totals]
 
-    def _result_locked(self) -> Result:
+    def _result_locked(self, buffers: Callable[[list[int]], list[np.ndarray] | None] | None = None) -> Result:
         if self.privacy is not None:
             return Result(self._stats_locked(), self.released_sums)
-        sums = tuple(s.astype(dtype) for s, dtype in zip(self.totals.sums, self.accumulator.sum_dtypes))
-        return Result(self._stats_locked(), sums)
+        totals, dtypes = self.totals.sums, [np.dtype(d) for d in self.accumulator.sum_dtypes]
+        into = buffers([s.size * d.itemsize for s, d in zip(totals, dtypes)]) if buffers is not None else None
+        if into is None:
+            return Result(self._stats_locked(), tuple(s.astype(d) for s, d in zip(totals, dtypes)))
+        sums = []
+        for total, dtype, buffer in zip(totals, dtypes, into):
+            out = buffer.view(dtype).reshape(total.shape)
+            np.copyto(out, total, casting="same_kind")  # (rounded as astype rounds)
+            sums.append(out)
+        return Result(self._stats_locked(), tuple(sums))
 
     def _check_not_ended(self) -> None:
         """FailedPrecondition if it was cancelled or failed."""

@@ -251,10 +251,11 @@ class Lifecycle:
             raise
 
     # finalize and release --------------------------------------------------------------------------
-    def finalize(self, aggregation_id: str) -> Result:
+    def finalize(self, aggregation_id: str, result_buffers=None) -> Result:
         """Closes the aggregation, waits for its last batch, commits and keeps the result (idempotent): close,
         drain, commit every shard's final checkpoint, release (under a privacy policy: noise, ledger and FINALIZED
-        in one commit; a release the ledger refuses fails the aggregation), finish (FINALIZED, the result kept)."""
+        in one commit; a release the ledger refuses fails the aggregation), finish (FINALIZED, the result kept).
+        ``result_buffers``: see :meth:`Aggregation.finish`."""
         aggregation = self.registry.get(aggregation_id)
         timeout = self.settings.finalize_timeout
         with aggregation.finalize_lock:
@@ -276,7 +277,7 @@ class Lifecycle:
                 except FailedPrecondition as e:
                     aggregation.fail(str(e))
                     raise
-            result = aggregation.finish(shard_totals, released)
+            result = aggregation.finish(shard_totals, released, result_buffers)
         event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
         self.shards.finished(aggregation)
         return result

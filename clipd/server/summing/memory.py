@@ -196,6 +196,32 @@ class ByteBudget:
             if not entries:
                 del self._pool[size]
 
+    def take_set(self, sizes: Sequence[int]) -> list[np.ndarray] | None:
+        """One pooled buffer of each of ``sizes`` bytes, taken out of the pool for good (their owner frees them);
+        None, taking nothing, unless the pool holds them all. A finalized large model's result is written into
+        the receive buffers its round no longer needs, instead of beside them.
+
+        >>> budget = ByteBudget(10_000)
+        >>> budget.prepare([1024, 1024], 1), budget.pooled
+        (1, 2048)
+        >>> [b.nbytes for b in budget.take_set([1024, 1024])], budget.pooled, budget.take_set([1024])
+        ([1024, 1024], 0, None)
+        """
+        needed: dict[int, int] = {}
+        for size in sizes:
+            needed[size] = needed.get(size, 0) + 1
+        with self._cond:
+            if any(len(self._pool.get(size, ())) < count for size, count in needed.items()):
+                return None
+            taken = []
+            for size in sizes:
+                _, array = self._pool[size].pop()
+                if not self._pool[size]:
+                    del self._pool[size]
+                self.pooled -= size
+                taken.append(array)
+            return taken
+
     def fit_pool(self) -> None:
         """Frees pooled buffers until they fit what the budget allows now (an aggregation finished: its result
         may take room); what stays waits ``pool_idle`` for the next round of the same layers."""
