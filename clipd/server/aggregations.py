@@ -251,6 +251,7 @@ class Aggregation:
         totals = self.totals
         self._sequences = ClientSequences(totals.clients, max_clients)
         self._on_last_stream: list[Callable[[], Any]] = []  # told when its last open stream ends (see detach)
+        self._receive_ready = False  # a large model's receive buffers are prepared (it may still be warming up)
         self._progress = Progress(self.created, totals.examples, totals.batches, totals.bytes)
         self._device_stats: list = [None] * shards  # per shard: statistics of its device delta since its flush
         self.result: Result | None = None
@@ -521,10 +522,17 @@ class Aggregation:
             self.cond.notify_all()
 
     def wait_warmed(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds for the warm-up to end (its programs compiled, a large model's
-        receive buffers prepared); whether it has."""
+        """Waits up to ``timeout`` seconds for a large model's receive buffers to be prepared (the first thing
+        its warm-up does: an update then streams in while its programs compile and its totals are faulted in,
+        and is summed once it opens), or for the warm-up to end; whether one of them came."""
         with self.cond:
-            return self.cond.wait_for(lambda: self._state is not State.WARMING_UP, timeout)
+            return self.cond.wait_for(lambda: self._receive_ready or self._state is not State.WARMING_UP, timeout)
+
+    def receive_ready(self) -> None:
+        """Its receive buffers are prepared (:meth:`wait_warmed`)."""
+        with self.cond:
+            self._receive_ready = True
+            self.cond.notify_all()
 
     def mark_open(self) -> None:
         """The warm-up is done: OPEN (unless it moved on meanwhile)."""

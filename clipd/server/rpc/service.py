@@ -88,11 +88,12 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     def prepare_receive_buffers(self, devices) -> None:
         """``devices`` (``Devices``, in the process that receives what they sum) prepare, as an aggregation whose
-        updates span messages opens, the receive buffers of its first ``RECEIVE_BUFFERS`` updates: faulted in
-        before it opens (``ByteBudget.prepare``), as far as the buffer has room."""
+        updates span messages warms up, the receive buffers of its first ``RECEIVE_BUFFERS`` updates: faulted in
+        first (``ByteBudget.prepare``), as far as the buffer has room; updates may then stream in."""
         def prepare(aggregation: Aggregation) -> None:
             sizes = [layer.size * wire.numpy_dtype(layer.dtype).itemsize for layer in aggregation.layers]
             self.budget.prepare(sizes, RECEIVE_BUFFERS)
+            aggregation.receive_ready()  # its first updates may stream in while it warms up further
 
         devices.prepare_receive, devices.prepare_above = prepare, self.settings.max_message_bytes
 

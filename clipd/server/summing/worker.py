@@ -172,7 +172,7 @@ class DeviceWorker:
         """Compiles every bucket size of ``aggregation`` for this device on a thread of its own, for ``shards``.
 
         The shards get their device state, and the aggregation opens, when done. ``then`` (a large model's:
-        its receive buffers prepared, ``ByteBudget.prepare``) runs on the warm-up thread before it opens.
+        its receive buffers prepared, ``ByteBudget.prepare``) runs first on the warm-up thread.
 
         Batches that come before are parked by the worker and run after. If the
         compilation is not done within ``warmup_timeout`` the aggregation fails
@@ -536,15 +536,16 @@ class DeviceWorker:
         self._enqueue_call(fn)
 
     def _compile(self, aggregation: Aggregation, then: Callable[[Aggregation], Any] | None = None) -> None:
-        """The warm-up thread: compiles (and runs once, on zeros) every step program not compiled yet, writes
-        the zeros of new totals (see :func:`_prefault`) and runs ``then``; then the aggregation opens."""
+        """The warm-up thread: runs ``then`` (a large model's receive buffers prepared: its first updates
+        stream in meanwhile), compiles (and runs once, on zeros) every step program not compiled yet and writes
+        the zeros of new totals (see :func:`_prefault`); then the aggregation opens."""
         try:
+            if then is not None:
+                then(aggregation)
             if not compile_programs(aggregation, self.device, lambda: aggregation in self._warming):
                 return
             for shard in self._shards.get(aggregation, ()):
                 aggregation.prefault(shard)
-            if then is not None and aggregation in self._warming:
-                then(aggregation)
         except Exception as e:
             reason = f"warm-up failed: {type(e).__name__}: {e}"
             self.call_soon(lambda: self._fail(aggregation, reason))
