@@ -30,6 +30,7 @@ from service_helpers import FaultyProxy, ServerProcess, free_port, reference
 
 from clipd import wire
 from clipd.client import Client, Privacy, ResourceExhaustedError
+from clipd.server import aggregations
 from clipd.server.app import create_server
 from clipd.server.rpc import submit
 from clipd.server.settings import Settings
@@ -123,9 +124,11 @@ def test_updates_larger_than_a_message_and_the_staging_buffer_are_summed_exactly
     assert server.servicer.budget.used == 0  # every reservation went back once its step had read the buffer
 
 
-def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reused_by_the_next_round(durable_server):
+def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reused_by_the_next_round(durable_server,
+                                                                                                     monkeypatch):
     server, target = durable_server()
     budget = server.servicer.budget
+    monkeypatch.setattr(aggregations.SPARE_TOTALS, "min_bytes", 0)  # (this model's sums are 1.9 MB: kept too)
     with Client(target, message_bytes=128 * KiB) as client:
         agg = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
         wait_open(server, agg)
@@ -146,8 +149,11 @@ def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reuse
         left = {array.ctypes.data for entries in budget._pool.values() for _, array in entries}
         assert left == prepared - {s.ctypes.data for s in kept.sums}
         made = budget.fresh
-        # The next round of the same layers opens with the set left and one prepared anew, before any update.
+        sums = {a.ctypes.data for a in aggregations.SPARE_TOTALS._kept[0]}  # its float64 totals, kept
+        # The next round of the same layers opens with the set left and one prepared anew, before any update,
+        # and its totals in the last round's pages, zeroed.
         again = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
+        assert {a.ctypes.data for a in server.registry.get(again).totals.sums} == sums
         wait_open(server, again)
         assert budget.pooled == 2 * UPDATE_BYTES
         assert left < {array.ctypes.data for entries in budget._pool.values() for _, array in entries}

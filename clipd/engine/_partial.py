@@ -88,12 +88,14 @@ class PartialState:
     bytes: int = 0
 
     @classmethod
-    def empty(cls, layers: Sequence[LayerSpec]) -> PartialState:
+    def empty(cls, layers: Sequence[LayerSpec], sums: Sequence[np.ndarray] | None = None) -> PartialState:
+        """No examples yet; ``sums``: float64 arrays of the layers' shapes to hold the sums (zeroed by the caller
+        before anything is added: a round's totals in the last round's pages), else new zeros."""
         layers = tuple(LayerSpec(*layer) for layer in layers)
         k = len(layers)
         return cls(
             layers=layers,
-            sums=tuple(np.zeros(layer.shape, np.float64) for layer in layers),
+            sums=tuple(sums) if sums is not None else tuple(np.zeros(layer.shape, np.float64) for layer in layers),
             examples=0,
             non_finite=0,
             clip_counts=np.zeros(k, np.int64),

@@ -105,6 +105,57 @@ class Result:
     sums: tuple[np.ndarray, ...]
 
 
+class SpareTotals:
+    """The float64 sums of the last large aggregation that finished in this process, kept for the next round of
+    a job on the same layers: its totals then reuse these pages (zeroed in place as it warms up, ``prefault``)
+    instead of faulting in fresh ones, which costs the kernel a zeroing pass over gigabytes.
+
+    Kept from the finalize until the next aggregation is created (taken if its layers are the same, freed
+    otherwise) or for ``idle`` seconds; the registry counts them in the memory it holds meanwhile.
+
+    >>> spare = SpareTotals(min_bytes=0)
+    >>> spare.keep([np.ones(3), np.ones((2, 2))]); spare.nbytes
+    56
+    >>> [t.shape for t in spare.take([(3,), (2, 2)])], spare.nbytes, spare.take([(3,), (2, 2)])
+    ([(3,), (2, 2)], 0, None)
+    """
+
+    def __init__(self, min_bytes: int = 64 << 20, idle: float = 120.0) -> None:
+        self.min_bytes, self.idle = min_bytes, idle
+        self._kept: tuple[list[np.ndarray], float] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._fresh_locked()
+
+    def _fresh_locked(self) -> int:
+        if self._kept is not None and time.monotonic() - self._kept[1] > self.idle:
+            self._kept = None  # not reused in time: freed
+        return 0 if self._kept is None else sum(a.nbytes for a in self._kept[0])
+
+    def keep(self, sums) -> None:
+        """Keeps ``sums`` (a finished aggregation's float64 totals, no longer used) if they are large."""
+        sums = list(sums)
+        if sum(a.nbytes for a in sums) >= self.min_bytes:
+            with self._lock:
+                self._kept = (sums, time.monotonic())
+
+    def take(self, shapes) -> list[np.ndarray] | None:
+        """The kept sums if they have these shapes (not zeroed: ``Aggregation.prefault`` does); None otherwise.
+        Either way nothing is kept afterwards."""
+        with self._lock:
+            self._fresh_locked()
+            kept, self._kept = self._kept, None
+        if kept is None or [a.shape for a in kept[0]] != [tuple(shape) for shape in shapes]:
+            return None
+        return kept[0]
+
+
+SPARE_TOTALS = SpareTotals()  # this process's (one registry a process)
+
+
 def make_accumulator(layers: tuple[LayerSpec, ...], policy: ClipPolicy, plan) -> ClipAccumulator:
     """An aggregation's accumulator: under secure noise, in fixed point on its release's grid (``plan.grid_step``)."""
     return ClipAccumulator(layers, policy, fixed_point_step=plan.grid_step if plan is not None else 0.0)
@@ -246,8 +297,9 @@ class Aggregation:
         # Each shard's epoch (Store.claim_shard) when the store is shared: checkpoints of an owner that was
         # replaced (another server took over) are refused. None: no claim (one server owns the store).
         self._epochs: list[int | None] = [None] * shards
-        # Each shard's totals as of its last flush.
-        self._shard_totals = [r if r is not None else PartialState.empty(layers) for r in recovered]
+        # Each shard's totals as of its last flush (a new large model's in the last round's pages, if they fit).
+        spare = SPARE_TOTALS.take([layer.shape for layer in layers]) if recovered == [None] else None
+        self._shard_totals = [r if r is not None else PartialState.empty(layers, spare) for r in recovered]
         totals = self.totals
         self._sequences = ClientSequences(totals.clients, max_clients)
         self._on_last_stream: list[Callable[[], Any]] = []  # told when its last open stream ends (see detach)
@@ -608,7 +660,10 @@ class Aggregation:
             self._keep_result_only_locked()
 
     def _keep_result_only_locked(self) -> None:
-        """Drops the float64 sums once the result holds the sums in their dtypes (the store keeps them)."""
+        """Drops the float64 sums once the result holds the sums in their dtypes (the store keeps them): a large
+        model's one shard's go to ``SPARE_TOTALS``, for the next round."""
+        if self.shards == 1:
+            SPARE_TOTALS.keep(self._shard_totals[0].sums)
         self._shard_totals = [totals.without_sums() for totals in self._shard_totals]
 
     def _result_locked(self, buffers: Callable[[list[int]], list[np.ndarray] | None] | None = None) -> Result:
@@ -820,9 +875,11 @@ class Registry:
 
     def state_bytes(self) -> int:
         """Bytes the aggregations hold: the open ones' sums (totals and device deltas, every shard), the finished
-        ones' kept results; those being created count already."""
+        ones' kept results, a finished one's sums kept for the next round (``SPARE_TOTALS``); those being created
+        count already."""
         with self._lock:
-            return sum(a.memory_bytes for a in [*self._by_id.values(), *(a for a, _ in self._publishing.values())])
+            held = sum(a.memory_bytes for a in [*self._by_id.values(), *(a for a, _ in self._publishing.values())])
+        return held + SPARE_TOTALS.nbytes
 
     def add(self, aggregation: Aggregation) -> None:
         """Adds a recovered aggregation."""
