@@ -487,3 +487,28 @@ def test_a_release_stored_in_the_format_before_the_container_still_reads_and_dam
         with pytest.raises(CorruptStateError):
             Release.from_bytes(bytes(damaged))
     assert Release(fields, sums).to_bytes()[:8] == b"CLIPDRL2"
+
+
+def test_the_written_out_non_private_entry_is_dp_accountings():
+    """clipd.server.privacy writes NON_PRIVATE out (its import does not load dp_accounting): the same text as
+    the NonPrivateDpEvent serialized as every other ledger entry, and read back as that event."""
+    from clipd.engine import _privacy as dp
+    from clipd.server.privacy import NON_PRIVATE
+
+    assert NON_PRIVATE == dp.event_to_json(dpe.NonPrivateDpEvent())
+    assert dp.event_from_json(NON_PRIVATE) == dpe.NonPrivateDpEvent()
+
+
+def test_a_server_without_privacy_does_not_import_dp_accounting():
+    """dp_accounting and the scipy it loads (most of a server process's start-up) come with the first privacy
+    policy: the server, a shard process and the engine import neither; the accounting loads them when asked."""
+    import subprocess
+    import sys
+
+    code = ("import sys, clipd.server.app, clipd.server.shards.host, clipd.engine._privacy as dp; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'dp_accounting', 'scipy'})); "
+            "dp.epsilon_of_json(['{\"class_name\": \"GaussianDpEvent\", \"module_name\": \"dp_accounting.dp_event\","
+            " \"noise_multiplier\": 1.0}'], 1e-5, dp.Accountant.RDP, dp.Neighbouring.ADD_REMOVE_ONE); "
+            "print('dp_accounting' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr

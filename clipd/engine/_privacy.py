@@ -37,18 +37,19 @@ import json
 import math
 import secrets
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dp_accounting import dp_event as dpe
-from dp_accounting.pld import pld_privacy_accountant
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from . import _secure_noise as secure
 from ._audit import CanaryAudit
 from ._correlated import CorrelatedNoise
+
+if TYPE_CHECKING:  # imported where they are used: dp_accounting (and the scipy it loads, ~0.8 s of a process's
+    import dp_accounting  # start) comes with the first privacy policy or ledger, never to a server or shard
+    from dp_accounting import dp_event as dpe  # process that aggregates without privacy
 
 PLD_DISCRETIZATION = 1e-4  # value_discretization_interval of the PLD accountant
 
@@ -98,6 +99,7 @@ class Sampling:
 
     def wrap(self, event: dpe.DpEvent) -> dpe.DpEvent:
         """The event of ``event`` run on a sample drawn this way."""
+        from dp_accounting import dp_event as dpe
         if self.kind is SamplingKind.POISSON:
             return dpe.PoissonSampledDpEvent(self.rate, event)
         if self.kind is SamplingKind.FIXED_SIZE:
@@ -179,6 +181,7 @@ def value_noise_multiplier(total: float, companions: Sequence[float]) -> float:
 
 def release_event(value_z: float, companions: Sequence[float], sampling: Sampling) -> dpe.DpEvent:
     """The DpEvent of one release: the value's Gaussian and its companions', under the sampling."""
+    from dp_accounting import dp_event as dpe
     gaussians = [dpe.GaussianDpEvent(value_z), *(dpe.GaussianDpEvent(z) for z in companions)]
     inner = gaussians[0] if len(gaussians) == 1 else dpe.ComposedDpEvent(gaussians)
     return sampling.wrap(inner)
@@ -186,6 +189,7 @@ def release_event(value_z: float, companions: Sequence[float], sampling: Samplin
 
 def _collapse_gaussians(event: dpe.DpEvent) -> dpe.DpEvent:
     """Composed Gaussians as one with ``z = (sum z_i^-2)^(-1/2)`` (the same privacy loss); PLD needs it."""
+    from dp_accounting import dp_event as dpe
     if isinstance(event, dpe.PoissonSampledDpEvent):
         return dpe.PoissonSampledDpEvent(event.sampling_probability, _collapse_gaussians(event.event))
     if isinstance(event, dpe.ComposedDpEvent):
@@ -201,6 +205,10 @@ def _collapse_gaussians(event: dpe.DpEvent) -> dpe.DpEvent:
 
 
 def make_accountant(accountant: Accountant, neighbouring: Neighbouring) -> dp_accounting.PrivacyAccountant:
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if Neighbouring(neighbouring) is Neighbouring.REPLACE_ONE
                 else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
     if Accountant(accountant) is Accountant.PLD:
@@ -252,6 +260,8 @@ def epsilon_of_json(events: Sequence[str], delta: float, accountant: Accountant,
 def _epsilon_of_counts(counts: tuple[tuple[str, int], ...], delta: float, accountant: Accountant,
                        neighbouring: Neighbouring) -> float:
     """Cached: a ledger's epsilon is asked at every creation, release and scrape, and changes only with it."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     if accountant is Accountant.RDP:
         # What RdpAccountant.compose(event, count) does for each event in turn (rdp += count * curve), with
         # each distinct event's curve computed once: a Poisson-sampled Gaussian's takes 50-80 ms, and a
@@ -294,6 +304,9 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: in
         raise ValueError("calibrating z needs planned_releases >= 1")
     if Accountant(accountant) is Accountant.ZCDP:
         return secure.noise_multiplier_for(target_epsilon, delta, releases)
+    import dp_accounting
+    from dp_accounting import dp_event as dpe
+
     return float(dp_accounting.calibrate_dp_mechanism(
         lambda: make_accountant(accountant, neighbouring),
         lambda z: dpe.SelfComposedDpEvent(sampling.wrap(dpe.GaussianDpEvent(z)), releases),
@@ -306,6 +319,8 @@ def event_to_json(event: dpe.DpEvent) -> str:
 
 
 def event_from_json(text: str) -> dpe.DpEvent:
+    from dp_accounting import dp_event as dpe
+
     return dpe.DpEvent.from_named_tuple(_named(json.loads(text)))
 
 
@@ -527,6 +542,8 @@ class PrivacyPolicy:
     def plan(self, example_bound: float, layers: Sequence) -> ReleasePlan:
         """The noise of one release of ``layers`` (``LayerSpec``s) whose contributions are clipped to
         ``example_bound``."""
+        from dp_accounting import dp_event as dpe
+
         z = self.total_noise_multiplier
         s = sensitivity(example_bound, self.neighbouring)
         if self.correlated is not None:  # sigma = z * clip * sens(C): the whole stream is one event of z

@@ -35,7 +35,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from dp_accounting import dp_event as dpe
 
 from clipd.engine import PartialState, Unit
 from clipd.engine import _container as container
@@ -53,7 +52,9 @@ log = logging.getLogger(__name__)
 
 RELEASE_MAGIC = b"CLIPDRL2"  # a private release in clipd's container format (engine._container)
 _LEGACY_RELEASE_MAGIC = b"CLIPDREL1\n"  # the format of releases stored before it (still read)
-NON_PRIVATE = dp.event_to_json(dpe.NonPrivateDpEvent())  # a debug aggregation's entry: epsilon infinite
+# A debug aggregation's entry (epsilon infinite): dp.event_to_json(dpe.NonPrivateDpEvent()), written out so that
+# importing this module does not load dp_accounting (tests/test_privacy.py checks that the two agree).
+NON_PRIVATE = '{"class_name": "NonPrivateDpEvent", "module_name": "dp_accounting.dp_event"}'
 
 
 def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, parameters: int = 0,
@@ -514,6 +515,8 @@ def stream_event_json(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, made: int)
     assert policy.correlated is not None
     if plan.noise_multiplier == 0:
         return NON_PRIVATE
+    from dp_accounting import dp_event as dpe
+
     return dp.event_to_json(dpe.GaussianDpEvent(policy.correlated.prefix_noise_multiplier(plan.noise_multiplier,
                                                                                            made)))
 
@@ -523,6 +526,8 @@ def stream_release_fields(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, releas
     sensitivity ``bound * sens(C)`` (the noise's calibration), this release's stddev per coordinate
     ``sigma * ||row release of C^-1||`` beside the stream's ``sigma``, this release's epsilon alone (a
     Gaussian of that stddev over the bound's sensitivity) and the stream with its strategy."""
+    from dp_accounting import dp_event as dpe
+
     stream = policy.correlated
     assert stream is not None
     stddev = plan.noise_stddev * stream.release_noise_scale(release)
