@@ -240,15 +240,19 @@ def epsilon_of_rho(rho: float, delta: float) -> float:
     >>> round(epsilon_of_rho(0.5, 1e-5), 4)
     4.7284
     """
-    import opendp.prelude as dp
+    from opendp.combinators import make_zCDP_to_approxDP  # (not opendp.prelude: see _discrete_gaussian.measurement)
+    from opendp.domains import atom_domain
+    from opendp.measurements import make_gaussian
+    from opendp.metrics import absolute_distance
+    from opendp.mod import enable_features
 
     if rho == 0:
         return 0.0
     if not math.isfinite(rho):
         return math.inf
-    dp.enable_features("contrib")
-    one = dp.m.make_gaussian(dp.atom_domain(T="i64"), dp.absolute_distance(T="i64"), scale=(2 * rho) ** -0.5)
-    return float(dp.c.make_zCDP_to_approxDP(one).map(1).epsilon(delta))
+    enable_features("contrib")
+    one = make_gaussian(atom_domain(T="i64"), absolute_distance(T="i64"), scale=(2 * rho) ** -0.5)
+    return float(make_zCDP_to_approxDP(one).map(1).epsilon(delta))
 
 
 def epsilon(events: Sequence[str], delta: float) -> float:
