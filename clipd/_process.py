@@ -17,9 +17,9 @@ and put in the environment for the processes it starts (shard processes, the sec
 glibc reads it at start-up. This module imports
 nothing but the standard library: it runs before numpy is imported (OpenBLAS reads its variable then).
 
-Besides, :func:`name_threads`: each thread's name is given to its native thread, so ``top -H``, ``ps -L`` and
-``/proc/<pid>/task/<tid>/comm`` say which part of the server spends the CPU (``benchmarks/round.py`` splits
-it so).
+Besides, :func:`name_threads`: each thread's name is given to its native thread, so ``top -H``, ``ps -L``
+and ``/proc/<pid>/task/<tid>/comm`` say which part of the server spends the CPU (``benchmarks/round.py``
+splits it so).
 """
 
 from __future__ import annotations
@@ -60,13 +60,7 @@ def tune() -> dict[str, dict]:
 
 
 def _mallopt():
-    try:
-        function = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (musl has no mallopt)
-        return None
-    function.argtypes, function.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return function
-
+    return _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])  # (None: not glibc; musl has no mallopt)
 
 
 PR_SET_NAME = 15  # linux/prctl.h: the calling thread's name (15 bytes and a NUL)
@@ -76,11 +70,9 @@ def name_threads() -> bool:
     """From now on each Python thread started in this process gives its name (its first 15 bytes, what Linux
     keeps) to its native thread; False where the C library has no ``prctl`` (not Linux): nothing is changed.
     (The main thread keeps the process's name, which the threads native code starts from it inherit.)"""
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c")).prctl
-    except (OSError, AttributeError, TypeError):
+    prctl = _libc_function("prctl", [ctypes.c_int, ctypes.c_char_p])
+    if prctl is None:
         return False
-    prctl.argtypes, prctl.restype = [ctypes.c_int, ctypes.c_char_p], ctypes.c_int
 
     def name(text: str) -> None:
         with contextlib.suppress(Exception):  # (a name is a convenience: never worth a failed thread)
@@ -96,3 +88,13 @@ def name_threads() -> bool:
         bootstrap_inner.names_native_thread = True  # type: ignore[attr-defined]
         threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
     return True
+
+
+def _libc_function(name: str, argtypes):
+    """The C library's function ``name`` returning an int, with ``argtypes``; None where it has none."""
+    try:
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function

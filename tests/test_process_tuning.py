@@ -1,5 +1,5 @@
 """`clipd serve` tunes its own process (clipd/_process.py): glibc's mmap threshold and OpenBLAS's threads, with no
-environment variable set."""
+environment variable set; its threads carry their names natively."""
 
 from __future__ import annotations
 
@@ -77,8 +77,15 @@ def test_clipd_serve_tunes_itself_without_any_variable(tmp_path, monkeypatch):
     server.start()
     try:
         tuning = get_json(f"http://127.0.0.1:{admin}/api/v1/server")["process_tuning"]
+        names = set()
+        for task in os.listdir(f"/proc/{server.proc.pid}/task"):
+            with open(f"/proc/{server.proc.pid}/task/{task}/comm") as f:
+                names.add(f.read().strip())
     finally:
         server.stop()
+    # top -H shows which part of the server is busy: its Python threads' names (15 bytes) are the native ones.
+    assert {"clipd-admin", "clipd-janitor"} <= names and any(n.startswith("clipd-device-wo") for n in names), names
     assert {k: v["source"] for k, v in tuning.items()} == {
         "MALLOC_MMAP_THRESHOLD_": "mallopt", "OPENBLAS_NUM_THREADS": "environment"}
     assert tuning["MALLOC_MMAP_THRESHOLD_"]["value"] == str(32 << 20)
+
