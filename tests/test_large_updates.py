@@ -150,13 +150,15 @@ def test_a_large_models_receive_buffers_are_faulted_in_before_it_opens_and_reuse
         assert left == prepared - {s.ctypes.data for s in kept.sums}
         made = budget.fresh
         sums = {a.ctypes.data for a in aggregations.SPARE_TOTALS._kept[0]}  # its float64 totals, kept
-        # The next round of the same layers opens with the set left and one prepared anew, before any update,
-        # and its totals in the last round's pages, zeroed.
+        del kept
+        client.cancel(agg)  # its result freed: the set it was written into goes back to the pool
+        assert budget.pooled == 2 * UPDATE_BYTES
+        # The next round of the same layers opens with both sets, before any update (nothing is faulted in), and
+        # its totals in the last round's pages, zeroed.
         again = client.create_aggregation(LAYERS, l2_norm_clip=1.0)
         assert {a.ctypes.data for a in server.registry.get(again).totals.sums} == sums
         wait_open(server, again)
-        assert budget.pooled == 2 * UPDATE_BYTES
-        assert left < {array.ctypes.data for entries in budget._pool.values() for _, array in entries}
+        assert {array.ctypes.data for entries in budget._pool.values() for _, array in entries} == prepared
         for i, c in enumerate(cs):
             client.submit(again, scaled(v, c), client_id=f"silo-{i}")
         assert_exact(client.finalize(again), clipped_sum(v, cs, 1.0))

@@ -628,13 +628,13 @@ class Aggregation:
         with self.cond:
             self._check_not_ended()
 
-    def finish(self, shard_totals: list[PartialState], released=None,
-               buffers: Callable[[list[int]], list[np.ndarray] | None] | None = None) -> Result:
+    def finish(self, shard_totals: list[PartialState], released=None, buffers=None) -> Result:
         """The last step of a finalize: every shard's final totals committed (``shard_totals``, merged here: a
         client in two shards is refused, ``OverlapError``), and under a privacy policy the committed release
         (``released``: its ``fields`` and noised ``sums``); FINALIZED, its result kept (its float64 sums dropped).
-        ``buffers(sizes)``: a buffer of each size that the sums in their dtypes may be written into (the receive
-        buffers a large model's round no longer needs: its result then takes no memory beside them), or None."""
+        ``buffers``: the receive buffers' budget (``ByteBudget``): the sums in their dtypes are written into a set
+        of its pooled buffers if it has one of their sizes (a large model's round no longer needs them: its result
+        takes no memory beside them), lent until the result is freed."""
         totals = PartialState.merge_all(shard_totals)
         with self.cond:
             self._check_not_ended()
@@ -666,17 +666,18 @@ class Aggregation:
             SPARE_TOTALS.keep(self._shard_totals[0].sums)
         self._shard_totals = [totals.without_sums() for totals in self._shard_totals]
 
-    def _result_locked(self, buffers: Callable[[list[int]], list[np.ndarray] | None] | None = None) -> Result:
+    def _result_locked(self, buffers=None) -> Result:
         if self.privacy is not None:
             return Result(self._stats_locked(), self.released_sums)
         totals, dtypes = self.totals.sums, [np.dtype(d) for d in self.accumulator.sum_dtypes]
-        into = buffers([s.size * d.itemsize for s, d in zip(totals, dtypes)]) if buffers is not None else None
+        into = buffers.take_set([s.size * d.itemsize for s, d in zip(totals, dtypes)]) if buffers is not None else None
         if into is None:
             return Result(self._stats_locked(), tuple(s.astype(d) for s, d in zip(totals, dtypes)))
         sums = []
         for total, dtype, buffer in zip(totals, dtypes, into):
             out = buffer.view(dtype).reshape(total.shape)
             np.copyto(out, total, casting="same_kind")  # (rounded as astype rounds)
+            buffers.lend_until_freed(out, buffer)
             sums.append(out)
         return Result(self._stats_locked(), tuple(sums))
 

@@ -155,9 +155,10 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             if isinstance(request, codec.Malformed):
                 raise InvalidArgument(f"malformed Finalize request: {request.reason}")
             limit = self.chunk_limit(request.max_chunk_bytes)
-            # A large model's result is written into receive buffers its round no longer needs (none beside them);
-            # the others wait for the next round, as far as the result leaves room.
-            result = self.lifecycle.finalize(request.aggregation_id, result_buffers=self.budget.take_set)
+            # A large model's result is written into receive buffers its round no longer needs (none beside them,
+            # back in the pool once the result is freed); the others wait for the next round, as far as the result
+            # leaves room.
+            result = self.lifecycle.finalize(request.aggregation_id, result_buffers=self.budget)
             self.budget.fit_pool()
         except ClipdError as e:
             self.refuse(context, e, "Finalize")

@@ -17,6 +17,7 @@ import math
 import mmap
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -99,6 +100,7 @@ class ByteBudget:
         self.pool_idle = pool_idle
         self.pooled = 0
         self._pool: dict[int, list[tuple[float, np.ndarray]]] = {}
+        self._returned: collections.deque[np.ndarray] = collections.deque()  # lent buffers back (lend_until_freed)
 
     @property
     def limit(self) -> int:
@@ -112,7 +114,7 @@ class ByteBudget:
                                     " send smaller batches")
         deadline = time.monotonic() + wait
         with self._cond:
-            if self._pool:
+            if self._pool or self._returned:
                 self._shrink_pool_locked(limit - self.used - nbytes, keep=nbytes)
             while self.used + nbytes > limit:
                 left = deadline - time.monotonic()
@@ -157,6 +159,7 @@ class ByteBudget:
         (4096, 1024)
         """
         with self._cond:
+            self._file_returned_locked()
             now = time.monotonic()
             wanted = collections.Counter(sizes)
             pooled = min(len(self._pool.get(n, ())) // k for n, k in wanted.items()) if wanted else 0
@@ -177,6 +180,7 @@ class ByteBudget:
 
     def _pooled(self, nbytes: int) -> np.ndarray:
         with self._cond:
+            self._file_returned_locked()
             free = self._pool.get(nbytes)
             if free:
                 _, array = free.pop()
@@ -187,6 +191,7 @@ class ByteBudget:
 
     def _shrink_pool_locked(self, room: int, keep: int = -1) -> None:
         """Drops pooled buffers idle for ``pool_idle``, then (buffers of size ``keep`` last) until they fit ``room``."""
+        self._file_returned_locked()
         now = time.monotonic()
         for size in sorted(self._pool, key=lambda size: size == keep):
             entries = self._pool[size]
@@ -197,9 +202,9 @@ class ByteBudget:
                 del self._pool[size]
 
     def take_set(self, sizes: Sequence[int]) -> list[np.ndarray] | None:
-        """One pooled buffer of each of ``sizes`` bytes, taken out of the pool for good (their owner frees them);
-        None, taking nothing, unless the pool holds them all. A finalized large model's result is written into
-        the receive buffers its round no longer needs, instead of beside them.
+        """One pooled buffer of each of ``sizes`` bytes, taken out of the pool; None, taking nothing, unless the
+        pool holds them all. A finalized large model's result is written into the receive buffers its round no
+        longer needs, instead of beside them; see :meth:`lend_until_freed` for their way back.
 
         >>> budget = ByteBudget(10_000)
         >>> budget.prepare([1024, 1024], 1), budget.pooled
@@ -211,6 +216,7 @@ class ByteBudget:
         for size in sizes:
             needed[size] = needed.get(size, 0) + 1
         with self._cond:
+            self._file_returned_locked()
             if any(len(self._pool.get(size, ())) < count for size, count in needed.items()):
                 return None
             taken = []
@@ -222,6 +228,36 @@ class ByteBudget:
                 taken.append(array)
             return taken
 
+    def lend_until_freed(self, user: np.ndarray, buffer: np.ndarray) -> None:
+        """``buffer`` (taken with :meth:`take_set`) goes back to the pool when ``user`` (the array made over it,
+        which is all that may use it) is freed: a result's buffers serve the next round once the result is gone.
+
+        >>> budget = ByteBudget(10_000)
+        >>> [buffer] = budget.prepare([4096], 1) and budget.take_set([4096])
+        >>> result = buffer.view(np.float32); budget.lend_until_freed(result, buffer); budget.pooled
+        0
+        >>> del result, buffer; budget.pooled
+        4096
+        """
+        weakref.finalize(user, self._lent_back, buffer)
+
+    def _lent_back(self, buffer: np.ndarray) -> None:
+        """A lent buffer's user was freed: into the pool (a finalizer runs in whatever thread dropped the last
+        reference, holding whatever it holds: it never waits for this budget's lock, the next holder files it)."""
+        self._returned.append(buffer)
+        if self._cond.acquire(blocking=False):
+            try:
+                self._file_returned_locked()
+            finally:
+                self._cond.release()
+
+    def _file_returned_locked(self) -> None:
+        now = time.monotonic()
+        while self._returned:
+            buffer = self._returned.popleft()
+            self._pool.setdefault(buffer.nbytes, []).append((now, buffer))
+            self.pooled += buffer.nbytes
+
     def fit_pool(self) -> None:
         """Frees pooled buffers until they fit what the budget allows now (an aggregation finished: its result
         may take room); what stays waits ``pool_idle`` for the next round of the same layers."""
@@ -231,6 +267,7 @@ class ByteBudget:
     def drop_pool(self) -> None:
         """Frees every pooled buffer."""
         with self._cond:
+            self._returned.clear()
             self._pool.clear()
             self.pooled = 0
 
