@@ -123,8 +123,9 @@ class Client:
     acknowledged (a batch larger than it is sent alone).
 
     ``one_message`` (default True): a submission that is one batch of at most ``message_bytes`` (most
-    cross-device updates) goes as one SubmitOne call, which costs the server about what the message costs
-    (no stream, no hello, no placement call); False: always a Submit stream. Both are exactly once.
+    cross-device updates; given as arrays or a pytree, not an iterator) goes as one SubmitOne call, which
+    costs the server about what the message costs (no stream, no hello, no placement call); False: always a
+    Submit stream. Both are exactly once.
 
     ``wire_dtype``: None (default) sends each layer in its own dtype; ``"bfloat16"`` or ``"float16"``
     sends the float32 layers' values in that 16-bit format, half the bytes (the server widens them back
@@ -402,7 +403,8 @@ class Client:
                                   self.message_bytes, self.window_bytes, wire_dtype)
             return self._stream(stream, progress)
         batches = rebatch(iter_updates(updates, layers), example_nbytes(layers, wire_dtype), self.message_bytes)
-        if self.one_message and not progress:
+        # One batch in one message goes as one SubmitOne call (an iterator's updates come when they come: streamed).
+        if self.one_message and not progress and not isinstance(updates, Iterator):
             head: list[list[np.ndarray]] = []
             try:
                 head.extend(itertools.islice(batches, 2))
