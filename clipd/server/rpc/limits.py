@@ -16,6 +16,52 @@ import time
 
 from clipd.server.errors import ResourceExhausted
 
+MIN_RETRY_AFTER = 0.05  # seconds: the least and the most a refused call or stream is told to wait
+MAX_RETRY_AFTER = 30.0
+RATE_WINDOW = 5.0  # seconds of ends the drain rate is measured over
+FIRST_CALL_SECONDS = 0.1  # what a one-message call is taken to last before any has ended (a server just started)
+FIRST_STREAM_SECONDS = 1.0  # what a stream is taken to last before any has ended
+
+
+class Appointments:
+    """Retry hints that spread the refused over the time the server needs: the first one after the ``held``
+    calls (or streams) would drain at the rate they ended over the last ``RATE_WINDOW`` seconds, each next one
+    an end's time after the one before, between ``MIN_RETRY_AFTER`` and ``MAX_RETRY_AFTER``. So a herd refused
+    at once comes back spread out, about as fast as the server takes it in, instead of all together.
+
+    >>> appointments = Appointments(first_rate=10.0)     # 10 ends a second assumed before any was seen
+    >>> [round(appointments.book(held=2, now=0.0), 3) for _ in range(3)]
+    [0.2, 0.3, 0.4]
+    >>> for t in (0.0, 0.5, 1.0): appointments.ended(now=t)          # 2 a second measured
+    >>> round(appointments.book(held=2, now=1.0), 3)                  # after the two held: 1 s
+    1.0
+    """
+
+    def __init__(self, first_rate: float, keep: int = 256) -> None:
+        self.first_rate = first_rate
+        self._ended: collections.deque[float] = collections.deque(maxlen=keep)
+        self._booked = 0.0  # the latest appointment given (time.monotonic())
+        self._lock = threading.Lock()
+
+    def ended(self, now: float | None = None) -> None:
+        """One held call or stream ended."""
+        with self._lock:
+            self._ended.append(time.monotonic() if now is None else now)
+
+    def book(self, held: int, now: float | None = None) -> float:
+        """The seconds after which a refused newcomer should come back, with ``held`` ahead of it (booked)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            rate = self._rate_locked(now)
+            self._booked = max(now + held / rate, self._booked + 1.0 / rate)
+            return min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, self._booked - now))
+
+    def _rate_locked(self, now: float) -> float:
+        recent = [t for t in self._ended if now - t <= RATE_WINDOW]
+        if len(recent) < 2:
+            return max(1.0, self.first_rate)
+        return max(1.0, (len(recent) - 1) / max(recent[-1] - recent[0], 1e-3))
+
 
 class StreamSlots:
     """At most ``limit`` streams at once, shared fairly between their owners.
@@ -25,7 +71,7 @@ class StreamSlots:
     the largest holder takes one of that holder's: the stream of that holder that
     has been idle the longest is evicted (its client gets UNAVAILABLE and resumes
     after its last acknowledgement: nothing is lost). Else the newcomer is refused
-    at once, with a retry hint. So a flood of stalled streams from one credential
+    at once, with an appointment (:class:`Appointments`). So a flood of stalled streams from one credential
     or one host never keeps out a client with another (max-min fairness), and
     streams of one owner never push each other out.
 
@@ -56,6 +102,7 @@ class StreamSlots:
         self._held: dict = {}  # owner -> the evictable streams it holds (those given with acquire)
         self._counts: dict = {}  # owner -> slots it holds
         self._lock = threading.Condition()
+        self.appointments = Appointments(limit / FIRST_STREAM_SECONDS)  # the refused's retry hints
 
     def acquire(self, owner=None, stream=None) -> None:
         """Takes a slot for ``owner``; ``stream`` (with ``idle_since()`` and ``evict()``) may be evicted later."""
@@ -70,7 +117,7 @@ class StreamSlots:
                 if self.active >= self.limit:
                     self.refused += 1
                     raise ResourceExhausted(f"all {self.limit} {self.what} slots are taken; retry later",
-                                            retry_after=1.0)
+                                            retry_after=self.appointments.book(self.active))
             self.active += 1
             self._counts[owner] = self._counts.get(owner, 0) + 1
             if stream is not None:
@@ -91,6 +138,7 @@ class StreamSlots:
         return False
 
     def release(self, owner=None, stream=None) -> None:
+        self.appointments.ended()
         with self._lock:
             self.active -= 1
             self._lock.notify()
@@ -109,10 +157,6 @@ class StreamSlots:
         return self.active >= self.limit
 
 
-MIN_RETRY_AFTER = 0.05  # seconds: the least and the most a refused one-message submission is told to wait
-MAX_RETRY_AFTER = 30.0
-RATE_WINDOW = 5.0  # seconds of finished calls the drain rate is measured over
-FIRST_CALL_SECONDS = 0.1  # what a call is taken to last before any has finished (a server just started)
 
 
 class Admission:
@@ -122,10 +166,8 @@ class Admission:
     A waiting call costs no buffer: gRPC reads a call's message when a worker takes it up (until then the
     runtime holds at most its flow-control window of it). So a round of thousands of clients that arrive together
     queues instead of being refused, and the other RPCs keep threads of their own. A newcomer that finds
-    ``workers + queue`` calls held is refused (``RESOURCE_EXHAUSTED``) with a retry hint that spreads the refused
-    over the time the server needs: the first after the calls held would drain at the rate calls have finished
-    over the last ``RATE_WINDOW`` seconds, each next one a call's time later, between ``MIN_RETRY_AFTER`` and
-    ``MAX_RETRY_AFTER``.
+    ``workers + queue`` calls held is refused (``RESOURCE_EXHAUSTED``) with an appointment (:class:`Appointments`,
+    at the rate calls have ended).
 
     >>> admission = Admission(workers=1, queue=1)
     >>> admission.held = 2                                # one running, one waiting: the queue is full
@@ -141,27 +183,16 @@ class Admission:
         self.pool = _CountingPool(self, workers)
         self.held = 0  # calls handed to the pool and not finished (running or waiting)
         self.refused = 0
-        self._finished: collections.deque[float] = collections.deque(maxlen=max(64, 4 * workers))
-        self._booked = 0.0  # the latest appointment given (time.monotonic())
+        self.appointments = Appointments(workers / FIRST_CALL_SECONDS, keep=max(64, 4 * workers))
         self._lock = threading.Lock()
 
     def retry_after(self, now: float | None = None) -> float | None:
         """None if a newcomer may wait for a worker; else the seconds after which it should come back (booked)."""
         if self.held < self.workers + self.queue:  # (read without the lock: one more or less is harmless)
             return None
-        now = time.monotonic() if now is None else now
         with self._lock:
             self.refused += 1
-            rate = self._rate(now)
-            self._booked = max(now + self.held / rate, self._booked + 1.0 / rate)
-            return min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, self._booked - now))
-
-    def _rate(self, now: float) -> float:
-        """Calls finished a second over the last ``RATE_WINDOW`` seconds (at least one a second)."""
-        recent = [t for t in self._finished if now - t <= RATE_WINDOW]
-        if len(recent) < 2:
-            return max(1.0, self.workers / FIRST_CALL_SECONDS)
-        return max(1.0, (len(recent) - 1) / max(recent[-1] - recent[0], 1e-3))
+        return self.appointments.book(self.held, now)
 
     def _started(self) -> None:
         with self._lock:
@@ -170,10 +201,7 @@ class Admission:
     def _ended(self) -> None:
         with self._lock:
             self.held -= 1
-            self._finished.append(time.monotonic())
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.appointments.ended()
 
 
 class ServerPool(concurrent.futures.ThreadPoolExecutor):
