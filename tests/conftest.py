@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 
+import background
 import pytest
 
 from clipd.client import Client
@@ -33,6 +34,25 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     for path in _JAX_CACHE:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_collection_finish(session):
+    """Starts the selected tests' background jobs (tests/background.py), module by module in the order of the
+    tests, on one thread beside the tests."""
+    if session.config.option.collectonly or not session.items:
+        return
+    modules: dict = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and callable(getattr(module, "background_jobs", None)):
+            modules.setdefault(module, []).append(item)
+    jobs = [job for module, items in modules.items() for job in module.background_jobs(items, session.config)]
+    if jobs:
+        background.run_in_thread(background.register(jobs), "clipd-tests-background")
+
+
+def pytest_sessionfinish(session):
+    background.end_session()
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,17 @@ class ServerProcess:
                 self.proc.kill()
 
 
+def like_test_settings(root: pathlib.Path) -> ServerProcess:
+    """A ``clipd serve`` process (not started) with the limits of conftest's TEST_SETTINGS, a durable store and a
+    JAX cache under ``root``, on a free port."""
+    from conftest import TEST_SETTINGS
+
+    return ServerProcess(root / "data", root / "jax-cache", free_port(), args=(
+        "--admin-port", "-1", "--max-device-rows", str(TEST_SETTINGS["max_device_rows"]),
+        "--max-message-bytes", str(TEST_SETTINGS["max_message_bytes"]),
+        "--max-aggregations", str(TEST_SETTINGS["max_aggregations"])))
+
+
 def random_batch(client: str, index: int, layers: dict[str, tuple[int, ...]], rows: int) -> dict[str, np.ndarray]:
     """Batch ``index`` of ``client``: float32, deterministic, example norms spread around 1 (about half clipped at 1)."""
     rng = np.random.default_rng([zlib.crc32(client.encode()), index])

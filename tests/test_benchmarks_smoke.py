@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,15 +32,28 @@ TESTS = {"test_service_benchmark_quick_run": "service", "test_engine_benchmark_q
          "test_audit_benchmark_quick_run": "audit"}
 
 
+def _job(name: str) -> background.Job:
+    command, timeout = RUNS[name]
+    return background.Job(f"benchmark:{name}", functools.partial(background.run_process, command, timeout, cwd=ROOT))
+
+
+def background_jobs(items, config) -> list[background.Job]:
+    """The selected smoke runs, started once the tests are collected, one at a time beside the tests (they check
+    output, not speed): tests/background.py."""
+    return [_job(name) for name in dict.fromkeys(TESTS[item.originalname] for item in items
+                                                if item.originalname in TESTS)]
+
+
 @pytest.fixture(scope="module")
 def smoke_runs(request):
-    """The selected smoke runs, started together, two at a time: each is a subprocess that waits on its own
-    servers and clients part of the time, so two overlap on two cores (they check output, not speed)."""
-    wanted = [TESTS[item.originalname] for item in request.session.items
-              if item.module is request.module and item.originalname in TESTS]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        yield {name: pool.submit(subprocess.run, RUNS[name][0], capture_output=True, text=True, timeout=RUNS[name][1],
-                                 cwd=ROOT) for name in dict.fromkeys(wanted)}
+    """The selected smoke runs (started beside the earlier tests): those not yet started run now, two at a time,
+    on a second thread and as they are waited for: each is a subprocess that waits on its own servers and
+    clients part of the time, so two overlap on two cores."""
+    wanted = dict.fromkeys(TESTS[item.originalname] for item in request.session.items
+                           if item.module is request.module and item.originalname in TESTS)
+    jobs = {name: background.job(f"benchmark:{name}", functools.partial(_job, name)) for name in wanted}
+    background.run_in_thread(jobs.values(), "clipd-smoke-runs")
+    return jobs
 
 
 def _positive(text: str) -> float:

@@ -2,13 +2,15 @@
 clipd server: the rounds' models against numpy and NVFlare's own FedAvg aggregation, a site that fails, bad input,
 the example's private run against dp_accounting, and a clipd server that is down.
 
-The two simulator jobs run once, one after the other, in a module fixture (NVFlare's simulator gives a site's
-process 60 s to connect: two jobs at once on 2 cores can miss that).
+The two simulator jobs run once, one after the other (NVFlare's simulator gives a site's process 60 s to connect:
+two jobs at once on 2 cores can miss that), against a ``clipd serve`` process; they start beside the earlier tests
+once the tests are collected (tests/background.py), and the module fixture waits for them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pathlib
@@ -17,13 +19,13 @@ import signal
 import subprocess
 import sys
 
+import background
 import numpy as np
 import pytest
 import torch
-from conftest import TEST_SETTINGS
 from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant
-from service_helpers import free_port
+from service_helpers import free_port, like_test_settings
 
 pytest.importorskip("nvflare", reason="the [nvflare] extra (scripts/test.sh installs it)")
 
@@ -33,8 +35,6 @@ from nvflare.app_common.aggregators.weighted_aggregation_helper import WeightedA
 
 from clipd.client import Client, Privacy  # noqa: E402
 from clipd.client.nvflare import ClipdAggregator  # noqa: E402
-from clipd.server.app import create_server  # noqa: E402
-from clipd.server.settings import Settings  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE_ROUNDS, EXAMPLE_Z, EXAMPLE_DELTA, EXAMPLE_BUDGET = 5, 0.1, 1e-3, 220.0  # the 4th release would pass it
@@ -47,7 +47,8 @@ def _run(command: list[str], cwd: pathlib.Path, timeout: float = 100.0) -> subpr
     job = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)  # (cwd: the job's workspace, read by the tests)
     try:
-        out, err = job.communicate(timeout=timeout)
+        with background.tracked(job, kill=lambda: _kill_processes(job, cwd)):  # (if the session ends first)
+            out, err = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_job(job, cwd)
         return None
@@ -60,6 +61,18 @@ def _kill_job(job: subprocess.Popen, workspace: pathlib.Path) -> None:
     """Kills a hung job whole. The simulator runs in a process group of its own (NVFlare's), and its
     processes hold the job's pipes: killing the job's group leaves them, and reading the pipes to their end
     would wait for ever. So every process whose command line names the job's workspace is killed too."""
+    _kill_processes(job, workspace)
+    try:
+        job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # a process we could not find holds the pipes: stop reading them
+        for pipe in (job.stdout, job.stderr):
+            if pipe is not None:
+                pipe.close()
+        job.wait(10)
+
+
+def _kill_processes(job: subprocess.Popen, workspace: pathlib.Path) -> None:
+    """SIGKILL to the job's process group and to every process whose command line names its workspace."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(job.pid, signal.SIGKILL)
     for process in pathlib.Path("/proc").glob("[0-9]*"):
@@ -70,13 +83,6 @@ def _kill_job(job: subprocess.Popen, workspace: pathlib.Path) -> None:
         if named:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(int(process.name), signal.SIGKILL)
-    try:
-        job.communicate(timeout=30)
-    except subprocess.TimeoutExpired:  # a process we could not find holds the pipes: stop reading them
-        for pipe in (job.stdout, job.stderr):
-            if pipe is not None:
-                pipe.close()
-        job.wait(10)
 
 
 def _twice(run) -> subprocess.CompletedProcess | None:
@@ -113,17 +119,36 @@ def _example(target: str, workspace: pathlib.Path, attempt: int) -> subprocess.C
          "--ledger", f"nvflare-example-{attempt}"], workspace)
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    data = tmp_path_factory.mktemp("clipd")
-    server, port = create_server(Settings(**{**TEST_SETTINGS, "data_dir": str(data)}))
+def _jobs(tmp_path_factory) -> dict:
+    """A ``clipd serve`` (the settings of TEST_SETTINGS) and the two simulator jobs against it, one after the
+    other; the server is left running for the tests (stopped by the fixture, or at the end of the session)."""
+    server = like_test_settings(tmp_path_factory.mktemp("clipd"))
+    server.start()
+    background.at_session_end(server.stop)
     known, example = tmp_path_factory.mktemp("known"), tmp_path_factory.mktemp("example")
-    target = f"127.0.0.1:{port}"
+    target = f"127.0.0.1:{server.port}"
     known_run = _twice(lambda attempt: _known_job(target, known, attempt))
     example_run = _twice(lambda attempt: _example(target, example, attempt))
-    yield {"known": known_run.cwd if known_run else known, "known_run": known_run,
-           "example": example_run.cwd if example_run else example, "example_run": example_run, "target": target}
-    server.stop(1.0)
+    return {"known": known_run.cwd if known_run else known, "known_run": known_run,
+            "example": example_run.cwd if example_run else example, "example_run": example_run, "target": target,
+            "server": server}
+
+
+def _jobs_job(config) -> background.Job:
+    return background.Job("nvflare:jobs", functools.partial(_jobs, config._tmp_path_factory))
+
+
+def background_jobs(items, config) -> list[background.Job]:
+    """The simulator jobs start once the tests are collected, beside the tests (tests/background.py)."""
+    return [_jobs_job(config)] if any("jobs" in item.fixturenames for item in items) else []
+
+
+@pytest.fixture(scope="module")
+def jobs(request):
+    """The two simulator jobs' runs (started beside the earlier tests; run now if they were not)."""
+    done = background.job("nvflare:jobs", functools.partial(_jobs_job, request.config)).result()
+    yield done
+    done["server"].stop()
 
 
 def _saved_model(workspace: pathlib.Path) -> dict[str, np.ndarray]:
