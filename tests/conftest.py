@@ -31,6 +31,11 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def jax_cache_dir() -> str:
+    """This test process's JAX compilation cache (a server process given it shares its programs with the tests)."""
+    return _JAX_CACHE[0]
+
+
 def pytest_unconfigure(config):
     for path in _JAX_CACHE:
         shutil.rmtree(path, ignore_errors=True)

@@ -216,12 +216,12 @@ class ServerProcess:
                 self.proc.kill()
 
 
-def like_test_settings(root: pathlib.Path) -> ServerProcess:
-    """A ``clipd serve`` process (not started) with the limits of conftest's TEST_SETTINGS, a durable store and a
-    JAX cache under ``root``, on a free port."""
+def like_test_settings(root: pathlib.Path, cache_dir: str | None = None) -> ServerProcess:
+    """A ``clipd serve`` process (not started) with the limits of conftest's TEST_SETTINGS, a durable store under
+    ``root`` and JAX's compilation cache in ``cache_dir`` (default: under ``root``), on a free port."""
     from conftest import TEST_SETTINGS
 
-    return ServerProcess(root / "data", root / "jax-cache", free_port(), args=(
+    return ServerProcess(root / "data", cache_dir or root / "jax-cache", free_port(), args=(
         "--admin-port", "-1", "--max-device-rows", str(TEST_SETTINGS["max_device_rows"]),
         "--max-message-bytes", str(TEST_SETTINGS["max_message_bytes"]),
         "--max-aggregations", str(TEST_SETTINGS["max_aggregations"])))

@@ -1,52 +1,96 @@
-"""The clipd command, run as a real subprocess."""
+"""The clipd command, run as a real subprocess.
+
+The demos run beside the earlier tests (tests/background.py), one after the other, against one ``clipd serve``
+process that the tests then ask about what the demos left.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
 import sys
 
+import background
 import pytest
 import test_tls
+from service_helpers import like_test_settings
+
+from clipd.client import Client
 
 pki = test_tls.pki  # a CA and a server certificate it signed, for test_status_over_https_...
 
+DEMO_TESTS = ("test_demo_against_a_running_server", "test_demo_keep_leaves_its_finalized_aggregation_and_by_default_leaves_none")
+UNREACHABLE = ("test_demo_fails_when_the_server_is_unreachable", "cli:unreachable")
 
-def test_demo_against_a_running_server(server):
-    out = subprocess.run(
-        [sys.executable, "-m", "clipd", "demo", "--target", f"127.0.0.1:{server.port}", "--examples", "300"],
-        capture_output=True, text=True, timeout=300,
-    )
+
+def _demo(target: str, *flags: str) -> subprocess.CompletedProcess:
+    return background.run_process([sys.executable, "-m", "clipd", "demo", "--target", target, *flags], 300)
+
+
+def _run_demos(tmp_path_factory) -> dict:
+    """A ``clipd serve`` (the settings of TEST_SETTINGS), left running for the tests, and the demos: 300 examples;
+    50 examples, by default and with ``--keep``, with the server's aggregations listed before and between them."""
+    server = like_test_settings(tmp_path_factory.mktemp("cli-demo"))
+    server.start()
+    background.at_session_end(server.stop)
+    target = f"127.0.0.1:{server.port}"
+    runs: dict = {"server": server, "target": target, "300": _demo(target, "--examples", "300")}
+    with Client(target) as client:
+        runs["before"] = {a.aggregation_id for a in client.list_aggregations()}
+        runs["50"] = _demo(target, "--examples", "50")
+        runs["after"] = {a.aggregation_id for a in client.list_aggregations()}
+    runs["50 --keep"] = _demo(target, "--examples", "50", "--keep")
+    return runs
+
+
+def _unreachable_job() -> background.Job:
+    return background.Job(UNREACHABLE[1], functools.partial(_demo, "127.0.0.1:1", "--examples", "10",
+                                                            "--retry-timeout", "1"))
+
+
+def _demos_job(config) -> background.Job:
+    return background.Job("cli:demos", functools.partial(_run_demos, config._tmp_path_factory))
+
+
+def background_jobs(items, config) -> list[background.Job]:
+    """The demos start once the tests are collected, beside the tests (tests/background.py)."""
+    names = {item.originalname for item in items}
+    return ([_demos_job(config)] if names & set(DEMO_TESTS) else []) + (
+        [_unreachable_job()] if UNREACHABLE[0] in names else [])
+
+
+@pytest.fixture(scope="module")
+def demos(request):
+    """The demos' runs (started beside the earlier tests; run now if they were not), and their server."""
+    runs = background.job("cli:demos", functools.partial(_demos_job, request.config)).result()
+    yield runs
+    runs["server"].stop()
+
+
+def test_demo_against_a_running_server(demos):
+    out = demos["300"]
     assert out.returncode == 0, out.stdout + out.stderr
     assert "aggregated 300 examples" in out.stdout
     assert "result matches the in-process computation" in out.stdout
     assert "dense/kernel" in out.stdout
 
 
-def test_demo_keep_leaves_its_finalized_aggregation_and_by_default_leaves_none(server, client):
-    def demo(*flags):
-        return subprocess.run([sys.executable, "-m", "clipd", "demo", "--target", f"127.0.0.1:{server.port}",
-                               "--examples", "50", *flags], capture_output=True, text=True, timeout=300)
-
-    before = {a.aggregation_id for a in client.list_aggregations()}
-    out = demo()
+def test_demo_keep_leaves_its_finalized_aggregation_and_by_default_leaves_none(demos):
+    out = demos["50"]
     assert out.returncode == 0, out.stdout + out.stderr
-    assert {a.aggregation_id for a in client.list_aggregations()} == before  # cancelled: nothing left
-    out = demo("--keep")
+    assert demos["after"] == demos["before"]  # cancelled: nothing left
+    out = demos["50 --keep"]
     assert out.returncode == 0, out.stdout + out.stderr
     kept = re.search(r"kept aggregation (\S+) on the server", out.stdout).group(1)
-    assert client.get_aggregation(kept).state == client.get_aggregation(kept).FINALIZED
-    client.cancel(kept)
+    with Client(demos["target"]) as client:
+        assert client.get_aggregation(kept).state == client.get_aggregation(kept).FINALIZED
+        client.cancel(kept)
 
 
 def test_demo_fails_when_the_server_is_unreachable():
-    out = subprocess.run(
-        [sys.executable, "-m", "clipd", "demo", "--target", "127.0.0.1:1", "--examples", "10",
-         "--retry-timeout", "1"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode != 0
+    assert background.job(UNREACHABLE[1], _unreachable_job).result().returncode != 0
 
 
 def test_serve_help_lists_the_ports():
