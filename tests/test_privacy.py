@@ -11,11 +11,14 @@ at most 1e-6).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
+import sys
 import uuid
 
+import background
 import dp_accounting
 import grpc
 import httpx
@@ -499,16 +502,27 @@ def test_the_written_out_non_private_entry_is_dp_accountings():
     assert dp.event_from_json(NON_PRIVATE) == dpe.NonPrivateDpEvent()
 
 
+IMPORTS = ("import sys, clipd.server.app, clipd.server.shards.host, clipd.engine._privacy as dp; "
+           "print(sorted({m.split('.')[0] for m in sys.modules} & {'dp_accounting', 'scipy'})); "
+           "dp.epsilon_of_json(['{\"class_name\": \"GaussianDpEvent\", \"module_name\": \"dp_accounting.dp_event\","
+           " \"noise_multiplier\": 1.0}'], 1e-5, dp.Accountant.RDP, dp.Neighbouring.ADD_REMOVE_ONE); "
+           "print('dp_accounting' in sys.modules)")
+
+
+def _imports_job() -> background.Job:
+    return background.Job("privacy:imports", functools.partial(background.run_process,
+                                                               [sys.executable, "-c", IMPORTS], 120))
+
+
+def background_jobs(items, config) -> list[background.Job]:
+    """The fresh interpreter of the import test starts once the tests are collected (tests/background.py)."""
+    wanted = any(item.originalname == "test_a_server_without_privacy_does_not_import_dp_accounting" for item in items)
+    return [_imports_job()] if wanted else []
+
+
 def test_a_server_without_privacy_does_not_import_dp_accounting():
     """dp_accounting and the scipy it loads (most of a server process's start-up) come with the first privacy
-    policy: the server, a shard process and the engine import neither; the accounting loads them when asked."""
-    import subprocess
-    import sys
-
-    code = ("import sys, clipd.server.app, clipd.server.shards.host, clipd.engine._privacy as dp; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'dp_accounting', 'scipy'})); "
-            "dp.epsilon_of_json(['{\"class_name\": \"GaussianDpEvent\", \"module_name\": \"dp_accounting.dp_event\","
-            " \"noise_multiplier\": 1.0}'], 1e-5, dp.Accountant.RDP, dp.Neighbouring.ADD_REMOVE_ONE); "
-            "print('dp_accounting' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
+    policy: the server, a shard process and the engine import neither; the accounting loads them when asked
+    (in a fresh interpreter)."""
+    out = background.job("privacy:imports", _imports_job).result()
+    assert out.returncode == 0 and out.stdout.split() == ["[]", "True"], out.stdout + out.stderr

@@ -3,14 +3,16 @@ learning scikit-learn's digits against an embedded server, and the DpSgd helper'
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
-import logging
 import math
 import pathlib
+import subprocess
 import sys
 import warnings
 
+import background
 import numpy as np
 import pytest
 import torch
@@ -138,11 +140,34 @@ def test_a_noiseless_dpsgd_step_is_opacus_mean_over_the_expected_batch_size(clie
 
 
 # The examples learn -----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["dpsgd_torch", "dpsgd_jax"])
-def test_the_example_learns_digits_through_clipd_at_the_epsilon_dp_accounting_gives(name, tmp_path, caplog):
-    caplog.set_level(logging.WARNING)
-    out = tmp_path / "out"
-    summary = example(name).main(["--epochs", "3", "--quiet", "--seed-sampling", "--out", str(out)])
+EXAMPLE_RUNS = ["dpsgd_torch", "dpsgd_jax"]
+
+
+def _example_run(name: str, out: pathlib.Path) -> subprocess.CompletedProcess:
+    """``python examples/<name>.py --epochs 3`` (its embedded server), its plot and summary written to ``out``."""
+    return background.run_process([sys.executable, str(EXAMPLES / f"{name}.py"), "--epochs", "3", "--quiet",
+                                   "--seed-sampling", "--out", str(out)], 600, cwd=EXAMPLES)
+
+
+def _example_job(name: str, config) -> background.Job:
+    out = config._tmp_path_factory.mktemp(f"example-{name}")
+    return background.Job(f"training:{name}", functools.partial(_example_run, name, out))
+
+
+def background_jobs(items, config) -> list[background.Job]:
+    """The selected example runs start once the tests are collected, beside the tests (tests/background.py)."""
+    test = "test_the_example_learns_digits_through_clipd_at_the_epsilon_dp_accounting_gives"
+    wanted = dict.fromkeys(item.callspec.params["name"] for item in items if item.originalname == test)
+    return [_example_job(name, config) for name in wanted]
+
+
+@pytest.mark.parametrize("name", EXAMPLE_RUNS)
+def test_the_example_learns_digits_through_clipd_at_the_epsilon_dp_accounting_gives(name, request):
+    """The example as a script (run beside the earlier tests): 3 epochs, the accounting of its summary."""
+    run = background.job(f"training:{name}", functools.partial(_example_job, name, request.config)).result()
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    out = pathlib.Path(run.args[-1])
+    summary = json.loads((out / f"{name}.json").read_text())
     assert summary["steps"] == 18  # 3 epochs of round(1,438 / 256) steps
     assert summary["accuracy"] > 0.6, summary["history"]  # chance is 0.1; about 0.88 at this point
     q = summary["sampling_rate"]
@@ -155,9 +180,8 @@ def test_the_example_learns_digits_through_clipd_at_the_epsilon_dp_accounting_gi
     for record in summary["history"]:
         assert set(record["clip_fraction"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
         assert all(0.0 <= f <= 1.0 for f in record["clip_fraction"].values())
-    framework = name.removeprefix("dpsgd_")
-    assert (out / f"dpsgd_{framework}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / f"dpsgd_{framework}.json").read_text())["steps"] == 18
+    assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert run.stdout.strip().splitlines()[-1].startswith(f"accuracy={summary['accuracy']:.4f} ")  # its last line
 
 
 # The DpSgd helper ---------------------------------------------------------------------------------
