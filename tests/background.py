@@ -23,6 +23,7 @@ _JOBS: dict[str, Job] = {}
 _KILLS: dict[int, Callable[[], None]] = {}  # how to kill each process the jobs run now (by id of its Popen)
 _CLEANUPS: list[Callable[[], None]] = []
 _ENDED = threading.Event()  # the session has ended: a job starts no new process
+NICENESS = 10  # of the jobs' processes (and so of theirs): the tests' own processes come first on a busy machine
 
 
 class Job:
@@ -90,6 +91,7 @@ def run_process(command: list[str], timeout: float, **popen: Any) -> subprocess.
     (``TimeoutExpired`` after ``timeout`` s, the group killed)."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, **popen)
+    lower_priority(process)
     with tracked(process):
         try:
             out, err = process.communicate(timeout=timeout)
@@ -99,6 +101,13 @@ def run_process(command: list[str], timeout: float, **popen: Any) -> subprocess.
             process.communicate()
             raise
     return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def lower_priority(process: subprocess.Popen) -> None:
+    """Gives a job's process the niceness NICENESS, before it has started any of its own (they inherit it): on two
+    cores the tests run at their own speed while the jobs take what the tests leave."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.setpriority(os.PRIO_PROCESS, process.pid, NICENESS)
 
 
 @contextlib.contextmanager

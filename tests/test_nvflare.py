@@ -46,6 +46,7 @@ def _run(command: list[str], cwd: pathlib.Path, timeout: float = 100.0) -> subpr
     to create connection to the child process"), and then waits for that site for ever."""
     job = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)  # (cwd: the job's workspace, read by the tests)
+    background.lower_priority(job)
     try:
         with background.tracked(job, kill=lambda: _kill_processes(job, cwd)):  # (if the session ends first)
             out, err = job.communicate(timeout=timeout)
