@@ -181,8 +181,9 @@ def test_a_shard_process_killed_during_start_up(two_shard_processes):
     killed = None
     deadline = time.monotonic() + 60
     while killed is None and time.monotonic() < deadline:  # the first shard process seen, as soon as it exists
-        if server.proc is not None:
-            children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+        if server.proc is not None:  # (by its command line: clipd serve also runs ldconfig, ctypes' find_library)
+            children = subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "clipd.server.shards.host"],
+                                      capture_output=True, text=True).stdout.split()
             if children:
                 killed = int(children[0])
                 os.kill(killed, signal.SIGKILL)
