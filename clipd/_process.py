@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import threading
 
@@ -60,7 +59,7 @@ def tune() -> dict[str, dict]:
 
 
 def _mallopt():
-    return _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])  # (None: not glibc; musl has no mallopt)
+    return libc_function("mallopt", [ctypes.c_int, ctypes.c_int])  # (None: not glibc; musl has no mallopt)
 
 
 PR_SET_NAME = 15  # linux/prctl.h: the calling thread's name (15 bytes and a NUL)
@@ -70,7 +69,7 @@ def name_threads() -> bool:
     """From now on each Python thread started in this process gives its name (its first 15 bytes, what Linux
     keeps) to its native thread; False where the C library has no ``prctl`` (not Linux): nothing is changed.
     (The main thread keeps the process's name, which the threads native code starts from it inherit.)"""
-    prctl = _libc_function("prctl", [ctypes.c_int, ctypes.c_char_p])
+    prctl = libc_function("prctl", [ctypes.c_int, ctypes.c_char_p])
     if prctl is None:
         return False
 
@@ -90,10 +89,10 @@ def name_threads() -> bool:
     return True
 
 
-def _libc_function(name: str, argtypes):
+def libc_function(name: str, argtypes):
     """The C library's function ``name`` returning an int, with ``argtypes``; None where it has none."""
-    try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
+    try:  # (the process's own symbols, the C library's among them: find_library would run ldconfig)
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError, TypeError):
         return None
     function.argtypes, function.restype = argtypes, ctypes.c_int

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ctypes.util
 import math
 import mmap
 import threading
@@ -22,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from clipd._process import libc_function
 from clipd.server.errors import ResourceExhausted
 
 ALIGNMENT = 64  # bytes: JAX on the CPU reads host buffers aligned to this in place (others it copies)
@@ -277,15 +277,7 @@ class ByteBudget:
             self._shrink_pool_locked(self.limit - self.used)
 
 
-def _malloc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return libc.malloc_trim
-    except (OSError, AttributeError, TypeError):  # not glibc
-        return None
-
-
-_TRIM = _malloc_trim()
+_TRIM = libc_function("malloc_trim", [ctypes.c_size_t])  # None: not glibc
 
 
 def trim_heap() -> None:
