@@ -114,11 +114,11 @@ def test_stalled_streams_lock_nobody_out_and_are_closed_when_idle():
                        lambda: f"{limit} streams held, {300 - limit} ended (held {server.servicer.active_streams},"
                                f" ended {held.ended()})", step=0.05)
             # The 44 beyond the slots were refused at once, with a retry hint; none was let in. The hints are
-            # appointments within the documented bounds (50 ms to 30 s), after the streams held would drain (256 of
-            # them, at the 256 a second assumed before any ended: about 1 s).
+            # appointments within the documented bounds (50 ms to 30 s; where in them depends on how fast streams
+            # ended meanwhile: test_submit_one checks the rule).
             assert set(held.codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
             hints = sorted(int(t["retry-after-ms"]) for t in held.trailers)
-            assert len(hints) == 300 - limit and 900 <= hints[0] and hints[-1] <= 30_000, hints
+            assert len(hints) == 300 - limit and 50 <= hints[0] and hints[-1] <= 30_000, hints
             assert server.servicer.budget.used > 0  # the half batches are held...
 
             # ...and everything else still answers: health within 1 s, unary RPCs, readiness says why.
