@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -178,7 +178,7 @@ class Client:
         self.one_message = one_message  # a submission of one batch in one message goes as one SubmitOne call
         self._next_sequences: dict[tuple[str, str], int] = {}  # (aggregation, client) -> its next batch, as known
         self._placements: dict[str, pb.Placement] = {}  # aggregation id -> where its shards are summed
-        self._endpoints: dict[str, tuple[grpc.Channel, Any, Any]] = {}  # "host:port" -> (channel, Submit, SubmitOne)
+        self._endpoints: dict[str, _Endpoint] = {}  # "host:port" -> its channel and calls
         self._routing_lock = threading.Lock()
         self._metadata = ((wire.AUTHORIZATION_KEY, wire.BEARER + token),) if token else ()
         self.token_client_id = client_token_id(token)  # a client token's client id (None for other tokens)
@@ -199,8 +199,8 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
-        for channel, _, _ in self._endpoints.values():
-            channel.close()
+        for endpoint in self._endpoints.values():
+            endpoint.channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -611,7 +611,8 @@ class Client:
     def _submit_to(self, aggregation_id: str, client_id: str):
         """The Submit call that reaches the process summing ``client_id``'s shard (this client's channel
         when the server names no endpoints)."""
-        return self._route(self.placement(aggregation_id), client_id, 1) or self._submit
+        endpoint = self._endpoint(self.placement(aggregation_id), client_id)
+        return endpoint.submit if endpoint is not None else self._submit
 
     def _submit_one_to(self, aggregation_id: str, client_id: str):
         """The SubmitOne call to make: straight to ``client_id``'s shard's process if this client knows the
@@ -619,20 +620,19 @@ class Client:
         to learn the placement first)."""
         with self._routing_lock:
             placement = self._placements.get(aggregation_id)
-        return (self._route(placement, client_id, 2) if placement is not None and client_id else None) \
-            or self._submit_one
+        endpoint = self._endpoint(placement, client_id) if placement is not None and client_id else None
+        return endpoint.submit_one if endpoint is not None else self._submit_one
 
-    def _route(self, placement: pb.Placement, client_id: str, call: int):
-        """The ``call`` (1: Submit, 2: SubmitOne) on the endpoint of ``client_id``'s shard; None without
-        endpoints."""
+    def _endpoint(self, placement: pb.Placement, client_id: str) -> _Endpoint | None:
+        """The endpoint of the process that sums ``client_id``'s shard; None where the server names none."""
         if not placement.endpoints:
             return None
-        endpoint = placement.endpoints[wire.shard_of(client_id, placement.shards)]
+        address = placement.endpoints[wire.shard_of(client_id, placement.shards)]
         with self._routing_lock:
-            if endpoint not in self._endpoints:
-                channel = self._open_channel(endpoint)
-                self._endpoints[endpoint] = (channel, _submit_call(channel), _submit_one_call(channel))
-            return self._endpoints[endpoint][call]
+            if address not in self._endpoints:
+                channel = self._open_channel(address)
+                self._endpoints[address] = _Endpoint(channel, _submit_call(channel), _submit_one_call(channel))
+            return self._endpoints[address]
 
     def _forget_placement(self, aggregation_id: str) -> None:
         with self._routing_lock:
@@ -707,6 +707,14 @@ def _submit_call(channel: grpc.Channel):
     """Submit on ``channel``, sending messages the client serialized itself (clipd.wire): one copy of the data."""
     return channel.stream_stream(wire.SUBMIT_METHOD, request_serializer=None,
                                  response_deserializer=pb.SubmitResponse.FromString)
+
+
+class _Endpoint(NamedTuple):
+    """A shard process's endpoint: its channel, and Submit and SubmitOne on it."""
+
+    channel: grpc.Channel
+    submit: Any
+    submit_one: Any
 
 
 def _raising(error: Exception) -> Iterator[list[np.ndarray]]:
@@ -988,12 +996,17 @@ class _BatchStream:
         submission that failed) and not acknowledged: a resume resends it under that number and writer."""
         with self._cond:
             self.writer_id = writer
-            self._next_sequence = sequence + 1
-            entry = _Sent(sequence, batch[0].shape[0], sum(a.nbytes for a in batch), batch,
-                          wire.wire_nbytes(batch, self.wire_dtype))
-            self._window.append(entry)
-            self._unacked_bytes += entry.nbytes
+            self._hold_locked(sequence, batch)
             self._exhausted = True
+
+    def _hold_locked(self, sequence: int, batch: list[np.ndarray]) -> _Sent:
+        """``batch`` numbered ``sequence``, kept in the window until acknowledged; the next one is numbered after."""
+        entry = _Sent(sequence, batch[0].shape[0], sum(a.nbytes for a in batch), batch,
+                      wire.wire_nbytes(batch, self.wire_dtype))
+        self._next_sequence = sequence + 1
+        self._window.append(entry)
+        self._unacked_bytes += entry.nbytes
+        return entry
 
     def _acknowledge_locked(self, sequence: int) -> None:
         while self._window and self._window[0].sequence <= sequence:
@@ -1080,12 +1093,7 @@ class _BatchStream:
                     self._cond.notify_all()
                     return None
                 assert self._next_sequence is not None  # greet set it: requests() pulls only after the answer
-                entry = _Sent(self._next_sequence, batch[0].shape[0], sum(a.nbytes for a in batch), batch,
-                              wire.wire_nbytes(batch, self.wire_dtype))
-                self._next_sequence += 1
-                self._window.append(entry)
-                self._unacked_bytes += entry.nbytes
-                return entry
+                return self._hold_locked(self._next_sequence, batch)
 
     def _encode_lazily(self, entry: _Sent, held: list[int] | None = None) -> Iterator[tuple[bytes, int]]:
         """A batch's messages with their bytes of tensor data, each made when gRPC asks for the next;

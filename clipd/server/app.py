@@ -127,14 +127,8 @@ class ClipdServer:
 
     def snapshot(self) -> ServerSnapshot:
         """What the admin API shows of this server now."""
-        slots, budget, servicer = self.servicer.stream_slots, self.servicer.budget, self.servicer
-        own = host_pb.Load(active_streams=slots.active, stream_limit=slots.limit, refused_streams=slots.refused,
-                           buffered_bytes=budget.used, buffer_limit=budget.limit, refused_batches=budget.refused,
-                           one_message_held=servicer.admission.held,
-                           one_message_limit=servicer.admission.workers + servicer.admission.queue,
-                           refused_one_message=servicer.admission.refused,
-                           rejections=servicer.rejections,
-                           participation_refusals=self.ledgers.participation_refusals)
+        servicer = self.servicer
+        own = servicer.load(self.ledgers.participation_refusals)
         processes: list[dict] = []
         loads = [own]
         if self.hosts is not None:  # they take the Submit streams: their slots and buffers, not this process's

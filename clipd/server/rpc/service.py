@@ -32,6 +32,7 @@ from clipd.server.errors import (
     InvalidArgument,
     NotFound,
 )
+from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import Lifecycle
 from clipd.server.logs import event
 from clipd.server.rpc import codec
@@ -96,6 +97,16 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             aggregation.receive_ready()  # its first updates may stream in while it warms up further
 
         devices.prepare_receive, devices.prepare_above = prepare, self.settings.max_message_bytes
+
+    def load(self, participation_refusals) -> host_pb.Load:
+        """This process's Submit streams, one-message submissions, buffers and refusals (a shard process reports
+        it to the control; the control sums every process's), with its ledgers' ``participation_refusals``."""
+        slots, budget, admission = self.stream_slots, self.budget, self.admission
+        return host_pb.Load(active_streams=slots.active, stream_limit=slots.limit, refused_streams=slots.refused,
+                            buffered_bytes=budget.used, buffer_limit=budget.limit, refused_batches=budget.refused,
+                            one_message_held=admission.held, one_message_limit=admission.workers + admission.queue,
+                            refused_one_message=admission.refused, rejections=dict(self.rejections),
+                            participation_refusals=dict(participation_refusals))
 
     @property
     def active_streams(self) -> int:

@@ -127,10 +127,7 @@ class SubmitSession:
                     raise InvalidArgument(f"malformed SubmitRequest: {message.reason}")
                 if aggregation is None:
                     named = self.servicer.check_submitter(self.token, message.aggregation_id, "submit to")
-                    assembler = self.assembler = BatchAssembler(
-                        named.layers, settings.max_batch_bytes, self.servicer.budget,
-                        settings.buffer_wait, large_bytes=settings.max_message_bytes,
-                        large_wait=settings.stream_idle_timeout * 0.9, warmed=named.wait_warmed)
+                    assembler = self.assembler = assembler_for(named, settings, self.servicer.budget)
                     aggregation = self._bind(message, named, assembler)
                     del named
                     if message.sequence == 0 and not message.chunks:
@@ -188,12 +185,8 @@ class SubmitSession:
     def _bind(self, message, aggregation: Aggregation, assembler: BatchAssembler) -> Aggregation:
         """The stream's first message names its aggregation (checked: who may submit) and client: attach."""
         self.named = message.client_id
-        self.client = self.servicer.auth.client_identity(self.token, self.certified, aggregation, message.client_id)
-        if aggregation.unit is Unit.CLIENT and wire.SPREAD_MARK in self.client:
-            raise InvalidArgument(f"client_id {self.client!r}: under unit client a client contributes one batch, so"
-                                  " its submission is not spread over streams (send it as one client)")
+        self.client = client_of_call(self.servicer, self.token, self.certified, aggregation, message.client_id)
         self.writer = message.writer_id
-        self.servicer.lifecycle.check_participation(aggregation, self.client)
         durable, accepted, last_writer = aggregation.attach(self.client, self.writer)
         greeting = pb.SubmitResponse(acknowledged_sequence=durable, accepted_sequence=accepted,
                                      aggregation_examples=aggregation.examples, writer_id=last_writer,
@@ -322,6 +315,27 @@ class SubmitSession:
 _GONE = Exception("the client went away")  # (a sentinel: nothing is sent to a client that is gone)
 
 
+def assembler_for(aggregation: Aggregation, settings, budget) -> BatchAssembler:
+    """The batch assembler of one Submit stream or SubmitOne call into ``aggregation``: the server's limits, its
+    buffer budget; a large update (more than a message) waits as long as a stream may be silent for room, and
+    for the aggregation's prepared receive buffers."""
+    return BatchAssembler(aggregation.layers, settings.max_batch_bytes, budget, settings.buffer_wait,
+                          large_bytes=settings.max_message_bytes, large_wait=settings.stream_idle_timeout * 0.9,
+                          warmed=aggregation.wait_warmed)
+
+
+def client_of_call(servicer: Any, token: str | None, certified: str | None, aggregation: Aggregation,
+                   named: str) -> str:
+    """The client id a Submit stream or SubmitOne call is counted under (``Authenticator.client_identity``), once
+    checked: not a spread id under unit client, let take part in the release (``Lifecycle.check_participation``)."""
+    client = servicer.auth.client_identity(token, certified, aggregation, named)
+    if aggregation.unit is Unit.CLIENT and wire.SPREAD_MARK in client:
+        raise InvalidArgument(f"client_id {client!r}: under unit client a client contributes one batch, so"
+                              " its submission is not spread over streams (send it as one client)")
+    servicer.lifecycle.check_participation(aggregation, client)
+    return client
+
+
 def submit_one(servicer: Any, message, token: str | None, certified: str | None, context) -> pb.SubmitResponse:
     """SubmitOne: one whole batch in one message, taken in as a stream's batch is and answered once it is durable.
 
@@ -333,16 +347,11 @@ def submit_one(servicer: Any, message, token: str | None, certified: str | None,
     """
     if isinstance(message, codec.Malformed):
         raise InvalidArgument(f"malformed SubmitRequest: {message.reason}")
-    settings = servicer.settings
     aggregation = servicer.check_submitter(token, message.aggregation_id, "submit to")
-    client = servicer.auth.client_identity(token, certified, aggregation, message.client_id)
-    if aggregation.unit is Unit.CLIENT and wire.SPREAD_MARK in client:
-        raise InvalidArgument(f"client_id {client!r}: under unit client a client contributes one batch, so"
-                              " its submission is not spread over streams (send it as one client)")
+    client = client_of_call(servicer, token, certified, aggregation, message.client_id)
     sequence, writer = message.sequence, message.writer_id
     if sequence < 1:
         raise InvalidArgument(f"sequence must be >= 1, got {sequence} (SubmitOne carries a whole batch: no hello)")
-    servicer.lifecycle.check_participation(aggregation, client)
     aggregation.check_contribution(client, sequence)
     durable, accepted, last_writer = aggregation.attach(client, writer)
     try:
@@ -350,9 +359,7 @@ def submit_one(servicer: Any, message, token: str | None, certified: str | None,
             raise Behind(f"client {client!r} has batches up to {accepted} (another submission's): number this one"
                          f" {accepted + 1}", accepted)
         if sequence > durable:
-            assembler = BatchAssembler(aggregation.layers, settings.max_batch_bytes, servicer.budget,
-                                       settings.buffer_wait, large_bytes=settings.max_message_bytes,
-                                       warmed=aggregation.wait_warmed)
+            assembler = assembler_for(aggregation, servicer.settings, servicer.budget)
             try:
                 batch = assembler.add(sequence, message.chunks)
                 if batch is None:

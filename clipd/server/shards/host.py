@@ -279,11 +279,10 @@ class ShardHost:
         if isinstance(message, self._malformed) or not message.aggregation_id:
             return self.index
         aggregation_id = message.aggregation_id
-        scope, shards = Registry.scope(self.registry, aggregation_id), None
-        if scope is not None:  # open here (a one-message round asks once a client: no store read)
-            with contextlib.suppress(NotFound):
-                shards = Registry.get(self.registry, aggregation_id).shards
-        if scope is None or shards is None:
+        try:  # open here: no store read (a one-message round asks once a client)
+            shards = Registry.get(self.registry, aggregation_id).shards
+            scope = Registry.scope(self.registry, aggregation_id)
+        except NotFound:
             record = self.store.get(aggregation_id)
             if record is None:
                 return self.index
@@ -396,12 +395,7 @@ class ShardHost:
 
     def load(self) -> host_pb.Load:
         """This process's Submit streams, buffers and refusals (the control sums them with its own)."""
-        slots, budget, admission = self.servicer.stream_slots, self.servicer.budget, self.servicer.admission
-        return host_pb.Load(active_streams=slots.active, stream_limit=slots.limit, refused_streams=slots.refused,
-                            buffered_bytes=budget.used, buffer_limit=budget.limit, refused_batches=budget.refused,
-                            one_message_held=admission.held, one_message_limit=admission.workers + admission.queue,
-                            refused_one_message=admission.refused, rejections=dict(self.servicer.rejections),
-                            participation_refusals=dict(self.ledgers.participation_refusals))
+        return self.servicer.load(self.ledgers.participation_refusals)
 
     def _forget(self, request: host_pb.ForgetRequest) -> host_pb.ForgetResponse:
         with contextlib.suppress(NotFound):
