@@ -1,4 +1,4 @@
-"""`clipd serve` tunes its own process (clipd/_process.py): glibc's mmap threshold and OpenBLAS's threads, with no
+"""`clipd serve` tunes its own process (clipd/_process.py): glibc's mmap threshold, OpenBLAS's threads and the garbage collector, with no
 environment variable set; its threads carry their names natively."""
 
 from __future__ import annotations
@@ -85,7 +85,13 @@ def test_clipd_serve_tunes_itself_without_any_variable(tmp_path, monkeypatch):
         server.stop()
     # top -H shows which part of the server is busy: its Python threads' names (15 bytes) are the native ones.
     assert {"clipd-admin", "clipd-janitor"} <= names and any(n.startswith("clipd-device-wo") for n in names), names
+    gc_tuning = tuning.pop("python_gc")
     assert {k: v["source"] for k, v in tuning.items()} == {
         "MALLOC_MMAP_THRESHOLD_": "mallopt", "OPENBLAS_NUM_THREADS": "environment"}
     assert tuning["MALLOC_MMAP_THRESHOLD_"]["value"] == str(32 << 20)
+    # Once serving, the start-up's objects (numpy's, JAX's, gRPC's: about 150,000) are out of the
+    # collector's scans, and a young generation waits for 20,000 new objects (Python's default: 700).
+    assert gc_tuning["value"] == "20000,20,20"
+    frozen = int(gc_tuning["source"].removeprefix("gc.freeze (").removesuffix(" objects)"))
+    assert frozen > 100_000, gc_tuning
 

@@ -201,6 +201,43 @@ def test_a_full_queue_refuses_with_appointments_within_bounds_that_the_client_ke
         server.stop(grace=1.0)
 
 
+def test_checkpoints_are_spaced_by_the_busy_interval_while_a_crowd_of_calls_is_in_flight():
+    """12 clients at once, each holding a worker (two) until a checkpoint makes it durable: while two or more calls
+    are in flight, checkpoints start busy_checkpoint_interval (0.25 s) apart, not checkpoint_interval (0.01 s);
+    a lone client's calls, one at a time, are answered at the interval."""
+    settings = Settings(**{**TEST_SETTINGS, "max_streams": 2, "one_message_queue": 64,
+                           "checkpoint_interval": 0.01, "busy_checkpoint_interval": 0.25})
+    server, port = create_server(settings)
+    target = f"127.0.0.1:{port}"
+    admission, starts = server.servicer.admission, []
+    save = server.store.save_checkpoint
+    server.store.save_checkpoint = lambda *a, **k: (starts.append((time.monotonic(), admission.held)),
+                                                    save(*a, **k))[1]
+    try:
+        channel = grpc.insecure_channel(target)
+        with Client(target) as admin:
+            agg = admin.create_aggregation({"x": (WIDTH,)}, l2_norm_clip=CLIP)
+            admin.submit(agg, {"x": _update(0)}, client_id="warm")
+        starts.clear()
+        round_ = [threading.Thread(target=_one, args=(channel, agg, f"c{k}", 1, _update(10 + k))) for k in range(12)]
+        for thread in round_:
+            thread.start()
+        for thread in round_:
+            thread.join(60)
+        busy = [later - earlier for (earlier, held), (later, _) in zip(starts, starts[1:]) if held >= 2]
+        assert len(busy) >= 3, starts
+        assert min(busy) >= 0.25 * 0.95, busy
+        lone = []
+        for k in range(5):  # one call at a time: its checkpoint comes at the interval
+            began = time.monotonic()
+            _one(channel, agg, f"lone-{k}", 1, _update(40 + k))
+            lone.append(time.monotonic() - began)
+        assert sorted(lone)[2] < 0.15, lone
+        _assert_sum(admin_finalize(target, agg), [_update(s) for s in (0, *range(10, 22), *range(40, 45))])
+    finally:
+        server.stop(grace=1.0)
+
+
 def admin_finalize(target: str, aggregation: str):
     with Client(target) as admin:
         return admin.finalize(aggregation)

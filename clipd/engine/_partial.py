@@ -226,7 +226,7 @@ class PartialState:
             "layers": [[layer.name, list(layer.shape), layer.dtype] for layer in self.layers],
             "examples": self.examples, "non_finite": self.non_finite,
             "batches": self.batches, "bytes": self.bytes,
-            "clients": {c: [s, w] for c, (s, w) in sorted(self.clients.items())},
+            "clients": dict(sorted(self.clients.items())),  # {client: (sequence, writer)}: JSON's [s, w]
         }
 
     def to_bytes(self) -> builtins.bytes:  # builtins: the field `bytes` shadows the type in this class

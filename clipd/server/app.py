@@ -56,7 +56,7 @@ class ClipdServer:
         def make_shards() -> Devices | ShardHosts:
             if self.launcher is None:  # every shard on a local device
                 return Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
-                               settings.warmup_timeout)
+                               settings.warmup_timeout, busy_checkpoint_interval=settings.busy_checkpoint_interval)
             from clipd.server.shards.hosts import ShardHosts
 
             self.hosts = ShardHosts(settings, self.store, self.launcher)
@@ -71,7 +71,7 @@ class ClipdServer:
         self.health = serving.health
         recover(self.store, self.registry, self.devices, settings, self.ledgers)
         if self.hosts is None:  # this process receives the updates its devices sum
-            self.servicer.prepare_receive_buffers(self.devices)
+            self.servicer.attach_devices(self.devices)
         launcher = self.launcher
         if launcher is not None and launcher.control_address is not None:  # the hosts take the public port (and
             self.grpc.add_insecure_port(launcher.control_address)  # terminate TLS): the control listens for them
@@ -277,6 +277,7 @@ def serve(settings: Settings, grace: float | None = None) -> None:
     """
     grace = settings.shutdown_grace if grace is None else grace
     server, port = create_server(settings)
+    _process.settle()  # what start-up made is left out of the garbage collector's scans (clipd/_process.py)
     # A plain flag, polled: the handler takes no lock (an Event's set() from a signal handler takes its
     # condition's lock, which the interrupted main thread may be holding), and the main thread's sleep is
     # interrupted by the signal, so the handler runs at once.

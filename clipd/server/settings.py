@@ -92,6 +92,10 @@ class Settings:
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
     checkpoint_interval: float = 0.01  # seconds between checkpoint starts (the acknowledgement latency)
     checkpoint_max_duty: float = 0.25  # large states: checkpoints spaced so writing takes <= this share
+    # While a crowd of one-message calls is in flight (two or more at once: a round's clients), checkpoints are
+    # spaced this far: each call waits a little longer, none of them waits on another, and fewer checkpoints
+    # (each writes the whole state) leave the CPU to the calls.
+    busy_checkpoint_interval: float = 0.05
     finalize_timeout: float = 300.0  # Finalize waits at most this long for accepted batches to be summed
     retention_seconds: float = 86400.0  # finalized and failed aggregations are deleted after this
     shutdown_grace: float = 10.0  # on SIGTERM, open streams get this long; the process exits 5 s after at most
@@ -108,8 +112,8 @@ class Settings:
             if getattr(self, field) < 0:
                 raise ValueError(f"Settings.{field} must be positive (or 0: derived from memory_budget), got"
                                  f" {getattr(self, field)}")
-        for field in ("checkpoint_interval", "finalize_timeout", "retention_seconds", "buffer_wait",
-                      "warmup_timeout", "stream_idle_timeout", "shutdown_grace"):
+        for field in ("checkpoint_interval", "busy_checkpoint_interval", "finalize_timeout", "retention_seconds",
+                      "buffer_wait", "warmup_timeout", "stream_idle_timeout", "shutdown_grace"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Settings.{field} must be positive, got {getattr(self, field)}")
         if self.ray_address and not self.data_dir.startswith(("postgresql://", "postgres://")):

@@ -20,6 +20,7 @@ MIN_RETRY_AFTER = 0.05  # seconds: the least and the most a refused call or stre
 MAX_RETRY_AFTER = 30.0
 RATE_WINDOW = 5.0  # seconds of ends the drain rate is measured over
 FIRST_CALL_SECONDS = 0.1  # what a one-message call is taken to last before any has ended (a server just started)
+CROWD = 2  # one-message calls in flight at once from which checkpoints are spaced by busy_checkpoint_interval
 FIRST_STREAM_SECONDS = 1.0  # what a stream is taken to last before any has ended
 
 
@@ -171,6 +172,8 @@ class Admission:
 
     >>> admission = Admission(workers=1, queue=1)
     >>> admission.held = 2                                # one running, one waiting: the queue is full
+    >>> admission.crowded()
+    True
     >>> first, second = admission.retry_after(now=0.0), admission.retry_after(now=0.0)
     >>> round(first, 3), round(second, 3)                 # 10 calls/s assumed before any finished
     (0.2, 0.3)
@@ -193,6 +196,11 @@ class Admission:
         with self._lock:
             self.refused += 1
         return self.appointments.book(self.held, now)
+
+    def crowded(self) -> bool:
+        """Whether a crowd of calls is in flight: two or more at once (a round's clients, not one trainer's
+        sequential steps), whose acknowledgements may share checkpoints spaced further apart."""
+        return self.held >= CROWD
 
     def _started(self) -> None:
         with self._lock:

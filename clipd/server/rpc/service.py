@@ -87,16 +87,20 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         share = max(1, self.settings.processes)
         return max(0, self.settings.memory // share - self.registry.state_bytes() // share)
 
-    def prepare_receive_buffers(self, devices) -> None:
-        """``devices`` (``Devices``, in the process that receives what they sum) prepare, as an aggregation whose
-        updates span messages warms up, the receive buffers of its first ``RECEIVE_BUFFERS`` updates: faulted in
-        first (``ByteBudget.prepare``), as far as the buffer has room; updates may then stream in."""
+    def attach_devices(self, devices) -> None:
+        """``devices`` (``Devices``, in the process that receives what they sum) learn what this process's calls
+        need of them: as an aggregation whose updates span messages warms up, they prepare the receive buffers of
+        its first ``RECEIVE_BUFFERS`` updates (faulted in first, ``ByteBudget.prepare``, as far as the buffer has
+        room; updates may then stream in); and their checkpoints are spaced by ``busy_checkpoint_interval`` while
+        a crowd of one-message calls is in flight (``Admission.crowded``)."""
         def prepare(aggregation: Aggregation) -> None:
             sizes = [layer.size * wire.numpy_dtype(layer.dtype).itemsize for layer in aggregation.layers]
             self.budget.prepare(sizes, RECEIVE_BUFFERS)
             aggregation.receive_ready()  # its first updates may stream in while it warms up further
 
         devices.prepare_receive, devices.prepare_above = prepare, self.settings.max_message_bytes
+        for worker in devices.workers:
+            worker.crowded = self.admission.crowded
 
     def load(self, participation_refusals) -> host_pb.Load:
         """This process's Submit streams, one-message submissions, buffers and refusals (a shard process reports

@@ -199,7 +199,8 @@ class ShardHost:
         self.serving = serving_process(
             settings, store, _ShardRegistry(store, self._open_from_store),
             lambda: Devices(store, settings.checkpoint_interval, settings.checkpoint_max_duty, settings.warmup_timeout,
-                            process=(index, self.count)), admin_token="",
+                            process=(index, self.count),
+                            busy_checkpoint_interval=settings.busy_checkpoint_interval), admin_token="",
             handlers=lambda servicer: [passing_through(self.control, index, submit=self._submit,
                                                        placement=self._get_placement,
                                                        submit_one=on_pool(self._submit_one,
@@ -210,7 +211,7 @@ class ShardHost:
         self.store, self.registry, self.ledgers = store, self.serving.registry, self.serving.ledgers
         self.devices: Devices = self.serving.shards  # type: ignore[assignment]  # (the Devices made above)
         self.servicer, self.public = self.serving.servicer, self.serving.grpc
-        self.servicer.prepare_receive_buffers(self.devices)
+        self.servicer.attach_devices(self.devices)
         self._to_sibling: dict = {}
         self._one_to_sibling: dict = {}
         if private_dir is not None:
@@ -492,6 +493,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the control stops us
     process = ShardHost(settings, orders["index"], orders["port"], orders["data_port"],
                         orders["private_dir"]).start()
+    _process.settle()  # (as clipd serve's: start-up's objects out of the garbage collector's scans)
     print(f"ready {process.data_port}", flush=True)
     while not stop:
         if os.getppid() != parent:  # the control process died (SIGKILL): a new one starts new shard processes

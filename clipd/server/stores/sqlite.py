@@ -277,8 +277,8 @@ class SQLiteStore(SQLStore):
             if pruned and partial.array_bytes >= DIRECT_MIN_BYTES:  # after the acknowledgement: a large model's
                 threading.Thread(target=_remove_files, args=(directory, pruned, True), daemon=True,  # file takes
                                  name="clipd-prune").start()  # a third of a second to unlink
-            elif pruned:
-                _remove_files(directory, pruned, sync=True)
+            elif pruned:  # (unsynced: an unlink a crash undoes leaves a file with no row, swept at the next open;
+                _remove_files(directory, pruned)  # the next checkpoint's directory fsync makes it durable anyway)
 
     def _drop_checkpoints(self, tx: Tx, where: str, params: tuple) -> list[str]:
         """Deletes the rows; returns their files, to unlink once the commit is durable."""

@@ -32,8 +32,8 @@ def checkpoint_due_at(key: tuple[Aggregation, int], slot, now: float, queued) ->
     queued (summed first: one checkpoint for both), or, while a stream is receiving a batch of the shard,
     once that had as long as the last checkpoint took to write (waiting less than a checkpoint takes costs
     this one less than a second checkpoint costs that one). A small model's checkpoints keep the interval
-    whatever they hold: a round of thousands of one-example clients shares one every interval, instead of
-    one a step.
+    whatever they hold, and so do a crowd's (``busy_checkpoint_interval``: see :func:`checkpoint_spacing`):
+    a round of thousands of one-message clients shares one every interval, instead of one a step.
     """
     if not slot.dirty or slot.committing or key in queued:
         return None
@@ -45,6 +45,23 @@ def checkpoint_due_at(key: tuple[Aggregation, int], slot, now: float, queued) ->
     if aggregation.arriving(shard) > 0:
         return min(slot.checkpoint_due, slot.full_since + slot.last_commit_seconds)
     return now
+
+
+def checkpoint_spacing(took: float, interval: float, max_duty: float, busy: bool = False,
+                       busy_interval: float = 0.0) -> float:
+    """Seconds from one checkpoint's start to the next one's, after one that took ``took`` seconds to write:
+    ``interval``, or more so that writing takes at most ``max_duty`` of the time; ``busy`` (a crowd of
+    independent submissions waits on the checkpoints: a round's clients), at least ``busy_interval``.
+
+    >>> checkpoint_spacing(0.001, 0.01, 0.25)                          # a small state: the interval
+    0.01
+    >>> checkpoint_spacing(0.5, 0.01, 0.25)                            # a large one: writing 1/4 of the time
+    2.0
+    >>> checkpoint_spacing(0.001, 0.01, 0.25, busy=True, busy_interval=0.05)   # a round's clients
+    0.05
+    """
+    spacing = max(interval, took / max_duty)
+    return max(spacing, busy_interval) if busy else spacing
 
 
 class Committer:

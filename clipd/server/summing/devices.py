@@ -47,13 +47,13 @@ class Devices:
 
     def __init__(self, store: Store, checkpoint_interval: float = 0.05, checkpoint_max_duty: float = 0.25,
                  warmup_timeout: float = 300.0, devices: list | None = None,
-                 process: tuple[int, int] = (0, 1)) -> None:
+                 process: tuple[int, int] = (0, 1), busy_checkpoint_interval: float = 0.05) -> None:
         devices = list(jax.local_devices() if devices is None else devices)
         if not devices:
             raise ValueError("Devices: no JAX device")
         self.index, self.processes = process
-        self.workers = [DeviceWorker(store, checkpoint_interval, checkpoint_max_duty, warmup_timeout, device=d)
-                        for d in devices]
+        self.workers = [DeviceWorker(store, checkpoint_interval, checkpoint_max_duty, warmup_timeout, device=d,
+                                     busy_checkpoint_interval=busy_checkpoint_interval) for d in devices]
         # Run while an aggregation with updates of more than prepare_above bytes warms up, once in this process
         # (the servicer's: the receive buffers of its first updates faulted in).
         self.prepare_receive: Callable[[Aggregation], Any] | None = None

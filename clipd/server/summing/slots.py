@@ -62,7 +62,7 @@ class ShardSlot:
     dirty: bool = False  # batches summed since the last checkpoint started
     unsaved_bytes: int = 0  # bytes of those batches
     last_commit_seconds: float = 0.5  # how long the last checkpoint took to write (a guess before the first)
-    spaced_by_duty: bool = True  # the duty cycle, not checkpoint_interval, spaced the last checkpoint (a large one)
+    spaced_by_duty: bool = True  # the duty cycle spaced the last checkpoint (a large one), and no crowd of calls waited
     full_since: float | None = None  # when unsaved_bytes reached half a checkpoint's (time.monotonic())
     checkpoint_due: float = 0.0  # time.monotonic() when the next checkpoint may start
     committing: bool = False

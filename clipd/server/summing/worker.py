@@ -25,9 +25,10 @@ batch summed since the previous one. Checkpoints of an aggregation start at
 most every ``checkpoint_interval`` seconds, and further apart when writing
 takes long (large models): writing takes at most ``checkpoint_max_duty`` of
 the time, unless the batches waiting hold half the bytes a checkpoint writes
-(whole updates of a large model). A delta is also flushed every ``FLUSH_STEPS``
-steps, which bounds the float32 rounding error of the sums and keeps the int32
-counters far from overflow.
+(whole updates of a large model); while a crowd of one-message calls is in
+flight (a round's clients), at most every ``busy_checkpoint_interval``.
+A delta is also flushed every ``FLUSH_STEPS`` steps, which bounds the float32
+rounding error of the sums and keeps the int32 counters far from overflow.
 
 Large updates (one example a step): a batch whose own rows fill a step in
 64-byte-aligned buffers goes to the step as it is (no staging copy). On the
@@ -72,7 +73,7 @@ from clipd.server.errors import Unavailable
 from clipd.server.lifecycle import fail
 from clipd.server.stores.base import Store
 from clipd.server.summing.batch import Batch
-from clipd.server.summing.checkpoints import CHECKPOINT_FAILED, Committer, checkpoint_due_at
+from clipd.server.summing.checkpoints import CHECKPOINT_FAILED, Committer, checkpoint_due_at, checkpoint_spacing
 from clipd.server.summing.packing import Step, pack
 from clipd.server.summing.programs import (
     already_compiled,
@@ -112,11 +113,16 @@ class DeviceWorker:
     """Runs every device step of one device, in one thread; a second thread commits checkpoints."""
 
     def __init__(self, store: Store, checkpoint_interval: float = 0.05, checkpoint_max_duty: float = 0.25,
-                 warmup_timeout: float = 300.0, device: jax.Device | None = None) -> None:
+                 warmup_timeout: float = 300.0, device: jax.Device | None = None,
+                 busy_checkpoint_interval: float = 0.05) -> None:
         self.store = store
         self.warmup_timeout = warmup_timeout
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_max_duty = checkpoint_max_duty
+        self.busy_checkpoint_interval = busy_checkpoint_interval
+        # Whether a crowd of independent submissions waits on this process's checkpoints (Admission.crowded: two
+        # or more one-message calls in flight); while one does, checkpoints are spaced by busy_checkpoint_interval.
+        self.crowded: Callable[[], bool] = lambda: False
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self._queued_bytes = 0
@@ -525,8 +531,12 @@ class DeviceWorker:
             slot = self._slots.get((aggregation, shard))
             if slot is not None and final is None:
                 slot.committing = False
-                slot.checkpoint_due = started + max(self.checkpoint_interval, took / self.checkpoint_max_duty)
-                slot.spaced_by_duty = took / self.checkpoint_max_duty > self.checkpoint_interval
+                crowded = self.crowded()
+                slot.checkpoint_due = started + checkpoint_spacing(took, self.checkpoint_interval,
+                                                                   self.checkpoint_max_duty, crowded,
+                                                                   self.busy_checkpoint_interval)
+                # (a crowd's checkpoints keep their spacing: its acknowledgements share them however much waits)
+                slot.spaced_by_duty = took / self.checkpoint_max_duty > self.checkpoint_interval and not crowded
                 slot.last_commit_seconds = took
             self._recheck = True
             self._cond.notify_all()
