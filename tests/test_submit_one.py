@@ -224,7 +224,9 @@ def test_checkpoints_are_spaced_by_the_busy_interval_while_a_crowd_of_calls_is_i
             thread.start()
         for thread in round_:
             thread.join(60)
-        busy = [later - earlier for (earlier, held), (later, _) in zip(starts, starts[1:]) if held >= 2]
+        # Two workers: up to two calls (the last checkpoint's) may end while one is written; from four held at its
+        # start, a crowd is still in flight when its successor is scheduled.
+        busy = [later - earlier for (earlier, held), (later, _) in zip(starts, starts[1:]) if held >= 4]
         assert len(busy) >= 3, starts
         assert min(busy) >= 0.25 * 0.95, busy
         lone = []
