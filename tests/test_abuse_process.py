@@ -34,16 +34,19 @@ def _free_port() -> int:
 
 
 class Serve:
-    """``clipd serve`` on loopback, its log in a file."""
+    """``clipd serve`` on loopback, its log in a file; ``processes``: that many shard processes (they receive the
+    batches: :meth:`rss` is theirs), with a durable store (they share one)."""
 
-    def __init__(self, tmp_path: pathlib.Path, **env: str) -> None:
+    def __init__(self, tmp_path: pathlib.Path, processes: int = 0, **env: str) -> None:
         self.port = _free_port()
+        self.processes = processes
         self.log_path = tmp_path / "serve.log"
         self.log = open(self.log_path, "wb")
         environ = {**os.environ, "JAX_PLATFORMS": "cpu", **{f"CLIPD_{k.upper()}": v for k, v in env.items()}}
+        data_dir = str(tmp_path / "data") if processes else "memory"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", str(self.port),
-             "--admin-port", "-1", "--data-dir", "memory"],
+             "--admin-port", "-1", "--data-dir", data_dir, "--processes", str(processes)],
             env=environ, stdout=self.log, stderr=subprocess.STDOUT)
 
         def alive() -> None:
@@ -56,17 +59,26 @@ class Serve:
         return f"127.0.0.1:{self.port}"
 
     def rss(self) -> int:
-        """Resident bytes of the server process (VmRSS)."""
-        for line in pathlib.Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
+        """Resident bytes (VmRSS) of the server process, or of its shard processes together."""
+        pids = [self.proc.pid]
+        if self.processes:
+            pids = [int(p) for task in pathlib.Path(f"/proc/{self.proc.pid}/task").iterdir()  # (each thread's:
+                    for p in (task / "children").read_text().split()]  # another thread started them)
+            assert len(pids) == self.processes, pids
+        return sum(_vm_rss(pid) for pid in pids)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self.log.close()
+
+
+def _vm_rss(pid: int) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
 
 
 @pytest.fixture()
@@ -140,15 +152,17 @@ def _rss_below(serve: Serve, limit: int, timeout: float, what: str, steady: floa
     return seen[-1][1]
 
 
-def test_memory_of_abandoned_half_batches_is_released(serve):
+@pytest.mark.parametrize("processes", [0, 1], ids=["one process", "a shard process"])
+def test_memory_of_abandoned_half_batches_is_released(serve, processes):
     """100 streams each leave 8 MiB (half of a 16 MiB batch) and are cut: RSS comes back to the baseline once
-    the time a resuming stream may take them up (stream_idle_timeout, 2 s here) has passed.
+    the time a resuming stream may take them up (stream_idle_timeout, 2 s here) has passed; in ``clipd serve``,
+    and in a shard process (whose heap is its own: it trims it too).
 
     RSS is polled, not read after fixed waits: the first round (one-time allocations) ends once what it held is
     given back and RSS has stayed put for a second (the baseline); the second passes as soon as RSS is within
     64 MiB of that baseline, and fails if it is not within the 5 s that the fixed wait gave it."""
-    server = serve(max_buffered_bytes=str(2048 * MiB), max_message_bytes=str(32 * MiB), stream_idle_timeout="2",
-                   buffer_wait="1")
+    server = serve(processes=processes, max_buffered_bytes=str(2048 * MiB), max_message_bytes=str(32 * MiB),
+                   stream_idle_timeout="2", buffer_wait="1")
     with Client(server.target) as client:
         aggregation = client.create_aggregation({"w": (4 * MiB,)})  # 16 MiB per example
         rounds = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -28,7 +27,7 @@ from clipd.server.shards.protocol import describe_load, sum_loads
 from clipd.server.stores import open_store
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
 from clipd.server.summing.devices import Devices
-from clipd.server.summing.memory import trim_heap
+from clipd.server.summing.memory import HeapTrimmer
 
 if TYPE_CHECKING:  # imported where they are used: FastAPI, the shard processes (and Ray) load only when asked for
     from clipd.server.admin.app import AdminServer
@@ -81,7 +80,7 @@ class ClipdServer:
         self.admin: AdminServer | None = None
         self.stopped = threading.Event()
         self._janitor = threading.Thread(target=self._expire_results, name="clipd-janitor", daemon=True)
-        self._trimmer = threading.Thread(target=self._trim_after_release, name="clipd-trim", daemon=True)
+        self._trimmer = HeapTrimmer(self.servicer.budget)
 
     def _expire_results(self) -> None:
         """Deletes finalized and failed aggregations once they are older than the retention period."""
@@ -94,17 +93,6 @@ class ClipdServer:
                           retention_seconds=self.settings.retention_seconds)
                 except Exception:  # already gone, or the store failed: try again next round
                     log.exception("could not expire aggregation %s", aggregation.id)
-
-    def _trim_after_release(self, period: float = 1.0, threshold: int = 64 << 20) -> None:
-        """Once a second, if 64 MiB+ of batch buffers were given back since the last time, trims the heap."""
-        trimmed = 0
-        while not self.stopped.wait(period):
-            self.servicer.budget.drop_idle_buffers()
-            given_back = self.servicer.budget.given_back
-            if given_back - trimmed >= threshold:
-                gc.collect(0)
-                trim_heap()
-                trimmed = given_back
 
     def start(self) -> ClipdServer:
         self.grpc.start()
@@ -200,6 +188,7 @@ class ClipdServer:
         if self.stopped.is_set():
             return
         self.stopped.set()
+        self._trimmer.stop()
         self.health.enter_graceful_shutdown()
         if self.data_plane_elsewhere:
             self.devices.stop(timeout=grace)  # they finish their streams (and may still call this process)

@@ -66,6 +66,7 @@ from clipd.server.shards.forward import _pass, _pass_unary, passing_through
 from clipd.server.shards.protocol import SERVICE, stats_to_proto
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED
 from clipd.server.summing.devices import owner_of
+from clipd.server.summing.memory import HeapTrimmer
 from clipd.server.tls import peer_channel
 from clipd.v1 import clipd_pb2
 
@@ -212,6 +213,7 @@ class ShardHost:
         self.devices: Devices = self.serving.shards  # type: ignore[assignment]  # (the Devices made above)
         self.servicer, self.public = self.serving.servicer, self.serving.grpc
         self.servicer.attach_devices(self.devices)
+        self._trimmer = HeapTrimmer(self.servicer.budget)
         self._to_sibling: dict = {}
         self._one_to_sibling: dict = {}
         if private_dir is not None:
@@ -450,9 +452,11 @@ class ShardHost:
         self.public.start()
         if not self.devices.wait_ready(self.settings.warmup_timeout):
             raise RuntimeError(f"shard process {self.index}: its devices did not run a first program")
+        self._trimmer.start()  # (its own heap: what a flood of abandoned batches left here goes back too)
         return self
 
     def stop(self, grace: float) -> None:
+        self._trimmer.stop()
         self.serving.health.enter_graceful_shutdown()
         self.public.stop(grace).wait(grace + 1.0)
         if self.private is not None:

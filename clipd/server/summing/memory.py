@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import gc
 import math
 import mmap
 import threading
@@ -289,3 +290,33 @@ def trim_heap() -> None:
     """
     if _TRIM is not None:
         _TRIM(0)
+
+
+class HeapTrimmer:
+    """A thread that, once every ``period`` seconds, frees the pooled receive buffers ``budget`` has not reused for
+    its ``pool_idle``, and trims the heap (:func:`trim_heap`) if ``threshold`` bytes or more of batch buffers were
+    given back since it last did. Every process that receives batches runs one (``clipd serve`` and each of its
+    shard processes: each has a heap of its own), so that a flood of abandoned batches leaves none of them at
+    its peak resident size."""
+
+    def __init__(self, budget: ByteBudget, period: float = 1.0, threshold: int = 64 << 20) -> None:
+        self.budget, self.period, self.threshold = budget, period, threshold
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="clipd-trim", daemon=True)
+
+    def start(self) -> HeapTrimmer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        trimmed = 0
+        while not self._stopped.wait(self.period):
+            self.budget.drop_idle_buffers()
+            given_back = self.budget.given_back
+            if given_back - trimmed >= self.threshold:
+                gc.collect(0)  # (a batch's last references may be in young garbage cycles)
+                trim_heap()
+                trimmed = given_back
