@@ -295,9 +295,10 @@ def trim_heap() -> None:
 class HeapTrimmer:
     """A thread that, once every ``period`` seconds, frees the pooled receive buffers ``budget`` has not reused for
     its ``pool_idle``, and trims the heap (:func:`trim_heap`) if ``threshold`` bytes or more of batch buffers were
-    given back since it last did. Every process that receives batches runs one (``clipd serve`` and each of its
-    shard processes: each has a heap of its own), so that a flood of abandoned batches leaves none of them at
-    its peak resident size."""
+    given back since it last did and no batch holds a reservation now. Every process that receives batches runs
+    one (``clipd serve`` and each of its shard processes: each has a heap of its own), so that a flood of
+    abandoned batches leaves none of them at its peak resident size; while batches keep coming (a round of
+    thousands of clients) the freed pages are theirs to reuse, not the kernel's to fault in again."""
 
     def __init__(self, budget: ByteBudget, period: float = 1.0, threshold: int = 64 << 20) -> None:
         self.budget, self.period, self.threshold = budget, period, threshold
@@ -316,7 +317,7 @@ class HeapTrimmer:
         while not self._stopped.wait(self.period):
             self.budget.drop_idle_buffers()
             given_back = self.budget.given_back
-            if given_back - trimmed >= self.threshold:
+            if given_back - trimmed >= self.threshold and self.budget.used == 0:
                 gc.collect(0)  # (a batch's last references may be in young garbage cycles)
                 trim_heap()
                 trimmed = given_back
