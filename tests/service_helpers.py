@@ -164,6 +164,22 @@ def wait_answering(target: str, alive: Callable[[], None], timeout: float, what:
         wait_until(answering, timeout, what, step=0)
 
 
+def wait_serving(target: str, timeout: float = 90.0) -> None:
+    """Waits until the health check at ``target`` says SERVING (with shard processes: every one of them is up and
+    the control has told them where the others are)."""
+    with grpc.insecure_channel(target, options=FAST_RECONNECT) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        def serving() -> bool:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            except grpc.RpcError:
+                return False
+            return status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_until(serving, timeout, f"{target} SERVING", step=0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

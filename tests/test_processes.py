@@ -30,16 +30,15 @@ import grpc
 import numpy as np
 import pytest
 from conftest import TEST_SETTINGS
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import wait_until
 from service_helpers import (
-    FAST_RECONNECT,
     ServerProcess,
     assert_exact_global_clip,
     free_port,
     get_json,
     random_batch,
     submitting,
+    wait_serving,
 )
 
 from clipd import wire
@@ -74,20 +73,6 @@ def _slow_updates(gate: threading.Semaphore):
     return updates
 
 
-def _wait_serving(target: str, timeout: float = 90.0) -> None:
-    with grpc.insecure_channel(target, options=FAST_RECONNECT) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-
-        def serving() -> bool:
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            except grpc.RpcError:
-                return False
-            return status == health_pb2.HealthCheckResponse.SERVING
-
-        wait_until(serving, timeout, f"{target} SERVING", step=0.1)
-
-
 @pytest.fixture(scope="module")
 def two_shard_processes(tmp_path_factory):
     """One ``clipd serve --processes 2`` (admin API on) for the tests below that kill its processes, on one data
@@ -110,7 +95,7 @@ def processes_server(two_shard_processes):
     """The module's ``--processes 2`` server, SERVING (started if it is not running)."""
     if two_shard_processes.proc is None or two_shard_processes.proc.poll() is not None:
         two_shard_processes.start()
-    _wait_serving(f"127.0.0.1:{two_shard_processes.port}")
+    wait_serving(f"127.0.0.1:{two_shard_processes.port}")
     return two_shard_processes
 
 
@@ -190,7 +175,7 @@ def test_a_shard_process_killed_during_start_up(two_shard_processes):
         time.sleep(0.01)
     started.join(120)
     assert killed is not None
-    _wait_serving(f"127.0.0.1:{port}")
+    wait_serving(f"127.0.0.1:{port}")
     assert server.proc.poll() is None  # the server did not exit
     with Client(f"127.0.0.1:{port}") as c:
         aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP)
@@ -255,6 +240,23 @@ def test_one_client_spreads_over_four_devices_and_steps_each(tmp_path):
             _check_exact(c.finalize(aggregation), ["solo"])
     finally:
         server.stop()
+
+
+def test_a_placement_names_endpoints_only_once_every_shard_hosts_is_known(monkeypatch):
+    """While a shard process starts, its port is not known: the placement then names no endpoint at all (a
+    client sends to the shared address, which passes each call on), never an address with port 0."""
+    server, port = create_server(Settings(**TEST_SETTINGS))
+    try:
+        with Client(f"127.0.0.1:{port}") as c:
+            aggregation = c.create_aggregation(LAYERS, l2_norm_clip=CLIP)
+            known = {"endpoints": ["127.0.0.1:5001", ""]}
+            monkeypatch.setattr(server.devices, "endpoints", lambda: known["endpoints"])
+            assert c.get_aggregation(aggregation).placement.endpoints == []  # one still starting
+            known["endpoints"] = ["127.0.0.1:5001", "127.0.0.1:5002"]
+            c._forget_placement(aggregation)
+            assert list(c.placement(aggregation).endpoints) == ["127.0.0.1:5001"]  # (its one shard's host)
+    finally:
+        server.stop(grace=0.5)
 
 
 def test_the_doctests_of_the_data_plane_modules():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import ADMIN_TOKEN, TEST_SETTINGS
 from helpers import wait_until
-from service_helpers import FaultyProxy, ServerProcess, free_port
+from service_helpers import FaultyProxy, ServerProcess, free_port, wait_serving
 
 from clipd import wire
 from clipd.client import Client
@@ -251,6 +251,7 @@ def test_shard_processes_take_one_message_submissions_straight_or_forwarded(tmp_
     server.start()
     target = f"127.0.0.1:{server.port}"
     try:
+        wait_serving(target)  # (both shard processes up: the placement names their endpoints)
         updates = [_update(200 + k) for k in range(16)]
         with Client(target) as client:
             agg = client.create_aggregation({"x": (WIDTH,)}, l2_norm_clip=CLIP)

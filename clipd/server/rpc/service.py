@@ -232,7 +232,10 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         return self._placement(aggregation)
 
     def _placement(self, aggregation: Aggregation) -> pb.Placement:
+        """Its shards and, once every shard host's is known, their endpoints (while one starts: none, and clients
+        send to the shared address, which passes each call on)."""
         endpoints = self.lifecycle.shards.endpoints()
+        endpoints = endpoints if all(endpoints) else []
         return pb.Placement(aggregation_id=aggregation.id, shards=aggregation.shards,
                             endpoints=[endpoints[k % len(endpoints)] for k in range(aggregation.shards)]
                             if endpoints else [])

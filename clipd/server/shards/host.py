@@ -497,8 +497,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the control stops us
     process = ShardHost(settings, orders["index"], orders["port"], orders["data_port"],
                         orders["private_dir"]).start()
-    _process.settle()  # (as clipd serve's: start-up's objects out of the garbage collector's scans)
     print(f"ready {process.data_port}", flush=True)
+    _process.settle()  # (as clipd serve's: start-up's objects out of the garbage collector's scans; once ready)
     while not stop:
         if os.getppid() != parent:  # the control process died (SIGKILL): a new one starts new shard processes
             break

@@ -199,7 +199,7 @@ class LocalProcesses:
     def endpoints(self) -> list[str]:
         host = self.settings.advertise_host or self.settings.host
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return [f"{host}:{port}" for port in self.data_ports]
+        return [f"{host}:{port}" if port else "" for port in self.data_ports]  # (0: starting, not known yet)
 
     def processes(self) -> list[dict]:
         with self._lock:
