@@ -315,6 +315,11 @@ class Aggregation:
     policy = property(lambda self: self.spec.policy)
     reject_non_finite = property(lambda self: self.spec.reject_non_finite)
     privacy = property(lambda self: self.spec.privacy, doc="engine PrivacyPolicy, or None: the sum is released as is")
+
+    @property
+    def scope(self) -> tuple[float, str | None]:
+        """What a credential for it is bound to: its creation time and its ledger (None: not private)."""
+        return self.created, self.privacy.ledger_id if self.privacy is not None else None
     shards = property(lambda self: self.spec.shards)
     unit = property(lambda self: self.spec.unit, doc="Unit: an example, or a client identity that contributes once")
     client_ids = property(lambda self: self.spec.client_ids,
@@ -904,9 +909,7 @@ class Registry:
         private); None if it is unknown here."""
         with self._lock:
             aggregation = self._by_id.get(aggregation_id)
-        if aggregation is None:
-            return None
-        return aggregation.created, aggregation.privacy.ledger_id if aggregation.privacy is not None else None
+        return None if aggregation is None else aggregation.scope
 
     def remove(self, aggregation_id: str) -> Aggregation:
         with self._lock:

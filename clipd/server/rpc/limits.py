@@ -158,8 +158,6 @@ class StreamSlots:
         return self.active >= self.limit
 
 
-
-
 class Admission:
     """One-message submissions (SubmitOne): ``workers`` run at once on a thread pool of their own, up to ``queue``
     more wait for a worker, and beyond that a newcomer is refused with an appointment.

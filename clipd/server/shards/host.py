@@ -283,8 +283,8 @@ class ShardHost:
             return self.index
         aggregation_id = message.aggregation_id
         try:  # open here: no store read (a one-message round asks once a client)
-            shards = Registry.get(self.registry, aggregation_id).shards
-            scope = Registry.scope(self.registry, aggregation_id)
+            aggregation = Registry.get(self.registry, aggregation_id)
+            shards, scope = aggregation.shards, aggregation.scope
         except NotFound:
             record = self.store.get(aggregation_id)
             if record is None:
