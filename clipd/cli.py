@@ -385,7 +385,8 @@ def _audit(args: argparse.Namespace) -> int:
           f" ({audit.method}); {audit.canaries} canaries can show at most {audit.epsilon_ceiling:.4g};"
           f" claimed {audit.epsilon_claimed:.6g}")
     if audit.refuted:
-        print("REFUTED: the lower bound passes the claimed epsilon: the noise is less than the ledger says")
+        print("REFUTED: the lower bound passes the claimed epsilon: the releases move more than the ledger's noise"
+              " and bound allow (too little noise, or a clip that lets a contribution past its bound)")
     print(f"audit: ledger={ledger.ledger_id} canaries={audit.canaries} epsilon_lower={audit.epsilon_lower:.6g}"
           f" epsilon_claimed={audit.epsilon_claimed:.6g} confidence={audit.confidence:g}")
     return EXIT_REFUTED if audit.refuted else 0

@@ -22,7 +22,7 @@ from ._opacus import ConstantFlatClipper, ConstantPerLayerClipper, NormClipper
 from ._optax import per_example_global_norm_clip, per_example_layer_norm_clip
 from ._partial import CorruptStateError, OverlapError, PartialState
 from ._policy import BoundKind, ClipPolicy, LayerSpec, NonFinite
-from ._unit import Unit, client_contribution
+from ._unit import Unit, client_contribution, contribution_rows
 from ._xla_cpu import CHUNK_ELEMENTS, Tricks, sum_buffer_runs
 
 __all__ = [
@@ -55,4 +55,5 @@ __all__ = [
     "Tricks",
     "Unit",
     "client_contribution",
+    "contribution_rows",
 ]

@@ -32,6 +32,7 @@ and whole-example zeroing of non-finite examples only.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -542,6 +543,30 @@ class ClipAccumulator:
         self.fixed_point_step = float(fixed_point_step)
         self._config = _StepConfig(policy.is_per_layer, policy.rescale_to_unit_norm, policy.non_finite, tricks,
                                    self.fixed_point_step)
+
+    def on_support(self, widths: Sequence[int]) -> ClipAccumulator:
+        """This accumulator's clip for rows that hold ``widths[k]`` of each layer's coordinates: the same bounds
+        (computed for the whole layers: a proportional bound keeps its layer's share), the same step and
+        options; each layer a flat ``(widths[k],)``. A row whose other coordinates are zero has the same norms
+        here as in the whole model, so it is clipped and summed as the whole row would be, at a fraction of
+        the cost (an audit's canaries: ``server.canaries``).
+
+        >>> acc = ClipAccumulator([LayerSpec("w", (4, 4)), LayerSpec("b", (4,))],
+        ...                       ClipPolicy("per_layer_proportional", l2_norm_clip=1.0))
+        >>> small = acc.on_support([1, 1])
+        >>> [layer.shape for layer in small.layers], small.bounds == acc.bounds
+        ([(1,), (1,)], True)
+        >>> state = small.update(small.init(), [np.array([[30.0]], np.float32), np.array([[40.0]], np.float32)],
+        ...                      np.ones(1, bool))
+        >>> [round(float(s[0]), 4) for s in state.sums], [round(b, 4) for b in acc.bounds]
+        ([0.8944, 0.4472], [0.8944, 0.4472])
+        """
+        if len(widths) != len(self.layers) or any(w < 1 for w in widths):
+            raise ValueError(f"on_support: {len(self.layers)} widths of at least 1, got {list(widths)}")
+        restricted = copy.copy(self)
+        restricted.layers = tuple(LayerSpec(layer.name, (int(w),), layer.dtype)
+                                  for layer, w in zip(self.layers, widths))
+        return restricted
 
     def init(self, sums: bool = True) -> AccumulatorState:
         """An empty state: zero sums and counts (``sums=False``: counts only, for :meth:`measure`)."""

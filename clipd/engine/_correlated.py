@@ -194,6 +194,41 @@ def blt_noise_step(z: np.ndarray, buffers: np.ndarray, blt: Blt) -> np.ndarray:
     return x
 
 
+def strategy_step(x: np.ndarray, state: np.ndarray, strategy: Blt | BandedToeplitz) -> np.ndarray:
+    """The next entry of ``C x`` for a stream ``x_0, x_1, ...`` (any shape each), one at a time: ``(C x)_t =
+    sum_{s <= t} c_{t-s} x_s`` with the memory the noise stream keeps (``state``: ``(strategy.buffers,
+    *x.shape)`` float64, zero before the first entry, updated in place). A BLT's buffers hold ``sum_{s < t}
+    theta_i^(t-1-s) x_s`` (then ``(C x)_t = x_t + sum_i omega_i buf_i``); a banded strategy's the last
+    ``bands - 1`` entries, newest first. An audit decorrelates a stream's projections with it.
+
+    >>> blt = Blt(theta=(0.5,), omega=(1.0,))  # c = 1, 1, 0.5, ...
+    >>> state = np.zeros((1, 1))
+    >>> [strategy_step(np.array([v]), state, blt).tolist() for v in (1.0, 0.0, 0.0)]
+    [[1.0], [1.0], [0.5]]
+    >>> history = np.zeros((1, 1))
+    >>> [strategy_step(np.array([v]), history, BandedToeplitz((2.0, 1.0))).tolist() for v in (1.0, 3.0)]
+    [[2.0], [7.0]]
+    """
+    if state.shape != (strategy.buffers, *np.shape(x)):
+        raise ValueError(f"strategy state of shape {state.shape}, expected {(strategy.buffers, *np.shape(x))}")
+    x = np.asarray(x, np.float64)
+    if isinstance(strategy, Blt):
+        out = x.copy()
+        for scale, buffer in zip(strategy.omega, state):
+            out += scale * buffer
+        for decay, buffer in zip(strategy.theta, state):
+            buffer *= decay
+            buffer += x
+        return out
+    out = strategy.coefs_[0] * x
+    for coef, earlier in zip(strategy.coefs_[1:], state):
+        out += coef * earlier
+    if strategy.buffers:
+        state[1:] = state[:-1].copy()
+        state[0] = x
+    return out
+
+
 def toeplitz_min_sep_sensitivity(coefs: Sequence[float] | np.ndarray, min_sep: int, max_participations: int) -> float:
     """The sensitivity of the lower-triangular Toeplitz strategy with these coefficients (n = their count)
     under participation in at most k releases at least b apart: the norm of the sum of columns 0, b, ...,

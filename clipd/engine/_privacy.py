@@ -80,17 +80,31 @@ class SamplingKind(str, enum.Enum):
     FIXED_SIZE = "fixed_size"  # `sample_size` units drawn without replacement from `population`
 
 
+class DrawnBy(str, enum.Enum):
+    """Who draws a release's sample: the caller (its promise, which the server accounts for) or the server (a
+    keyed coin of its own, ``engine._sampling``; a unit it did not draw is refused)."""
+
+    CALLER = "caller"
+    SERVER = "server"
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the units of one release were drawn (the caller's promise; it amplifies privacy)."""
+    """How the units of one release were drawn (it amplifies privacy): by the caller, on its word, or by the
+    server (``drawn_by="server"``, Poisson only)."""
 
     kind: SamplingKind = SamplingKind.NONE
     rate: float = 0.0
     population: int = 0
     sample_size: int = 0
+    drawn_by: DrawnBy = DrawnBy.CALLER
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", SamplingKind(self.kind))
+        object.__setattr__(self, "drawn_by", DrawnBy(self.drawn_by))
+        if self.drawn_by is DrawnBy.SERVER and self.kind is not SamplingKind.POISSON:
+            raise ValueError(f"the server draws Poisson samples only (sampling poisson with a rate), not"
+                             f" {self.kind.value}")
         if self.kind is SamplingKind.POISSON and not 0.0 < self.rate <= 1.0:
             raise ValueError(f"Poisson sampling needs a rate in (0, 1], got {self.rate}")
         if self.kind is SamplingKind.FIXED_SIZE and not 0 < self.sample_size <= self.population:

@@ -387,6 +387,13 @@ class Aggregation:
         """Elements of all layers together."""
         return sum(layer.size for layer in self.layers)
 
+    def sums_on_host(self, platform: str) -> bool:
+        """Whether its steps on a device of ``platform`` measure examples and the worker adds them into the host
+        totals itself (one example a step on the CPU: a large model's update is read in place, and no float32
+        delta the size of the model is kept), rather than summing them into a device delta (see
+        :meth:`ClipAccumulator.measure`)."""
+        return self.device_rows == 1 and not self.accumulator.fixed_point_step and platform == "cpu"
+
     @property
     def state_bytes(self) -> int:
         """What its sums take in memory while open: each shard's float64 totals and, unless a step holds one

@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from clipd.engine import BoundKind, NonFinite, PartialState, Unit, client_contribution
+from clipd.engine import BoundKind, NonFinite, PartialState, Unit, contribution_rows
 from clipd.engine import _audit as audit
 from clipd.engine import _privacy as dp
 from clipd.server.aggregations import (
@@ -240,7 +240,8 @@ class Lifecycle:
                 batch.give_back()  # a duplicate of an accepted batch
                 return
             if aggregation.unit is Unit.CLIENT:  # the client's one contribution: its rows summed, clipped once
-                batch = batch._replace(rows=1, layers=client_contribution(batch.layers))
+                layers = contribution_rows(aggregation.unit, batch.layers)
+                batch = batch._replace(rows=layers[0].shape[0], layers=layers)
             try:
                 self.shards.submit(aggregation, client, writer, batch)
             except ClipdError:

@@ -325,12 +325,13 @@ class Ledgers:
         self.store.save_ledger_audit(policy.ledger_id, AuditRecord(AuditState.new(policy).to_bytes()), create=True)
 
     def _audit_of(self, policy: dp.PrivacyPolicy) -> AuditState | None:
-        """The ledger's audit while it is open (None: no audit, or closed)."""
+        """The ledger's audit while it takes releases (None: no audit, closed, or one of the format before,
+        which covers the releases it has and is closed as it is)."""
         if policy.audit is None:
             return None
         blob = self.store.ledger_audit(policy.ledger_id)
         state = AuditState.from_bytes(blob) if blob is not None else None
-        return state if state is not None and not state.closed else None
+        return state if state is not None and state.takes_releases else None
 
     def close_audit(self, ledger_id: str) -> dict:
         """Closes the ledger's audit (CloseAudit): its bound against the ledger's epsilon now; the ledger
@@ -407,10 +408,10 @@ class Ledgers:
             key = jax.random.fold_in(key, made + 1)
         noise = stream.step(dp.gaussian_noise(parameters, 1.0, key), state) * plan.noise_stddev
         audit_state = self._audit_of(policy)
-        canaries = _canaries(audit_state, aggregation, made + 1) if audit_state is not None else None
+        canaries = canaries_for(audit_state, aggregation, made + 1) if audit_state is not None else None
         sums = list(totals.sums)
         noised, at = [], 0
-        with canaries_added(sums, canaries) as raw:
+        with canaries_added(sums, canaries, aggregation) as raw:
             for total, dtype in zip(sums, sum_dtypes):
                 size = int(np.prod(total.shape))
                 value = np.asarray(total, np.float64) + noise[at:at + size].reshape(total.shape)
@@ -420,7 +421,7 @@ class Ledgers:
             assert audit_state is not None and canaries is not None  # (raw values: an audit's canaries were in)
             noised_sums, projections = take_canaries(noised, canaries, raw)
             noised = list(noised_sums)
-            audit_state.record(canaries, projections, plan.noise_stddev, stream=True)
+            audit_state.record(canaries, projections, plan.noise_stddev, stream=stream, release=made)
             if made + 1 == stream.releases:  # the stream's last release closes its audit
                 try:
                     audit_state.close(policy.delta, stream, plan.noise_stddev, after)
@@ -478,12 +479,12 @@ class Ledgers:
                 self._reserved[policy.ledger_id].pop(aggregation.id, None)
                 raise FailedPrecondition(reason)
             state = self._audit_of(policy)
-            canaries = _canaries(state, aggregation, len(committed) + 1) if state is not None else None
+            canaries = canaries_for(state, aggregation, len(committed) + 1) if state is not None else None
             release, projections = draw_release(aggregation, totals, sum_dtypes, after,
                                                 _epsilon(policy, [plan.event_json]), len(committed) + 1,
                                                 canaries=canaries)
             if state is not None and canaries is not None:
-                state.record(canaries, projections, plan.noise_stddev, stream=False)
+                state.record(canaries, projections, plan.noise_stddev)
             entry = LedgerEntry(aggregation.id, plan.event_json, time.time(), after,
                                 release.fields["next_bound"] if policy.adaptive is not None else None)
             try:
@@ -557,14 +558,6 @@ def _epsilon(policy: dp.PrivacyPolicy, events: list[str]) -> float:
     return dp.epsilon_of_json(events, policy.delta, policy.accountant, policy.neighbouring)
 
 
-def _canaries(state: AuditState, aggregation, release: int) -> Canaries:
-    """The canaries of the ledger's release ``release`` (1-based), at this aggregation's bounds."""
-    policy = aggregation.policy
-    bounds = (policy.layer_bounds(aggregation.layers) if policy.is_per_layer
-              else (policy.example_bound(aggregation.layers),))
-    return canaries_for(state, aggregation.privacy, aggregation.plan, aggregation.layers, bounds, release)
-
-
 def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype], ledger_epsilon: float,
                  epsilon: float, releases: int, noised_sums: tuple[np.ndarray, ...] | None = None,
                  canaries: Canaries | None = None) -> tuple[Release, np.ndarray]:
@@ -584,7 +577,7 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         sums = noised_sums
     else:
         raw_sums = list(totals.sums)
-        with canaries_added(raw_sums, canaries) as raw:
+        with canaries_added(raw_sums, canaries, aggregation) as raw:
             if policy.noise is dp.Noise.SECURE:  # the totals were summed in fixed point on this grid
                 on_grid = secure.release(raw_sums, plan.grid_step, plan.grid_scale)
                 sums, grid = on_grid.values, {"grid_step": on_grid.step, "grid_noise_scale": on_grid.scale}
@@ -593,7 +586,7 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
             else:  # the canaries taken out on the device: no copy of the release
                 assert raw is not None
                 sums = dp.add_gaussian_noise(raw_sums, plan.noise_stddev, key_sum, sum_dtypes,
-                                             minus=by_layer(canaries, raw_sums))
+                                             minus=by_layer(canaries))
                 seen = canary_projections(sums, canaries, raw, taken_out=True)
         if raw is not None and not seen.size:  # the canaries still in the release: taken out on the host
             assert canaries is not None
@@ -623,8 +616,8 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         fields["unclipped_fraction"] = fraction
         fields["next_bound"] = dp.next_bound(bound, fraction, policy.adaptive)
     if policy.metrics_noise_multiplier > 0:
-        raw = np.concatenate([totals.example_histogram, totals.clip_counts, [examples]]).astype(np.float64)
-        noised = raw + dp.gaussian_noise(raw.size, plan.metrics_noise_stddev, key_stats)
+        counts = np.concatenate([totals.example_histogram, totals.clip_counts, [examples]]).astype(np.float64)
+        noised = counts + dp.gaussian_noise(counts.size, plan.metrics_noise_stddev, key_stats)
         b, k = totals.example_histogram.size, totals.clip_counts.size
         fields["example_norm_histogram"] = noised[:b].tolist()
         fields["layer_clipped"] = noised[b:b + k].tolist()

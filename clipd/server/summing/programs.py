@@ -31,10 +31,9 @@ _warm_lock = threading.Lock()
 
 
 def sums_on_host(aggregation: Aggregation, device) -> bool:
-    """Whether the shard's steps measure examples and the worker adds them into the host totals itself (one
-    example a step on the CPU: a large model's update is read in place, and no float32 delta the size of
-    the model is kept), rather than summing them into a device delta (see :meth:`ClipAccumulator.measure`)."""
-    return aggregation.device_rows == 1 and not aggregation.accumulator.fixed_point_step and device.platform == "cpu"
+    """Whether the shard's steps on ``device`` measure examples and the worker adds them into the host totals
+    itself (:meth:`Aggregation.sums_on_host`)."""
+    return aggregation.sums_on_host(device.platform)
 
 
 def programs(aggregation: Aggregation, device) -> list[tuple[int, str]]:
