@@ -71,6 +71,7 @@ CLIP_KINDS: dict[str, pb.ClipPolicy.Kind] = _by_name(pb.ClipPolicy.Kind)  # glob
 # zero_example, zero_entries, propagate, reject
 NON_FINITE: dict[str, pb.ClipPolicy.NonFinite] = _by_name(pb.ClipPolicy.NonFinite)
 SAMPLING: dict[str, pb.Sampling.Kind] = _by_name(pb.Sampling.Kind)  # none, poisson, fixed_size
+DRAWN_BY: dict[str, pb.Sampling.DrawnBy] = _by_name(pb.Sampling.DrawnBy)  # caller, server
 # add_remove_one, replace_one
 NEIGHBOURING: dict[str, pb.PrivacyPolicy.Neighbouring] = _by_name(pb.PrivacyPolicy.Neighbouring)
 ACCOUNTANTS: dict[str, pb.PrivacyPolicy.Accountant] = _by_name(pb.PrivacyPolicy.Accountant)  # rdp, pld, zcdp
@@ -115,10 +116,11 @@ def clip_policy(kind: str, non_finite: str, **fields) -> pb.ClipPolicy:
 
 
 def privacy_policy(*, sampling: str = "none", sampling_rate: float = 0.0, population: int = 0, sample_size: int = 0,
-                   neighbouring: str = "add_remove_one", accountant: str = "rdp", noise: str = "gaussian",
-                   noise_multiplier: float | None = None, seed: int | None = None, mechanism: str = INDEPENDENT,
-                   releases: int = 0, min_separation: int = 1, max_participations: int = 1, buffers: int = 0,
-                   declared_participation: bool = False, **fields) -> pb.PrivacyPolicy:
+                   drawn_by: str = "caller", neighbouring: str = "add_remove_one", accountant: str = "rdp",
+                   noise: str = "gaussian", noise_multiplier: float | None = None, seed: int | None = None,
+                   mechanism: str = INDEPENDENT, releases: int = 0, min_separation: int = 1,
+                   max_participations: int = 1, buffers: int = 0, declared_participation: bool = False,
+                   **fields) -> pb.PrivacyPolicy:
     """A PrivacyPolicy message from the flat fields of ``clipd.client.Privacy``: enums by name (ValueError
     naming a wrong one), ``noise_multiplier`` and ``seed`` None unset; ``fields`` are the message's others.
     ``mechanism`` other than ``independent``: the correlated stream (``CorrelatedNoise``) of those fields."""
@@ -128,7 +130,8 @@ def privacy_policy(*, sampling: str = "none", sampling_rate: float = 0.0, popula
             max_participations=max_participations, buffers=buffers, declared=declared_participation)
     message = pb.PrivacyPolicy(
         sampling=pb.Sampling(kind=code_of(SAMPLING, sampling, "sampling"), rate=sampling_rate,
-                             population=population, sample_size=sample_size),
+                             population=population, sample_size=sample_size,
+                             drawn_by=code_of(DRAWN_BY, drawn_by, "drawn_by")),
         neighbouring=code_of(NEIGHBOURING, neighbouring, "neighbouring"),
         accountant=code_of(ACCOUNTANTS, accountant, "accountant"), noise=code_of(NOISES, noise, "noise"), **fields,
     )

@@ -92,7 +92,10 @@ def run_ledger(client, privacy: Privacy, releases: int, policy: str = "global", 
     for r in range(releases):
         aggregation = client.create_aggregation(LAYERS, l2_norm_clip=CLIP, privacy=privacy, policy=policy, unit=unit)
         data = batch(r, rows)
-        client.submit(aggregation, data, client_id=f"site-{r}")
+        site = f"site-{r}"
+        if privacy.drawn_by == "server":  # a client the server drew for this release
+            site = client.draw_clients(aggregation, [f"site-{r}-{i}" for i in range(100)])[0]
+        client.submit(aggregation, data, client_id=site)
         result = client.finalize(aggregation)
         released.append(flat(result.sums))
         raw.append(clipped_sum(data, bounds_of(policy, result.release.bound or CLIP), unit))
@@ -271,6 +274,22 @@ def test_a_sound_mechanism_is_not_refuted(client, case, seed):
         z = more.pop("noise_multiplier") if "noise_multiplier" in (more := dict(more)) else None
         audit = audit_independent(client, gaussian(z, seed=seed, **more), releases, rate, policy, unit, rows)
     assert 0 <= audit.epsilon_lower < audit.epsilon_claimed and not audit.refuted
+
+
+def test_a_server_drawn_ledger_is_audited_with_canaries_the_server_draws(auth_server):
+    """Poisson sampling the server draws (q = 0.3, unit client, credentials): the canaries are drawn as clients
+    are, by the server's keyed function (under the audit's key, revealed with its seed), and scored without the
+    draws; the sound ledger is not refuted."""
+    privacy = gaussian(2.0, seed=13, sampling="poisson", sampling_rate=0.3, drawn_by="server")
+    with Client(f"127.0.0.1:{auth_server.port}", token=ADMIN_TOKEN) as admin:
+        released, raw, fields = run_ledger(admin, privacy, 4, unit="client", rows=10)
+        audit = admin.close_audit(privacy.ledger_id).audit
+    assert {f.sampling_drawn_by for f in fields} == {"server"}
+    in_scores, out_scores = independent_scores(audit.seed, released, raw, [f.noise_stddev for f in fields], CLIP,
+                                               0.3, unit="client",
+                                               drawn_by=lambda r: server_draws(audit.seed, privacy.ledger_id, r, 0.3))
+    assert_server_agrees(audit, in_scores, out_scores)
+    assert not audit.refuted and audit.epsilon_lower < audit.epsilon_claimed
 
 
 def test_a_sampled_ledger_is_scored_without_the_secret_of_its_draws(client):

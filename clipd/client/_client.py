@@ -675,11 +675,27 @@ class Client:
         """A privacy ledger: its releases (DpEvents as JSON), epsilon so far and budget left."""
         return self._call(self._stub.GetLedger, pb.GetLedgerRequest(ledger_id=ledger_id))
 
+    def draw_clients(self, aggregation_id: str, candidates) -> list[str]:
+        """The candidates (client ids) that take part in the release of ``aggregation_id``, whose ledger's
+        sampling the server draws (``Privacy(..., sampling="poisson", sampling_rate=q, drawn_by="server")``;
+        admin): the server's draw for each, in the order given, the same every time it is asked. Train these
+        only: the others' submissions are refused (``FailedPreconditionError``, "not drawn for this release")."""
+        drawn: list[str] = []
+        for chunk in _draw_chunks([str(c) for c in candidates]):  # (the server takes 100,000 a call)
+            response = self._call(self._stub.DrawClients,
+                                  pb.DrawClientsRequest(aggregation_id=aggregation_id, client_ids=chunk))
+            drawn.extend(response.drawn_client_ids)
+        return drawn
+
     def close_audit(self, ledger_id: str) -> pb.Ledger:
         """Closes the ledger's canary audit (admin): the ledger, with the audit's lower bound on epsilon
         (``.audit.epsilon_lower``) beside the epsilon claimed (``.audit.epsilon_claimed``). Later releases
         carry no canaries; closing a closed audit returns it as it is."""
         return self._call(self._stub.CloseAudit, pb.CloseAuditRequest(ledger_id=ledger_id))
+
+
+def _draw_chunks(candidates: list[str], size: int = 100_000) -> list[list[str]]:
+    return [candidates[i:i + size] for i in range(0, len(candidates), size)] or [[]]
 
 
 def client_token_id(token: str | None) -> str | None:

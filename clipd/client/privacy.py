@@ -54,7 +54,11 @@ class Privacy:
 
     Give ``noise_multiplier``, or ``target_epsilon`` with ``planned_releases``.
     ``sampling``: ``none``, ``poisson`` (with ``sampling_rate``) or ``fixed_size``
-    (``sample_size`` of ``population``). ``max_epsilon`` 0 means no budget.
+    (``sample_size`` of ``population``), drawn by the caller (``drawn_by="caller"``: its
+    promise) or, for ``poisson`` under ``unit="client"`` with client ids from credentials,
+    by the server (``drawn_by="server"``: its own keyed coin per client and release; a
+    client it did not draw is refused, ``Client.draw_clients`` says which candidates were
+    drawn; docs/privacy.md, "Sampling the server draws"). ``max_epsilon`` 0 means no budget.
     ``seed`` is for tests only: the noise is then reproducible and not private.
     ``noise="secure"`` (with ``accountant="zcdp"``): the sum on an integer grid plus a
     discrete Gaussian from a CSPRNG (OpenDP), every released value a whole number of
@@ -75,6 +79,7 @@ class Privacy:
     sampling_rate: float = 0.0
     population: int = 0
     sample_size: int = 0
+    drawn_by: str = "caller"
     accountant: str = "rdp"
     max_epsilon: float = 0.0
     adaptive: Adaptive | None = None

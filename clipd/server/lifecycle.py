@@ -11,7 +11,9 @@ itself, in the same store transaction as the ledger's entry.
 ::
 
     create   spec checked -> (privacy: ledger admits the release) -> store record -> shards warm up
-    submit   finite? (policy REJECT) -> Aggregation.accept (sequence numbers; unit client: one batch)
+    draw     (sampling drawn by the server) which candidates take part in the release (server.sampling)
+    submit   (its client drawn, its participation allowed) -> finite? (policy REJECT) -> Aggregation.accept
+             (sequence numbers; unit client: one batch)
              -> (unit client: the batch's rows summed) -> Shards.submit
     finalize close -> drain -> Shards.commit_final (every shard's last checkpoint) -> FINALIZED in the store,
              or the private release (noise, ledger and FINALIZED in one commit) -> Aggregation.finish
@@ -158,6 +160,8 @@ class Lifecycle:
         if spec.counts_identities:
             asserted = self_asserted_client_ids or not self.settings.admin_token
             spec = dataclasses.replace(spec, client_ids=SELF_ASSERTED if asserted else CREDENTIAL)
+        if privacy is not None and privacy.sampling.drawn_by is dp.DrawnBy.SERVER:
+            check_server_draws(spec, bool(self.settings.admin_token))
 
         def make(aggregation_id: str) -> Aggregation:
             return Aggregation(aggregation_id, spec, self.settings.max_device_rows, self.settings.staging_bytes,
@@ -231,6 +235,11 @@ class Lifecycle:
         if aggregation.privacy is not None:
             self.ledgers.check_participation(aggregation.privacy, client)
 
+    def draw_clients(self, aggregation_id: str, candidates) -> tuple[Aggregation, int, float, list[str]]:
+        """Which ``candidates`` the server draws for the aggregation's release (``Ledgers.draw_clients``)."""
+        aggregation = self.registry.get(aggregation_id)
+        return (aggregation, *self.ledgers.draw_clients(aggregation, candidates))
+
     def submit(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
         """Hands a whole batch to its shard, or lets go of it (a duplicate, or refused)."""
         try:
@@ -294,6 +303,19 @@ class Lifecycle:
         self.shards.forget(aggregation)
         event(log, "aggregation.deleted", aggregation=aggregation.id, was=was.value)
         return aggregation
+
+
+def check_server_draws(spec: AggregationSpec, authenticates: bool) -> None:
+    """``InvalidArgument`` unless the server can draw the aggregation's participants: clients (unit CLIENT) whose
+    ids come from credentials, so that a caller can't present a name the draw favours."""
+    if spec.unit is not Unit.CLIENT:
+        raise InvalidArgument("privacy.sampling: the server draws clients (drawn_by server): the aggregation needs"
+                              " unit client")
+    if spec.client_ids != CREDENTIAL:
+        why = ("the server has no admin token: it authenticates no one, so every client id is self-asserted"
+               if not authenticates else "self_asserted_client_ids makes every client id the submitter's choice")
+        raise InvalidArgument(f"privacy.sampling: the server draws clients by their ids (drawn_by server), which"
+                              f" must come from credentials; {why}")
 
 
 def _same_request(aggregation: Aggregation, spec: AggregationSpec) -> bool:

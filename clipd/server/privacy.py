@@ -42,9 +42,18 @@ from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
 from clipd.engine._correlated import CorrelatedNoise, Mechanism
 from clipd.server.aggregations import SELF_ASSERTED, TAKES_BATCHES, Aggregation, State
-from clipd.server.audit import AuditState, Canaries, by_layer, canaries_added, canaries_for, take_canaries
+from clipd.server.audit import (
+    AuditState,
+    Canaries,
+    by_layer,
+    canaries_added,
+    canaries_for,
+    sampling_rate,
+    take_canaries,
+)
 from clipd.server.audit import projections as canary_projections
-from clipd.server.errors import FailedPrecondition, NotFound
+from clipd.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from clipd.server.sampling import MAX_CANDIDATES, Draws
 from clipd.server.sequences import client_of
 from clipd.server.stores.base import FAILED, AuditRecord, LedgerConflict, LedgerEntry, LedgerRecord, NoiseStream, Store
 
@@ -66,7 +75,7 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
     config: dict[str, Any] = {"accountant": policy.accountant.value, "neighbouring": policy.neighbouring.value,
                               "delta": policy.delta, "max_epsilon": policy.max_epsilon,
                               "mechanism": Mechanism.INDEPENDENT.value, "unit": Unit(unit).value,
-                              "client_ids": client_ids,
+                              "client_ids": client_ids, "drawn_by": policy.sampling.drawn_by.value,
                               "audit": dataclasses.asdict(policy.audit) if policy.audit is not None else None}
     stream = policy.correlated
     if stream is not None:
@@ -82,7 +91,7 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
 # What a ledger stored before these fields existed had: independent noise, examples; its client ids, where they
 # counted (a correlated stream's participation), were whatever a submitter named.
 _CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value, "unit": Unit.EXAMPLE.value, "client_ids": "",
-                    "audit": None}
+                    "audit": None, "drawn_by": dp.DrawnBy.CALLER.value}
 
 
 def _same_config(stored: dict, wanted: dict) -> bool:
@@ -107,6 +116,9 @@ def _config_difference(stored: dict, wanted: dict) -> str:
         elif key == "audit":
             said.append(f"its audit is {json.dumps(has)}, this aggregation asks {json.dumps(asks)} (an audit is"
                         " the ledger's from its first aggregation on: start a new ledger to audit it)")
+        elif key == "drawn_by":
+            said.append(f"its releases' participants are drawn by the {has}, this aggregation's by the {asks} (who"
+                        " draws is the ledger's from its first aggregation on: its amplification rests on it)")
         elif key == "client_ids":
             said.append(f"its client ids are {_ids(has)}, this aggregation's {_ids(asks)}"
                         + (" (a server without an admin token can only take self-asserted ids)"
@@ -184,6 +196,7 @@ class Ledgers:
         self._reserved: dict[str, dict[str, _Reservation]] = collections.defaultdict(dict)
         self._events: dict[str, list[str]] = {}  # the committed events read so far, per ledger (see events)
         self.participation_refusals: collections.Counter[str] = collections.Counter()  # per ledger, this process
+        self.draws = Draws(store.submit_token_key)  # a server-drawn ledger's participants (server.sampling)
 
     def _locked(self, ledger_id: str) -> threading.Lock:
         with self._lock:
@@ -251,9 +264,19 @@ class Ledgers:
         return dataclasses.replace(policy, correlated=stream)
 
     def check_participation(self, policy: dp.PrivacyPolicy, client_id: str) -> None:
-        """Refuses (FAILED_PRECONDITION) a client of a correlated ledger whose participation the server enforces,
-        if it took part in one of the last b - 1 releases or in k already. The next release is the ledger's
-        (one aggregation at a time is open on such a ledger)."""
+        """Refuses (FAILED_PRECONDITION) a client the ledger's rules keep out of its next release: one the
+        server did not draw (its sampling drawn by the server), or, on a correlated ledger whose participation
+        the server enforces, one that took part in one of the last b - 1 releases or in k already. The next
+        release is the ledger's (one aggregation at a time is open on such a ledger)."""
+        if policy.sampling.drawn_by is dp.DrawnBy.SERVER:
+            client = client_of(client_id)
+            release = self.next_release(policy.ledger_id)
+            if not self.draws.drawn(policy.ledger_id, release, [client], policy.sampling.rate)[0]:
+                self.participation_refusals[policy.ledger_id] += 1
+                raise FailedPrecondition(f"client {client!r} was not drawn for this release (release {release} of"
+                                         f" ledger {policy.ledger_id!r}): the server draws each release's clients"
+                                         f" (Poisson, rate {policy.sampling.rate:g}); DrawClients says which are")
+            return
         stream = policy.correlated
         if stream is None or stream.declared:
             return
@@ -275,6 +298,25 @@ class Ledgers:
         self.participation_refusals[policy.ledger_id] += 1
         raise FailedPrecondition(reason)
 
+    def next_release(self, ledger_id: str) -> int:
+        """The ledger's next release (1-based): its committed entries plus one."""
+        with self._locked(ledger_id):
+            return len(self.events(ledger_id)) + 1
+
+    def draw_clients(self, aggregation, candidates: Sequence[str]) -> tuple[int, float, list[str]]:
+        """The candidates the server draws for the release of ``aggregation`` (its ledger's next): ``(release,
+        rate, drawn ones in the order given)``. ``FailedPrecondition`` unless its sampling is the server's."""
+        policy: dp.PrivacyPolicy | None = aggregation.privacy
+        if policy is None or policy.sampling.drawn_by is not dp.DrawnBy.SERVER:
+            raise FailedPrecondition(f"aggregation {aggregation.id}: its participants are not drawn by the server"
+                                     " (Privacy(..., sampling='poisson', sampling_rate=q, drawn_by='server') asks it"
+                                     " to draw them)")
+        if len(candidates) > MAX_CANDIDATES:
+            raise InvalidArgument(f"client_ids: at most {MAX_CANDIDATES} candidates a call, got {len(candidates)}")
+        release = self.next_release(policy.ledger_id)
+        drawn = self.draws.drawn(policy.ledger_id, release, [client_of(c) for c in candidates], policy.sampling.rate)
+        return release, policy.sampling.rate, [c for c, d in zip(candidates, drawn) if d]
+
     # Creation --------------------------------------------------------------------------
     def admit(self, aggregation, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, create) -> float:
         """Checks the budget, then ``create(ledger_entry)`` stores the aggregation; returns the planned epsilon.
@@ -294,6 +336,11 @@ class Ledgers:
             committed = self.events(policy.ledger_id)
             if policy.audit is not None:
                 self._open_audit(policy, committed)
+            if policy.sampling.drawn_by is dp.DrawnBy.SERVER and reserved:
+                open_ids = [i for i, r in self._reserved[policy.ledger_id].items() if _counts(r.aggregation)]
+                raise FailedPrecondition(
+                    f"ledger {policy.ledger_id!r} draws each release's clients itself, release by release: one"
+                    f" aggregation at a time; finalize or cancel {', '.join(open_ids)} first")
             if policy.correlated is not None:
                 planned = self._admit_to_stream(policy, plan, committed, reserved)
                 create(None)
@@ -608,6 +655,8 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         "statistics_noise_stddev": plan.metrics_noise_stddev,
         "example_norm_histogram": [], "layer_clipped": [], "examples": 0.0,
         "unit": aggregation.unit.value, "client_ids": aggregation.client_ids,
+        "sampling": policy.sampling.kind.value, "sampling_rate": sampling_rate(policy.sampling),
+        "sampling_drawn_by": policy.sampling.drawn_by.value,
     }
     if policy.adaptive is not None:
         unclipped = examples - int(totals.clip_counts[0])

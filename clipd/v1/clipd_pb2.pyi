@@ -77,7 +77,7 @@ class ClipPolicy(_message.Message):
     def __init__(self, kind: _Optional[_Union[ClipPolicy.Kind, str]] = ..., l2_norm_clip: _Optional[float] = ..., layer_clips: _Optional[_Iterable[float]] = ..., rescale_to_unit_norm: bool = ..., non_finite: _Optional[_Union[ClipPolicy.NonFinite, str]] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("kind", "rate", "population", "sample_size")
+    __slots__ = ("kind", "rate", "population", "sample_size", "drawn_by")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[Sampling.Kind]
@@ -86,15 +86,23 @@ class Sampling(_message.Message):
     NONE: Sampling.Kind
     POISSON: Sampling.Kind
     FIXED_SIZE: Sampling.Kind
+    class DrawnBy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CALLER: _ClassVar[Sampling.DrawnBy]
+        SERVER: _ClassVar[Sampling.DrawnBy]
+    CALLER: Sampling.DrawnBy
+    SERVER: Sampling.DrawnBy
     KIND_FIELD_NUMBER: _ClassVar[int]
     RATE_FIELD_NUMBER: _ClassVar[int]
     POPULATION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAWN_BY_FIELD_NUMBER: _ClassVar[int]
     kind: Sampling.Kind
     rate: float
     population: int
     sample_size: int
-    def __init__(self, kind: _Optional[_Union[Sampling.Kind, str]] = ..., rate: _Optional[float] = ..., population: _Optional[int] = ..., sample_size: _Optional[int] = ...) -> None: ...
+    drawn_by: Sampling.DrawnBy
+    def __init__(self, kind: _Optional[_Union[Sampling.Kind, str]] = ..., rate: _Optional[float] = ..., population: _Optional[int] = ..., sample_size: _Optional[int] = ..., drawn_by: _Optional[_Union[Sampling.DrawnBy, str]] = ...) -> None: ...
 
 class AdaptiveClipping(_message.Message):
     __slots__ = ("target_unclipped_quantile", "learning_rate", "count_stddev", "initial_bound", "min_bound", "max_bound", "arithmetic_update")
@@ -403,7 +411,7 @@ class AggregationStats(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., failure_reason: _Optional[str] = ..., privacy_notice: _Optional[str] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale", "mechanism", "stream_release", "stream_releases", "unit", "client_ids", "stream_noise_stddev", "stream")
+    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale", "mechanism", "stream_release", "stream_releases", "unit", "client_ids", "stream_noise_stddev", "stream", "sampling", "sampling_rate", "sampling_drawn_by")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     VALUE_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -435,6 +443,9 @@ class Release(_message.Message):
     CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
     STREAM_NOISE_STDDEV_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_RATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DRAWN_BY_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     noise_multiplier: float
     value_noise_multiplier: float
@@ -466,7 +477,10 @@ class Release(_message.Message):
     client_ids: str
     stream_noise_stddev: float
     stream: CorrelatedNoise
-    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ..., mechanism: _Optional[str] = ..., stream_release: _Optional[int] = ..., stream_releases: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., stream_noise_stddev: _Optional[float] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ...) -> None: ...
+    sampling: str
+    sampling_rate: float
+    sampling_drawn_by: str
+    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ..., mechanism: _Optional[str] = ..., stream_release: _Optional[int] = ..., stream_releases: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., stream_noise_stddev: _Optional[float] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., sampling: _Optional[str] = ..., sampling_rate: _Optional[float] = ..., sampling_drawn_by: _Optional[str] = ...) -> None: ...
 
 class GetLedgerRequest(_message.Message):
     __slots__ = ("ledger_id",)
@@ -523,7 +537,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., dp_event_json: _Optional[str] = ..., epsilon_after: _Optional[float] = ..., unix_seconds: _Optional[float] = ..., next_bound: _Optional[float] = ...) -> None: ...
 
 class Ledger(_message.Message):
-    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows", "stream_state_bytes", "unit", "client_ids", "audit")
+    __slots__ = ("ledger_id", "accountant", "neighbouring", "delta", "max_epsilon", "epsilon", "budget_left", "entries", "next_bound", "debug_raw_statistics", "mechanism", "stream", "stream_made", "stream_state_rows", "stream_state_bytes", "unit", "client_ids", "audit", "sampling_drawn_by")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTANT_FIELD_NUMBER: _ClassVar[int]
     NEIGHBOURING_FIELD_NUMBER: _ClassVar[int]
@@ -542,6 +556,7 @@ class Ledger(_message.Message):
     UNIT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DRAWN_BY_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     accountant: str
     neighbouring: str
@@ -560,7 +575,30 @@ class Ledger(_message.Message):
     unit: PrivacyUnit
     client_ids: str
     audit: LedgerAudit
-    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ..., stream_state_bytes: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., audit: _Optional[_Union[LedgerAudit, _Mapping]] = ...) -> None: ...
+    sampling_drawn_by: str
+    def __init__(self, ledger_id: _Optional[str] = ..., accountant: _Optional[str] = ..., neighbouring: _Optional[str] = ..., delta: _Optional[float] = ..., max_epsilon: _Optional[float] = ..., epsilon: _Optional[float] = ..., budget_left: _Optional[float] = ..., entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_bound: _Optional[float] = ..., debug_raw_statistics: bool = ..., mechanism: _Optional[str] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., stream_made: _Optional[int] = ..., stream_state_rows: _Optional[int] = ..., stream_state_bytes: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., audit: _Optional[_Union[LedgerAudit, _Mapping]] = ..., sampling_drawn_by: _Optional[str] = ...) -> None: ...
+
+class DrawClientsRequest(_message.Message):
+    __slots__ = ("aggregation_id", "client_ids")
+    AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    aggregation_id: str
+    client_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aggregation_id: _Optional[str] = ..., client_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrawClientsResponse(_message.Message):
+    __slots__ = ("aggregation_id", "ledger_id", "release", "sampling_rate", "drawn_client_ids")
+    AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_RATE_FIELD_NUMBER: _ClassVar[int]
+    DRAWN_CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    aggregation_id: str
+    ledger_id: str
+    release: int
+    sampling_rate: float
+    drawn_client_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, aggregation_id: _Optional[str] = ..., ledger_id: _Optional[str] = ..., release: _Optional[int] = ..., sampling_rate: _Optional[float] = ..., drawn_client_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")

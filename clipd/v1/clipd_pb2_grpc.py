@@ -94,6 +94,11 @@ class ClipdStub(object):
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.IssueClientTokenRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.ClientToken.FromString,
                 _registered_method=True)
+        self.DrawClients = channel.unary_unary(
+                '/clipd.v1.Clipd/DrawClients',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.DrawClientsRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.DrawClientsResponse.FromString,
+                _registered_method=True)
 
 
 class ClipdServicer(object):
@@ -201,6 +206,17 @@ class ClipdServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrawClients(self, request, context):
+        """Which of the candidates take part in the release of a private aggregation
+        whose ledger's sampling the server draws (Sampling.drawn_by SERVER; admin
+        only): the server's draw for each client id, the same every time it is
+        asked. FAILED_PRECONDITION for an aggregation whose sampling it does not
+        draw.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClipdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +279,11 @@ def add_ClipdServicer_to_server(servicer, server):
                     servicer.IssueClientToken,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.IssueClientTokenRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.ClientToken.SerializeToString,
+            ),
+            'DrawClients': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrawClients,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.DrawClientsRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.DrawClientsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -589,6 +610,33 @@ class Clipd(object):
             '/clipd.v1.Clipd/IssueClientToken',
             clipd_dot_v1_dot_clipd__pb2.IssueClientTokenRequest.SerializeToString,
             clipd_dot_v1_dot_clipd__pb2.ClientToken.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrawClients(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/DrawClients',
+            clipd_dot_v1_dot_clipd__pb2.DrawClientsRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.DrawClientsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,6 +27,7 @@ NON_FINITE = {  # REJECT never reaches the engine: its batches are rejected on a
     **{code: NonFinite("zero_example" if name == "reject" else name) for name, code in wire.NON_FINITE.items()},
 }
 SAMPLING = {code: dp.SamplingKind(name) for name, code in wire.SAMPLING.items()}
+DRAWN_BY = {code: dp.DrawnBy(name) for name, code in wire.DRAWN_BY.items()}
 NEIGHBOURING = {code: dp.Neighbouring(name) for name, code in wire.NEIGHBOURING.items()}
 ACCOUNTANTS = {code: dp.Accountant(name) for name, code in wire.ACCOUNTANTS.items()}
 NOISES = {code: dp.Noise(name) for name, code in wire.NOISES.items()}
@@ -79,6 +80,7 @@ def _x64_enabled() -> bool:
 def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
     """The engine's privacy policy; ``InvalidArgument`` naming what is wrong."""
     for value, names, what in ((message.sampling.kind, SAMPLING, "sampling.kind"),
+                               (message.sampling.drawn_by, DRAWN_BY, "sampling.drawn_by"),
                                (message.neighbouring, NEIGHBOURING, "neighbouring"),
                                (message.accountant, ACCOUNTANTS, "accountant"),
                                (message.noise, NOISES, "noise")):
@@ -109,7 +111,7 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
             noise_multiplier=message.noise_multiplier if message.HasField("noise_multiplier") else None,
             target_epsilon=(message.target_epsilon or None) if not message.HasField("noise_multiplier") else None,
             planned_releases=message.planned_releases, neighbouring=NEIGHBOURING[message.neighbouring],
-            sampling=dp.Sampling(SAMPLING[s.kind], s.rate, s.population, s.sample_size),
+            sampling=dp.Sampling(SAMPLING[s.kind], s.rate, s.population, s.sample_size, DRAWN_BY[s.drawn_by]),
             accountant=ACCOUNTANTS[message.accountant], max_epsilon=message.max_epsilon or math.inf,
             adaptive=adaptive, public_denominator=message.public_denominator, release_mean=message.release_mean,
             metrics_noise_multiplier=message.metrics_noise_multiplier,
@@ -133,8 +135,8 @@ def privacy_to_proto(policy: dp.PrivacyPolicy) -> pb.PrivacyPolicy:
         adaptive.update(max_bound=_inf_as_zero(adaptive["max_bound"]),
                         arithmetic_update=not adaptive.pop("geometric_update"))
     fields.update(sampling=sampling["kind"], sampling_rate=sampling["rate"], population=sampling["population"],
-                  sample_size=sampling["sample_size"], target_epsilon=policy.target_epsilon or 0.0,
-                  max_epsilon=_inf_as_zero(policy.max_epsilon))
+                  sample_size=sampling["sample_size"], drawn_by=sampling["drawn_by"],
+                  target_epsilon=policy.target_epsilon or 0.0, max_epsilon=_inf_as_zero(policy.max_epsilon))
     return wire.privacy_policy(**fields)
 
 
@@ -164,6 +166,7 @@ def ledger_to_proto(ledger: dict) -> pb.Ledger:
         stream_state_rows=ledger["stream"]["state_rows"] if ledger["stream"] else 0,
         stream_state_bytes=ledger["stream"]["state_bytes"] if ledger["stream"] else 0,
         unit=wire.UNITS[ledger["unit"]], client_ids=ledger["client_ids"],
+        sampling_drawn_by=ledger["drawn_by"],
         entries=[pb.LedgerEntry(aggregation_id=e["aggregation_id"], dp_event_json=e["event"],
                                 epsilon_after=e["epsilon_after"], unix_seconds=e["time"],
                                 next_bound=e["next_bound"] or 0.0) for e in ledger["entries"]],

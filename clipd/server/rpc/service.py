@@ -40,6 +40,7 @@ from clipd.server.rpc.auth import Authenticator, check_id
 from clipd.server.rpc.limits import Admission, StreamSlots
 from clipd.server.rpc.resume import ParkedBatches
 from clipd.server.rpc.submit import SubmitSession, stream_owner, submit_one
+from clipd.server.sampling import MAX_CANDIDATES
 from clipd.server.settings import Settings
 from clipd.server.summing.memory import ByteBudget
 from clipd.v1 import clipd_pb2 as pb
@@ -211,6 +212,17 @@ class ClipdServicer(pb_grpc.ClipdServicer):
     def IssueClientToken(self, request: pb.IssueClientTokenRequest, context) -> pb.ClientToken:
         """A credential for one client id (or a trusted submitter) on an aggregation or a ledger (admin only)."""
         return self.auth.issue(request)
+
+    @_status_on_error
+    def DrawClients(self, request: pb.DrawClientsRequest, context) -> pb.DrawClientsResponse:
+        """Which candidates the server draws for a private aggregation's release (admin only)."""
+        if len(request.client_ids) > MAX_CANDIDATES:
+            raise InvalidArgument(f"client_ids: at most {MAX_CANDIDATES} candidates a call, got"
+                                  f" {len(request.client_ids)}")
+        candidates = [check_id(c, "client_ids") for c in request.client_ids]
+        aggregation, release, rate, drawn = self.lifecycle.draw_clients(request.aggregation_id, candidates)
+        return pb.DrawClientsResponse(aggregation_id=aggregation.id, ledger_id=aggregation.privacy.ledger_id,
+                                      release=release, sampling_rate=rate, drawn_client_ids=drawn)
 
     @_status_on_error
     def GetLedger(self, request: pb.GetLedgerRequest, context) -> pb.Ledger:
