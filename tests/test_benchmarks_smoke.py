@@ -253,8 +253,9 @@ def test_large_benchmark_quick_run(smoke_runs):
 
 
 def test_audit_benchmark_quick_run(smoke_runs):
-    """benchmarks/audit.py --quick: a release's cost with and without an audit, and the bound an audit reaches
-    against its claim, sound and with the noise broken (a tenth): the broken one reaches the ceiling."""
+    """benchmarks/audit.py --quick: a round's cost with and without an audit; the bound an audit reaches against
+    its claim, sound, with every contribution bounded at 10 C and with a tenth of the noise (both reach the
+    ceiling); a stream's audit state."""
     out = smoke_runs["audit"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.strip().splitlines()
@@ -264,8 +265,12 @@ def test_audit_benchmark_quick_run(smoke_runs):
     assert canaries == "100" and _positive(audited) / _positive(private) == pytest.approx(_positive(ratio), rel=0.01)
     power = [line for line in lines if line.strip().startswith("1 |")]
     assert len(power) == 1, out.stdout
-    z, n, releases, claimed, lower, ceiling, ratio, broken, refuted = (p.strip() for p in power[0].split("|"))
-    assert (n, releases, refuted) == ("100", "1", "0/1")  # claimed 4.7 is past what 100 canaries can show
-    assert 0 <= float(lower) < _positive(claimed) and float(broken) == pytest.approx(_positive(ceiling), abs=0.01)
+    z, n, releases, claimed, lower, ceiling, ratio, clip, clip_refuted, noise, refuted = (
+        p.strip() for p in power[0].split("|"))
+    assert (n, releases, clip_refuted, refuted) == ("100", "1", "0/1", "0/1")  # claimed 4.7: past 100 canaries' reach
+    assert 0 <= float(lower) < _positive(claimed)
+    assert float(clip) == pytest.approx(_positive(ceiling), abs=0.01)
+    assert float(noise) == pytest.approx(_positive(ceiling), abs=0.01)
     assert any(line.startswith("cost: audited_over_private=") for line in lines)
     assert any(line.startswith("power: sound_max_lower_over_claimed=") for line in lines)
+    assert len([line for line in lines if line.startswith("stream: state_bytes=")]) == 2

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import background
+import conftest
 import numpy as np
 import pytest
 import torch
@@ -276,3 +277,36 @@ def test_its_arguments_are_builtins_as_nvflare_rebuilds_it_on_its_server():
     rebuilt = ClipdAggregator(**args)
     assert rebuilt.target == "clipd:50051" and rebuilt.num_sampled_clients == 5 and rebuilt.clipping_norm == 0.5
     assert rebuilt.privacy == aggregator.privacy and rebuilt.privacy["max_epsilon"] == 4.0
+
+
+def test_sites_clipd_does_not_draw_neither_train_nor_send(auth_server, monkeypatch, caplog):
+    """A ledger whose sampling the server draws (q = 0.5, z = 0: the sum exact): ClipdFedAvg sends training to the
+    sites drawn among those FedAvg sampled, and the aggregator sends the updates of drawn sites only (another
+    site's is logged and left out); the release is the drawn sites' mean over m."""
+    from nvflare.app_common.workflows.fedavg import FedAvg
+
+    from clipd.client.nvflare import ClipdFedAvg
+
+    caplog.set_level(logging.INFO)
+    privacy = Privacy(f"flare-drawn-{os.getpid()}", 1e-5, noise_multiplier=0.0, sampling="poisson",
+                      sampling_rate=0.5, drawn_by="server")
+    aggregator = ClipdAggregator(f"127.0.0.1:{auth_server.port}", num_sampled_clients=10, clipping_norm=10.0,
+                                 privacy=privacy, token=conftest.ADMIN_TOKEN, timeout=10.0)
+    sites = [f"site-{i}" for i in range(20)]
+    update = {"w": np.full(3, 0.5, np.float32)}
+    aggregator.reset_stats()  # (no global model in its context: the round opens with the first update)
+    aggregator.accept_model(_diff(sites[0], update))
+    drawn = aggregator.drawn(sites)
+    assert 0 < len(drawn) < len(sites) and drawn == [s for s in sites if s in drawn]
+    sent: list = []
+    monkeypatch.setattr(FedAvg, "send_model", lambda self, *args, **kwargs: sent.append(kwargs["targets"]))
+    controller = ClipdFedAvg(num_clients=20, num_rounds=1, aggregator=aggregator)
+    controller.current_round = 1
+    controller.send_model(task_name="train", targets=sites, data=None, callback=None)
+    assert sent == [drawn]
+    for site in sites[1:]:
+        aggregator.accept_model(_diff(site, update))
+    result = aggregator.aggregate_model()
+    np.testing.assert_allclose(result.params["w"], 0.5 * len(drawn) / 10, rtol=1e-6)
+    left_out = next(s for s in sites if s not in drawn)
+    assert f"{left_out} was not drawn for this round's release: its update is not sent" in caplog.text

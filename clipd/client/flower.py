@@ -32,6 +32,11 @@ Each round:
   client could pick: a node contributes once a round (a second reply of one node
   is refused and contributes nothing), and under a correlated noise stream the
   server enforces each node's participation across rounds.
+* With ``Privacy(..., sampling="poisson", sampling_rate=q, drawn_by="server")`` clipd, not the wrapped
+  strategy, decides who trains: the wrapped strategy offers the nodes (let it offer all of them:
+  ``fraction_train=1.0``), and only those clipd draws for the round's release are sent training
+  (``num_sampled_clients``: the expected count, q times the nodes). A reply from a node it did not
+  draw would be refused, so it is not sent.
 * ``aggregate_train`` streams each reply's update, ``reply - current`` for every
   floating array, as its node's one contribution; finalizes;
   and returns ``current + noised_sum / m``. ``m`` is the public denominator
@@ -166,11 +171,16 @@ class ClipdStrategy(Strategy):
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         if not messages:
             return []
-        if len(messages) != self.num_sampled_clients:
+        if len(messages) != self.num_sampled_clients and not self.rounds.server_draws:
             log.warning("configure_train: %d clients sampled, but the public denominator m is %s: the mean"
                         " divides by m", len(messages), self.num_sampled_clients)
         if not self.rounds.open(server_round, {name: array.numpy() for name, array in arrays.items()}):
             return []
+        if self.rounds.server_draws:  # clipd draws the round's nodes among those offered: only they train
+            drawn = set(self.rounds.drawn(f"n{m.metadata.dst_node_id}" for m in messages))
+            log.info("configure_train: clipd drew %d of the %d nodes offered for round %s", len(drawn),
+                     len(messages), server_round)
+            messages = [m for m in messages if f"n{m.metadata.dst_node_id}" in drawn]
         return messages
 
     def aggregate_train(

@@ -23,6 +23,10 @@ Each round (:class:`~clipd.client.rounds.PrivateRounds` holds the logic it share
   read from the ``CLIPD_TOKEN`` environment variable of the NVFlare server) under the site's name. A ledger that
   can't afford the release refuses it there: training stops (:class:`ClipdFedAvg` asks no site to train and ends
   the job; NVFlare's own ``FedAvg`` goes on with rounds that leave the model as it is).
+* With ``Privacy(..., sampling="poisson", sampling_rate=q, drawn_by="server")`` clipd draws each round's sites:
+  :class:`ClipdFedAvg` sends training only to the sites drawn among those FedAvg sampled (let it sample all of
+  them); under NVFlare's own ``FedAvg`` every sampled site trains, and the update of one not drawn is not sent
+  (logged). ``num_sampled_clients``: the expected count, q times the sites.
 * ``accept_model`` streams each site's update as it arrives: its ``DIFF`` as it is, or ``params - global`` for
   ``FULL``. Nothing of a site is kept in the NVFlare server once it is sent. A site whose update has another
   shape or misses an array contributes nothing (logged); NaN or inf is zeroed by the server and counted.
@@ -201,6 +205,15 @@ class ClipdAggregator(ModelAggregator):
                                          keep_results=self.keep_results, log=_Log(self), name="nvflare")
         return self._rounds
 
+    def drawn(self, sites: list[str]) -> list[str]:
+        """The sites that take part in this round: those clipd draws for its release where its ledger's sampling is
+        the server's (``Privacy(..., drawn_by="server")``), else all of them (:meth:`PrivateRounds.drawn`)."""
+        try:
+            return self.rounds.drawn(sites)
+        except ClipdError as e:  # nothing can be sent that the server would take: no site trains this round
+            self.error(f"clipd: round {self._round}: the server's draws can't be read: {e}")
+            return []
+
     @property
     def stopped(self) -> str | None:
         """Why training stopped (the ledger refused a round's release), or None."""
@@ -255,6 +268,14 @@ class ClipdFedAvg(FedAvg):
         if (reason := self._clipd_stopped()) is not None:
             self.info(f"clipd: no site trains in round {self.current_round}: {reason}")
             return
+        drawn = getattr(self.aggregator, "drawn", None)
+        if drawn is not None and kwargs.get("targets") is not None:  # the server draws the round's sites
+            offered = list(kwargs["targets"])
+            kwargs["targets"] = drawn(offered)
+            self.info(f"clipd drew {len(kwargs['targets'])} of the {len(offered)} sites offered for round"
+                      f" {self.current_round}: {kwargs['targets']}")
+            if not kwargs["targets"]:
+                return  # (NVFlare reads no targets as every site)
         super().send_model(*args, **kwargs)
 
     def is_curr_model_better(self, curr_model: FLModel) -> bool:

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,7 @@ class Round:
     current: dict[str, np.ndarray]  # the global arrays sent to the sites, all of them, in order
     floating: list[str]  # the ones clipd aggregates (the others keep their global value)
     submitted: int = 0  # updates summed so far
+    draws: dict[str, bool] = dataclasses.field(default_factory=dict)  # the server's draws asked so far (its sampling)
 
 
 class PrivateRounds:
@@ -124,6 +125,24 @@ class PrivateRounds:
         self.open_round = Round(number, aggregation_id, current, floating)
         return True
 
+    @property
+    def server_draws(self) -> bool:
+        """Whether the server draws each round's sites (``Privacy(..., drawn_by="server")``)."""
+        return self.privacy is not None and self.privacy.drawn_by == "server"
+
+    def drawn(self, sites: Iterable[str]) -> list[str]:
+        """The ``sites`` that take part in the open round: those the server draws for its release when it draws
+        them (asked once a round each; the others' updates would be refused), else all of them."""
+        sites = list(sites)
+        round_ = self.open_round
+        if round_ is None or not self.server_draws:
+            return sites
+        new = [site for site in dict.fromkeys(sites) if site not in round_.draws]
+        if new:
+            chosen = set(self.client.draw_clients(round_.aggregation_id, new))
+            round_.draws.update({site: site in chosen for site in new})
+        return [site for site in sites if round_.draws[site]]
+
     def update_from(self, site: str, params: Mapping[str, Any], *, diff: bool) -> dict[str, np.ndarray] | None:
         """A site's update from its reply: ``params`` as they are when they are a difference (``diff``), else
         ``params - current``; None (logged) when it does not hold the model's floating arrays in their shapes."""
@@ -151,6 +170,10 @@ class PrivateRounds:
         that stays unreachable raises (the round can't be released as it should)."""
         round_ = self.open_round
         if round_ is None:
+            return False
+        if self.server_draws and not self.drawn([site]):
+            self.log.info(f"round {round_.number}: {site} was not drawn for this round's release: its update is not"
+                          " sent (the server draws each round's sites)")
             return False
         try:
             self.client.submit(round_.aggregation_id, dict(update), client_id=site)

@@ -32,6 +32,24 @@ def clipd_server(server_python, tmp_path_factory) -> ServerProcess:
     server.stop()
 
 
+ADMIN_TOKEN = "flower-admin-7d2e"  # the admin credential of ``auth_clipd_server``
+
+
+@pytest.fixture(scope="session")
+def auth_clipd_server(server_python, tmp_path_factory) -> ServerProcess:
+    """A clipd server with an admin token: client ids from credentials (what the server's draws need)."""
+    server = ServerProcess(server_python, tmp_path_factory.mktemp("clipd-auth-server"), "--admin-token",
+                           ADMIN_TOKEN)
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def admin_client(auth_clipd_server) -> Client:
+    with Client(auth_clipd_server.target, token=ADMIN_TOKEN, retry_timeout=20.0) as client:
+        yield client
+
+
 @pytest.fixture()
 def client(clipd_server) -> Client:
     with Client(clipd_server.target, retry_timeout=20.0) as client:

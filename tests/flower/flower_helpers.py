@@ -21,11 +21,11 @@ SERVER_START_TIMEOUT = 90.0
 class ServerProcess:
     """``clipd serve`` on an ephemeral loopback port (the port it prints), state in memory."""
 
-    def __init__(self, python: str, cwd: pathlib.Path) -> None:
+    def __init__(self, python: str, cwd: pathlib.Path, *args: str) -> None:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [python, "-m", "clipd", "serve", "--host", "127.0.0.1", "--grpc-port", "0", "--admin-port", "-1",
-             "--data-dir", "memory", "--log-level", "warning"],
+             "--data-dir", "memory", "--log-level", "warning", *args],
             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self.stderr: list[str] = []

@@ -255,3 +255,23 @@ def test_rounds_on_a_correlated_stream_enforce_each_nodes_participation(client):
     for ours, theirs in zip(third.to_numpy_ndarrays(), _flower_oracle(model, updates, m)):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
     assert [r.stream_release for r in strategy.releases] == [0, 1, 2] and metrics["stream-release"] == 0
+
+
+def test_clipd_draws_the_nodes_that_train(admin_client):
+    """Poisson sampling the server draws (q = 0.5, z = 0): the wrapped FedAvg offers all 20 nodes, only those clipd
+    draws for the round's release are sent training, a reply from any other is not sent, and the release is the
+    drawn nodes' updates over m."""
+    nodes, m = 20, 10
+    model, update = _model(), [u * 0.01 for u in _updates(1)[0]]  # (a norm under C: unclipped)
+    privacy = _privacy(sampling="poisson", sampling_rate=0.5, drawn_by="server")
+    inner = FedAvg(fraction_train=1.0, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0)
+    strategy = ClipdStrategy(inner, admin_client, num_sampled_clients=m, clipping_norm=C, privacy=privacy)
+    grid = FixedGrid(nodes)
+    messages = list(strategy.configure_train(1, ArrayRecord(model), ConfigRecord(), grid))
+    trained = [msg.metadata.dst_node_id for msg in messages]
+    drawn = admin_client.draw_clients(strategy.rounds.open_round.aggregation_id, [f"n{n}" for n in grid.nodes])
+    assert 0 < len(trained) < nodes and [f"n{n}" for n in trained] == drawn
+    arrays, _ = strategy.aggregate_train(1, [reply(n, _plus(model, update)) for n in grid.nodes])
+    for got, w, u in zip(arrays.to_numpy_ndarrays(), model, update):
+        np.testing.assert_allclose(got, w + len(drawn) * u / m, rtol=1e-5, atol=1e-6)
+    assert strategy.releases[0].sampling_drawn_by == "server"
