@@ -386,6 +386,24 @@ def test_a_broken_clip_is_refuted(memory_server, monkeypatch, recompiled, capsys
     assert lower > claimed and last.startswith(f"audit: ledger={privacy.ledger_id} canaries={CANARIES} ")
 
 
+@pytest.mark.parametrize("break_", [None, "multiplier_at_10C"])
+def test_a_large_models_path_is_audited_as_its_data_goes(monkeypatch, recompiled, break_):
+    """A server whose steps take one row (a large model's path: each example measured on the device and added
+    into the float64 totals on the host): the canaries go one a step too, and are scored as the data is; a clip
+    at 10 C is refuted there as well."""
+    if break_:
+        monkeypatch.setattr(_accumulator, "multiplier", _multiplier_at_ten_times(_accumulator.multiplier))
+    server, _ = create_server(Settings(**{**TEST_SETTINGS, "max_device_rows": 1}))
+    try:
+        with Client(f"127.0.0.1:{server.port}") as c:
+            aggregation = server.lifecycle.registry.get(c.create_aggregation(LAYERS, l2_norm_clip=CLIP))
+            assert aggregation.device_rows == 1 and aggregation.sums_on_host(jax.default_backend())
+            audit = audit_independent(c, gaussian(10.0, seed=23, ledger=f"one-a-step-{break_}"), 3)
+    finally:
+        server.stop(grace=1.0)
+    assert audit.refuted == (break_ is not None)
+
+
 def test_an_audited_release_is_the_unaudited_one(client):
     """Same seed, same data: the release with canaries in and taken out is the release without them, to float
     rounding (each canary goes in as the clip makes it, in float32, and comes out as the correct clip,

@@ -7,12 +7,13 @@ row (over its whole vector, or each layer's), the multiplier against the bounds,
 sums the rows. :func:`clip_and_sum` sends the canaries down that same path, on rows that keep only the
 coordinates canaries use (``ClipAccumulator.on_support``: the same bounds, computed for the whole layers, and
 the same step; zeros elsewhere change no norm), so an audit costs ``O(N)`` per release whatever the model's
-size. The kind of step mirrors the data's: rows ``GROUP`` at a time where the aggregation's steps take
-several rows, one row a step where they take one (a large model), measured and added on the host where its
-sums are there (``Aggregation.sums_on_host``), on the secure grid in fixed point where its sums are.
+size. The kind of step mirrors the data's: ``GROUP`` rows in one step where the aggregation's steps take
+several rows; one row a step where they take one (a large model), the step's state carried from row to row as
+a shard's delta is, measured and added into float64 totals on the host where its sums are there
+(``Aggregation.sums_on_host``); on the secure grid in fixed point where its sums are.
 
-What each canary's clip added is read back per canary: in a group each canary has a column of its own in
-every layer, so a column's sum is its canary's clipped value there.
+What each canary's clip added is read back per canary: in a group of ``GROUP`` canaries each has a column of
+its own in every layer, so a column's sum is its canary's clipped value there.
 """
 
 from __future__ import annotations
@@ -36,18 +37,17 @@ def clip_and_sum(aggregation: Aggregation, layout: CanaryLayout, vectors: Canary
     client = aggregation.unit is Unit.CLIENT
     one_at_a_time = aggregation.device_rows == 1
     on_host = aggregation.sums_on_host(jax.default_backend())
-    group = 1 if one_at_a_time else GROUP
-    accumulator = aggregation.accumulator.on_support([group] * len(layout.members))
+    accumulator = aggregation.accumulator.on_support([GROUP] * len(layout.members))
     dtypes = [np.dtype(layer.dtype) for layer in aggregation.layers]
     member_index = [_inverse(members, layout.count) for members in layout.members]
     out = [np.zeros(members.size) for members in layout.members]
     which = np.flatnonzero(added)
-    for start in range(0, which.size, group):
-        chunk = which[start:start + group]
+    for start in range(0, which.size, GROUP):
+        chunk = which[start:start + GROUP]
         rows = layout.rows[chunk] if client else np.ones(chunk.size, np.int64)
-        batch = _batch(chunk, rows, vectors.rows, member_index, dtypes, group)
+        batch = _batch(chunk, rows, vectors.rows, member_index, dtypes, GROUP)
         contributions = contribution_rows(aggregation.unit, batch, rows.tolist() if client else None)
-        sums = _step(accumulator, contributions, one_at_a_time, on_host, group)
+        sums = _step(accumulator, contributions, one_at_a_time, on_host)
         for k, index in enumerate(member_index):
             j = index[chunk]
             has = j >= 0
@@ -79,26 +79,27 @@ def _batch(chunk: np.ndarray, rows: np.ndarray, member_rows: Sequence[np.ndarray
     return batch
 
 
-def _step(accumulator, contributions: list[np.ndarray], one_at_a_time: bool, on_host: bool, group: int
-          ) -> list[np.ndarray]:
+def _step(accumulator, contributions: list[np.ndarray], one_at_a_time: bool, on_host: bool) -> list[np.ndarray]:
     """The clipped sum of ``contributions`` (one row each) per column, float64, by the kind of step the
-    aggregation's data takes: one row a step (measured and added on the host, or summed on the device), or the
-    rows in one step padded to ``group`` rows (the padding invalid: it adds exactly nothing)."""
-    widths = [c.shape[1] for c in contributions]
-    total = [np.zeros(w) for w in widths]
+    aggregation's data takes: one row a step, its state carried from step to step as a shard's delta is (measured
+    and added into float64 totals on the host, or summed into the device delta), or every row in one step padded
+    to ``GROUP`` rows (the padding invalid: it adds exactly nothing)."""
     n = contributions[0].shape[0]
-    if one_at_a_time:
+    if one_at_a_time and on_host:
+        state, measured = accumulator.init(sums=False), []
         for r in range(n):
-            example = [c[r:r + 1] for c in contributions]
-            valid = np.ones(1, bool)
-            if on_host:
-                _, scales = accumulator.measure(accumulator.init(sums=False), example, valid)
-                add_example(total, [e[0] for e in example], jax.device_get(scales))
-            else:
-                state = accumulator.update(accumulator.init(), example, valid)
-                total = [t + np.asarray(s, np.float64) for t, s in zip(total, state.sums)]
-        return total
-    rows = max(n, group)
+            state, scales = accumulator.measure(state, [c[r:r + 1] for c in contributions], np.ones(1, bool))
+            measured.append(scales)
+        totals = [np.zeros(c.shape[1]) for c in contributions]
+        for r, scales in enumerate(jax.device_get(measured)):
+            add_example(totals, [c[r] for c in contributions], scales)
+        return totals
+    if one_at_a_time:
+        state = accumulator.init()
+        for r in range(n):
+            state = accumulator.update(state, [c[r:r + 1] for c in contributions], np.ones(1, bool))
+        return [np.asarray(s, np.float64) for s in state.sums]
+    rows = max(n, GROUP)
     padded = [np.concatenate([c, np.zeros((rows - n, c.shape[1]), c.dtype)]) if n < rows else c
               for c in contributions]
     state = accumulator.update(accumulator.init(), padded, np.arange(rows) < n)
