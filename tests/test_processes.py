@@ -24,6 +24,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+import uuid
 import zlib
 
 import grpc
@@ -42,7 +43,7 @@ from service_helpers import (
 )
 
 from clipd import wire
-from clipd.client import Client
+from clipd.client import Client, FailedPreconditionError, Privacy
 from clipd.server import aggregations
 from clipd.server.app import create_server
 from clipd.server.rpc import limits
@@ -498,3 +499,27 @@ def test_the_dashboard_signed_in_shows_each_shard_process(behind_shards, tmp_pat
                 value = value[key]
             assert row.one(data_col=column).attrs["data-value"] == str(value), (column, row.attrs)
     assert float(panel.one(data_server="streams.limit").attrs["data-value"]) == api["streams"]["limit"]
+
+
+def test_the_servers_draws_hold_at_the_shard_processes(behind_shards):
+    """A ledger whose sampling the server draws (q = 0.5, z = 0: the sum exact), behind two shard processes: a
+    client the server did not draw is refused where its stream lands (a shard process draws with the control's
+    key, from the shared store), and the release is the drawn clients' updates alone."""
+    server, target = behind_shards
+    privacy = Privacy(f"drawn-{uuid.uuid4().hex[:8]}", 1e-5, noise_multiplier=0.0, sampling="poisson",
+                      sampling_rate=0.5, drawn_by="server")
+    update = {"w": np.full((1, 4), 0.1, np.float32)}
+    with Client(target, token="admin-secret") as c:
+        wait_serving(target)
+        aggregation = c.create_aggregation({"w": (4,)}, l2_norm_clip=1.0, privacy=privacy, unit="client")
+        candidates = [f"s{i}" for i in range(16)]
+        drawn = c.draw_clients(aggregation, candidates)
+        left_out = [site for site in candidates if site not in drawn]
+        assert drawn and left_out
+        for site in left_out:
+            with pytest.raises(FailedPreconditionError, match="not drawn for this release"):
+                c.submit(aggregation, update, client_id=site)
+        for site in drawn:
+            c.submit(aggregation, update, client_id=site)
+        result = c.finalize(aggregation)
+    np.testing.assert_allclose(result.sums["w"], 0.1 * len(drawn), rtol=1e-6)
