@@ -20,7 +20,7 @@ client, as a user's run does:
 3. **A stream's audit state.** A correlated stream's audit keeps, per canary, the strategy's memory of its
    projections and signal and two running sums: its size after T releases of N canaries (the audit's own
    ``AuditState``, fed T releases of projections), against what keeping every release's projections took
-   (16 bytes a canary a release), and the time a release adds to it.
+   (8 bytes for each of the 2N canaries, a release), and the time a release adds to it.
 
 Run: ``python benchmarks/audit.py`` (``--quick`` for a smoke run).
 """
@@ -184,7 +184,7 @@ def stream_state_table(canaries: int, releases: int, mechanism: str) -> None:
         state.record(canaries_t, rng.standard_normal(count), 1.0, stream=stream, release=t)
         blob = state.to_bytes()
         took.append(time.perf_counter() - started)
-    before = 16 * count * releases
+    before = 8 * count * releases  # float64, held in and held out
     print()
     print(f"a stream's audit state ({mechanism}, {stream.state_rows} rows of memory), after {releases:,} releases")
     print(f"{'N':>7} | {'releases':>8} | {'state bytes':>12} | {'every projection kept':>21} | {'kept/state':>10} |"
