@@ -336,10 +336,14 @@ def test_broken_noise_is_refuted(client, monkeypatch, break_):
 
 @pytest.fixture()
 def recompiled():
-    """A test that patches a function the step programs trace: they are traced again while it lasts, and after."""
-    jax.clear_caches()
+    """A test that patches a function the step programs trace: they are traced again while it lasts, and after
+    (the accumulator's steps only: the noise's programs stay compiled)."""
+    steps = (_accumulator._accumulate_jit, _accumulator._measure_jit)
+    for step in steps:
+        step.clear_cache()
     yield
-    jax.clear_caches()
+    for step in steps:
+        step.clear_cache()
 
 
 def _multiplier_at_ten_times(real):

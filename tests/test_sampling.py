@@ -55,8 +55,9 @@ def test_the_drawn_rate_is_q_release_by_release_and_independent(admin):
         aggregation = open_round(admin, privacy)
         drawn = admin.draw_clients(aggregation, candidates)
         assert admin.draw_clients(aggregation, candidates) == drawn  # the same draw, every time it is asked
-        assert drawn == [c for c in candidates if c in set(drawn)]  # in the order given
-        rounds.append(set(drawn))
+        chosen = set(drawn)
+        assert drawn == [c for c in candidates if c in chosen]  # in the order given
+        rounds.append(chosen)
         assert admin.finalize(aggregation).release.ledger_releases == release
         admin.cancel(aggregation)
     n = 10 * len(candidates)
