@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -35,13 +34,11 @@ class Draws:
     def __init__(self, store_key: Callable[[], bytes]) -> None:
         self._store_key = store_key
         self._key: bytes | None = None
-        self._lock = threading.Lock()
 
     def _derived(self) -> bytes:
-        with self._lock:
-            if self._key is None:
-                self._key = hmac.new(self._store_key(), KEY_DOMAIN, hashlib.sha256).digest()
-            return self._key
+        if self._key is None:  # (two threads at once derive the same key: no lock needed)
+            self._key = hmac.new(self._store_key(), KEY_DOMAIN, hashlib.sha256).digest()
+        return self._key
 
     def drawn(self, ledger_id: str, release: int, clients: Sequence[str], rate: float) -> np.ndarray:
         """bool ``(len(clients),)``: which clients take part in release ``release`` (1-based) of the ledger."""
