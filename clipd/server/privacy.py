@@ -8,7 +8,10 @@ The request path of a private aggregation:
    (FAILED_PRECONDITION, with the numbers) past ``max_epsilon``; else the
    aggregation is stored and its release reserved. A debug aggregation writes
    a ``NonPrivateDpEvent`` to the ledger in the same commit.
-2. Contributions are clipped and summed as usual; no raw statistic is shown.
+2. Contributions are clipped and summed as usual; no raw statistic is shown. A client the ledger's rules
+   keep out of the release is refused before its bytes are read (:meth:`Ledgers.check_participation`): one
+   the server did not draw, where the ledger's sampling is the server's (``server.sampling``), or one past a
+   correlated stream's participation limits.
 3. ``Finalize``: the worker commits the raw totals (not yet FINALIZED), then
    :meth:`Ledgers.release` checks the budget again against the committed
    entries, draws the noise from a fresh key, updates the adaptive bound from
