@@ -161,8 +161,9 @@ def _privacy_metrics(server: ServerFacade, private, participation_refusals: dict
                                      "What a correlated noise stream's state takes in the store.",
                                      labels=["ledger", "mechanism"])
     refused = CounterMetricFamily("clipd_ledger_participation_refusals",
-                                  "Clients refused (by any process) because the ledger's stream does not let them"
-                                  " take part in the release (min_separation, max_participations).",
+                                  "Clients refused (by any process) because the ledger's rules keep them out of the"
+                                  " release: its stream's participation (min_separation, max_participations), or"
+                                  " the server's draws (sampling drawn by the server).",
                                   labels=["ledger"])
     audited = GaugeMetricFamily("clipd_ledger_audit_epsilon", "A ledger's canary audit: the epsilon claimed over"
                                 " the releases it covers, and (closed) the lower bound it shows at its confidence"
