@@ -637,3 +637,30 @@ def test_an_audit_travels_in_an_nvflare_jobs_configuration():
     privacy = Privacy("flare", DELTA, noise_multiplier=1.0, audit=Audit(canaries=7, confidence=0.9))
     config = json.loads(json.dumps(privacy_config(privacy)))
     assert config["audit"] == {"canaries": 7, "confidence": 0.9} and _privacy(config) == privacy
+
+
+def test_an_audit_of_the_format_before_reads_and_closes_over_the_releases_it_has():
+    """A ledger audited by a version whose canaries went beside the clip (format CLIPDAU1: every release's
+    projections kept): it takes no more releases and closes over the ones it has, a stream's scored with its
+    projections decorrelated by C (computed here with the whole matrix)."""
+    from clipd.engine import _container
+    from clipd.server.audit import LEGACY_AUDIT_MAGIC, AuditState
+
+    n, t = 50, 4
+    rng = np.random.default_rng(5)
+    projections, magnitudes = rng.normal(size=(t, 2 * n)), np.full(2 * n, 0.8)
+    header = {"seed": 9, "canaries": n, "confidence": 0.95, "releases": t, "result": None}
+    blob = _container.to_bytes(LEGACY_AUDIT_MAGIC, header, [("scores", np.zeros(2 * n)),
+                                                            ("projections", projections), ("magnitudes", magnitudes)])
+    state = AuditState.from_bytes(blob)
+    assert not state.closed and not state.takes_releases
+    stream = CorrelatedNoise("banded", releases=6, min_separation=2, max_participations=3, strategy=(0.9, 0.4))
+    state.close(DELTA, stream, 2.0, claimed=3.0)
+    starts = np.random.default_rng([9, 1]).integers(0, 2, size=2 * n)
+    since = np.arange(t)[None, :] - starts[:, None]
+    participation = ((since >= 0) & (since % 2 == 0) & (since // 2 < 3)).astype(float)
+    matrix = np.array([[[0.9, 0.4][i - j] if 0 <= i - j < 2 else 0.0 for j in range(t)] for i in range(t)])
+    signal, observed = (participation * 0.8) @ matrix.T, projections.T @ matrix.T
+    expected = ((signal * observed).sum(1) - (signal ** 2).sum(1) / 2) / 4.0
+    np.testing.assert_allclose(state.result["in_scores"] + state.result["out_scores"], expected, rtol=1e-12)
+    assert AuditState.from_bytes(state.to_bytes()).closed  # (kept in this format once closed)
