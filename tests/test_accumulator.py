@@ -533,3 +533,43 @@ def test_add_example_refuses_a_layer_of_another_size_and_measure_refuses_fixed_p
     acc = ClipAccumulator([LayerSpec("w", (4,))], ClipPolicy(l2_norm_clip=1.0), fixed_point_step=2.0 ** -10)
     with pytest.raises(ValueError, match="fixed-point"):
         acc.measure(acc.init(sums=False), [np.ones((1, 4), np.float32)], np.ones(1, bool))
+
+
+@pytest.mark.parametrize("path, kind", [(p, k) for p in ("batch", "one_row", "measured")
+                                         for k in ("global", "per_layer_uniform")] + [("fixed_point", "global")])
+def test_weights_scale_each_rows_clipped_contribution_and_leave_the_statistics(path, kind):
+    """Per-row weights in [0, 1] (staleness): the sum is sum_i w_i * clip(x_i), the clip optax's
+    (per_example_global_norm_clip, or per_example_layer_norm_clip for uniform per-layer bounds), on every step
+    path (several rows, one row, measured and added on the host, fixed point on a grid); the clip counts and
+    histograms are those of the unweighted rows."""
+    rng = np.random.default_rng(3)
+    rows = 6 if path == "batch" else 1
+    batch = [rng.normal(size=(rows, 5, 3)).astype(np.float32), rng.normal(size=(rows, 4)).astype(np.float32)]
+    weights = rng.uniform(0.0, 1.0, size=rows).astype(np.float32)
+    layers = [LayerSpec("a", (5, 3)), LayerSpec("b", (4,))]
+    policy = ClipPolicy(BoundKind(kind), l2_norm_clip=1.5)
+    if kind == "global":
+        per_row = [np.stack([optax.per_example_global_norm_clip([jnp.asarray(b[i:i + 1]) for b in batch], 1.5)[0][k]
+                             for i in range(rows)]) for k in range(2)]
+    else:
+        per_row = [np.stack([optax.per_example_layer_norm_clip([jnp.asarray(b[i:i + 1]) for b in batch], 1.5,
+                                                               uniform=True)[0][k] for i in range(rows)])
+                   for k in range(2)]
+    expected = [np.tensordot(weights.astype(np.float64), np.asarray(r, np.float64), axes=1) for r in per_row]
+    step = 2.0 ** -16 if path == "fixed_point" else 0.0
+    acc = ClipAccumulator(layers, policy, fixed_point_step=step)
+    valid = np.ones(rows, bool)
+    if path == "measured":
+        state, scales = acc.measure(acc.init(sums=False), batch, valid, weights=weights)
+        totals = [np.zeros(layer.shape) for layer in layers]
+        add_example(totals, [b[0] for b in batch], jax.device_get(scales))
+        got = totals
+    else:
+        state = acc.update(acc.init(), batch, valid, weights=weights)
+        got = [np.asarray(s, np.float64) for s in state.sums]
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=step or 1e-6)
+    plain = acc.update(acc.init(), batch, valid) if path != "measured" else acc.measure(acc.init(sums=False), batch,
+                                                                                        valid)[0]
+    assert np.array_equal(np.asarray(state.clip_counts), np.asarray(plain.clip_counts))
+    assert np.array_equal(np.asarray(state.example_norm_histogram), np.asarray(plain.example_norm_histogram))

@@ -124,11 +124,13 @@ class _StepConfig(NamedTuple):
     fixed_point_step: float = 0.0  # g > 0: the sums are exact integers on the grid of step g
 
 
-def _accumulate(state, layers, valid, limits, config, fresh=False):
+def _accumulate(state, layers, valid, limits, config, fresh=False, weights=None):
     """One step: ``state`` plus the clipped sum and statistics of the batch's valid rows.
 
     ``limits`` is ``[bounds (G), example bound]``: G = K bounds per layer, 1 global.
     ``fresh``: ``state``'s values are not read (taken as zero); its buffers only receive the step's.
+    ``weights``: ``(B,)`` factors in [0, 1] applied to each row after its clip (a stale contribution's
+    weight), or None (every row 1: the program without them).
     """
     if fresh:
         state = jax.tree.map(jnp.zeros_like, state)
@@ -142,7 +144,7 @@ def _accumulate(state, layers, valid, limits, config, fresh=False):
     def clip_and_sum(operands):
         rows, squared, valid, limits = operands
         multipliers = multiplier(_clip_norms(squared, per_layer), limits[:groups, None], config.rescale_to_unit_norm)
-        multipliers = jnp.where(valid, multipliers, 0.0).astype(dtype)  # (G, B)
+        multipliers = jnp.where(valid, _weighted(multipliers, weights), 0.0).astype(dtype)  # (G, B)
         # Full float32 precision on every backend (GPUs would otherwise round the inputs to TF32).
         return tuple(jnp.tensordot(multipliers[i if per_layer else 0], x.astype(dtype), axes=1,
                                    precision=jax.lax.Precision.HIGHEST) for i, x in enumerate(rows)), squared
@@ -157,9 +159,9 @@ def _accumulate(state, layers, valid, limits, config, fresh=False):
         return clip_and_sum((rows, _squared_norms(rows, dtype), valid, limits))
 
     if config.fixed_point_step:
-        sums = _fixed_point_sums(rows, valid & finite, limits[-1], config.fixed_point_step)
+        sums = _fixed_point_sums(rows, valid & finite, limits[-1], config.fixed_point_step, weights)
     elif rows[0].shape[0] == 1:
-        sums, squared = _one_example_sums(rows, squared, valid, finite, limits, config, dtype)
+        sums, squared = _one_example_sums(rows, squared, valid, finite, limits, config, dtype, weights)
     else:
         # A multiplier of 0 drops a padding row, unless it holds a NaN or inf (0 * inf is NaN): only then
         # are the rows cleaned. PROPAGATE lets non-finite examples into the sum, as optax.
@@ -176,13 +178,13 @@ def _accumulate(state, layers, valid, limits, config, fresh=False):
     )
 
 
-def _one_example_sums(rows, squared, valid, finite, limits, config, dtype):
+def _one_example_sums(rows, squared, valid, finite, limits, config, dtype, weights=None):
     """A batch of one example (B = 1): its clipped contribution per layer, ``m * x``, and the squared norms
     the statistics use. The same values as the batch path, written elementwise so that XLA adds them
     straight into the sum buffers: a dot and a cond would each output a buffer the size of the model
     (measured on a 2^26-parameter layer: the batch path's step peaked 1x the update above its state, this
     one 0)."""
-    scales, masks, squared = _one_example_scales(rows, squared, valid, finite, limits, config, dtype)
+    scales, masks, squared = _one_example_scales(rows, squared, valid, finite, limits, config, dtype, weights)
     zero = jnp.zeros((), rows[0].dtype)
     kept = tuple(jnp.where((masks[k] == KEEP) | ((masks[k] == FINITE_ENTRIES) & jnp.isfinite(x[0])), x[0], zero)
                  for k, x in enumerate(rows))
@@ -210,7 +212,7 @@ class ExampleScales(NamedTuple):
     masks: jax.Array | np.ndarray  # (K,) int32
 
 
-def _one_example_scales(rows, squared, valid, finite, limits, config, dtype):
+def _one_example_scales(rows, squared, valid, finite, limits, config, dtype, weights=None):
     """``(scales (K,), masks (K,), squared (K, 1))`` of a batch of one example: see :class:`ExampleScales`.
 
     The squared norms are those the statistics use: with ``ZERO_ENTRIES``, those of the layers with their
@@ -230,18 +232,18 @@ def _one_example_scales(rows, squared, valid, finite, limits, config, dtype):
         keep = valid & finite if mode is NonFinite.ZERO_EXAMPLE else valid
         masks = jnp.broadcast_to(jnp.where(keep[0], KEEP, DROP), (k,))
     multipliers = multiplier(_clip_norms(squared, per_layer), limits[:groups, None], config.rescale_to_unit_norm)
-    multipliers = jnp.where(valid, multipliers, 0.0).astype(dtype)  # (G, 1)
+    multipliers = jnp.where(valid, _weighted(multipliers, weights), 0.0).astype(dtype)  # (G, 1)
     scales = multipliers[:, 0] if per_layer else jnp.broadcast_to(multipliers[0, 0], (k,))
     return scales, masks.astype(jnp.int32), squared
 
 
-def _measure(state, layers, valid, limits, config):
+def _measure(state, layers, valid, limits, config, weights=None):
     """One example's statistics added into ``state`` (its sums, if any, untouched), and its scales."""
     dtype = limits.dtype  # the compute dtype (the state may have no sums to tell it)
     rows = tuple(x.reshape(x.shape[0], -1) for x in layers)
     squared = _squared_norms(rows, dtype)
     finite = jnp.all(jnp.isfinite(squared), axis=0)
-    scales, masks, squared = _one_example_scales(rows, squared, valid, finite, limits, config, dtype)
+    scales, masks, squared = _one_example_scales(rows, squared, valid, finite, limits, config, dtype, weights)
     counted = valid & finite if config.non_finite is NonFinite.ZERO_EXAMPLE else valid
     stats = _xla_cpu.add_stats(state.stats, *_statistics(squared, valid, finite, counted, limits, config.per_layer))
     return dataclasses.replace(state, stats=stats), ExampleScales(scales, masks)
@@ -286,10 +288,11 @@ def _add_example(totals, example, scales, dtype, piece):
             np.add(flat_total[start:stop], product, out=flat_total[start:stop])
 
 
-def _fixed_point_sums(rows, keep, bound, step: float):
-    """Per layer ``[sum of hi limbs, sum of lo limbs]`` (int32) of ``rint(m_i x_i / step)`` over the kept rows."""
+def _fixed_point_sums(rows, keep, bound, step: float, weights=None):
+    """Per layer ``[sum of hi limbs, sum of lo limbs]`` (int32) of ``rint(m_i x_i / step)`` over the kept rows
+    (``m_i`` times the row's weight, if any)."""
     norms = jnp.sqrt(jnp.sum(jnp.stack([_two_stage_squared_norm(x) for x in rows]), axis=0))  # (B,)
-    scale = jnp.where(keep, multiplier(norms, bound, False), 0.0).astype(jnp.float32)
+    scale = jnp.where(keep, _weighted(multiplier(norms, bound, False), weights), 0.0).astype(jnp.float32)
     out = []
     for x in rows:
         clipped = scale[:, None] * jnp.where(keep[:, None], x.astype(jnp.float32), 0.0)
@@ -297,6 +300,14 @@ def _fixed_point_sums(rows, keep, bound, step: float):
         out.append(jnp.concatenate([jnp.sum(jnp.right_shift(grid, LIMB_BITS), axis=0, dtype=jnp.int32),
                                     jnp.sum(jnp.bitwise_and(grid, (1 << LIMB_BITS) - 1), axis=0, dtype=jnp.int32)]))
     return tuple(out)
+
+
+def _weighted(multipliers, weights):
+    """Each row's multiplier times its weight (``multipliers``: ``(..., B)``); as they are without weights. A
+    weight in [0, 1] after the clip keeps the row within its bound."""
+    if weights is None:
+        return multipliers
+    return multipliers * weights.astype(multipliers.dtype)
 
 
 def _two_stage_squared_norm(x):
@@ -597,7 +608,7 @@ class ClipAccumulator:
 
     def update(
         self, state: AccumulatorState, batch: Sequence[jax.Array | np.ndarray], valid: jax.Array | np.ndarray,
-        fresh: bool = False,
+        fresh: bool = False, weights: jax.Array | np.ndarray | None = None,
     ) -> AccumulatorState:
         """Adds one batch: ``batch[k]`` has shape ``(B, *layers[k].shape)``, ``valid`` shape ``(B,)``.
 
@@ -606,11 +617,21 @@ class ClipAccumulator:
         ``fresh``: the result is ``update(init(), batch, valid)``, written into
         ``state``'s buffers without reading them (a delta just flushed needs no
         zeroing pass first: for a large model that pass is as long as the step).
+        ``weights``: ``(B,)`` factors in [0, 1], each row's clipped contribution times its weight (FedBuff's
+        staleness weights: the sensitivity stays the bound); the statistics are the unweighted rows'.
+
+        >>> acc = ClipAccumulator([LayerSpec("w", (2,))], ClipPolicy(l2_norm_clip=1.0))
+        >>> rows = [np.array([[3.0, 4.0], [0.3, 0.4]], np.float32)]
+        >>> acc.update(acc.init(), rows, np.ones(2, bool), weights=np.array([0.5, 1.0], np.float32)).sums[0]
+        Array([0.6, 0.8], dtype=float32)
         """
-        return _accumulate_jit(state, tuple(batch), valid, self._limits, self._config, fresh)
+        if weights is not None:
+            weights = np.asarray(weights, np.float32)
+        return _accumulate_jit(state, tuple(batch), valid, self._limits, self._config, fresh, weights)
 
     def measure(self, state: AccumulatorState, example: Sequence[jax.Array | np.ndarray],
-                valid: jax.Array | np.ndarray) -> tuple[AccumulatorState, ExampleScales]:
+                valid: jax.Array | np.ndarray, weights: jax.Array | np.ndarray | None = None
+                ) -> tuple[AccumulatorState, ExampleScales]:
         """One example (``example[k]`` of shape ``(1, *layers[k].shape)``) measured but not summed: its
         statistics go into ``state`` (donated; its sums, if it has any, are left as they are) and its
         per-layer scales come back, for :func:`add_example` to add its clipped contribution into host totals.
@@ -618,6 +639,7 @@ class ClipAccumulator:
         ``update(init(), example, valid)``'s sums, then added into float64 totals, are what
         ``add_example(totals, example, scales)`` adds; the step reads the example once (its norms) and writes
         nothing the size of the model. Not for fixed-point accumulators (their sums are integers on a grid).
+        ``weights``: as :meth:`update`'s (the scales carry the example's weight).
 
         >>> acc = ClipAccumulator([LayerSpec("w", (2,))], ClipPolicy(l2_norm_clip=1.0))
         >>> state, scales = acc.measure(acc.init(sums=False), [np.array([[3.0, 4.0]], np.float32)], np.ones(1, bool))
@@ -626,7 +648,9 @@ class ClipAccumulator:
         """
         if self.fixed_point_step:
             raise ValueError("measure: a fixed-point accumulator sums on its grid (use update)")
-        return _measure_jit(state, tuple(example), valid, self._limits, self._config)
+        if weights is not None:
+            weights = np.asarray(weights, np.float32)
+        return _measure_jit(state, tuple(example), valid, self._limits, self._config, weights)
 
     merge = staticmethod(merge)
 

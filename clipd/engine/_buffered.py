@@ -1,0 +1,82 @@
+"""Buffered asynchronous aggregation (FedBuff, Nguyen et al., AISTATS 2022): staleness and what a client costs.
+
+Clients train all the time; the server releases a buffer once it holds ``K`` contributions, as model version
+``V``. A contribution trained from version ``v`` that lands in the buffer of version ``V`` is
+
+    tau = V - 1 - v
+
+releases stale (0: trained from the newest model), and its clipped vector is weighted by ``w(tau) <= 1``:
+FedBuff's polynomial ``(1 + tau)^-a`` by default (:func:`staleness_weight`). A weight of at most 1 applied
+after the clip keeps each contribution within its bound, so the release's sensitivity is the bound's.
+
+Asynchronous clients are not sampled: privacy comes from how often each client may take part, at most ``k``
+contributions and at least ``b`` releases between two (:func:`participations`). With independent noise each
+release is a Gaussian mechanism of multiplier ``z`` on the client's contribution, and a client meets at most
+``k`` of them: :func:`independent_events` is that composition, for dp_accounting. The neighbouring relation
+is zero-out (a client's contributions replaced by zeros, the arrivals unchanged), as DP-FTRL's analysis uses:
+a buffer that closes after ``K`` arrivals has boundaries that move when a client is added or removed, and
+zero-out keeps them where they are; one zero-out moves a release's sum by at most the bound, as one addition
+or removal does, so the Gaussian's accounting is the same.
+
+>>> [round(staleness_weight(tau, 0.5), 4) for tau in range(4)]
+[1.0, 0.7071, 0.5774, 0.5]
+>>> staleness(released=7, trained_from=5)
+1
+"""
+
+from __future__ import annotations
+
+import math
+
+DEFAULT_EXPONENT = 0.5  # FedBuff's a (its experiments' choice)
+
+
+def staleness(released: int, trained_from: int) -> int:
+    """``tau = V - 1 - v``: how many versions were released between the model a contribution was trained from
+    (``trained_from``, v) and the one its buffer becomes (``released``, V). ValueError for a version that is not
+    out yet (``v >= V``)."""
+    tau = released - 1 - trained_from
+    if tau < 0:
+        raise ValueError(f"a contribution trained from version {trained_from} can't land in version {released}")
+    return tau
+
+
+def staleness_weight(tau: int, exponent: float = DEFAULT_EXPONENT) -> float:
+    """FedBuff's ``(1 + tau)^-a``: 1 for a fresh contribution, less for a stale one (``a >= 0``; 0: every weight 1).
+
+    >>> staleness_weight(3, 0.0), staleness_weight(3, 1.0)
+    (1.0, 0.25)
+    """
+    if tau < 0:
+        raise ValueError(f"staleness is >= 0, got {tau}")
+    if not (exponent >= 0 and math.isfinite(exponent)):
+        raise ValueError(f"the staleness exponent is finite and >= 0, got {exponent}")
+    return float((1.0 + tau) ** -exponent)
+
+
+def participations(releases: int, min_separation: int, max_participations: int) -> int:
+    """The most releases of ``releases`` one client can take part in: at most ``k``, at least ``b`` apart.
+
+    >>> participations(100, 10, 3), participations(20, 10, 5)
+    (3, 2)
+    """
+    if min_separation < 1 or max_participations < 1:
+        raise ValueError(f"min_separation and max_participations are >= 1, got {min_separation} and"
+                         f" {max_participations}")
+    return min(max_participations, -(-releases // min_separation))
+
+
+def independent_events(noise_multiplier: float, releases: int, min_separation: int, max_participations: int):
+    """dp_accounting's event for one client over ``releases`` releases of independent Gaussian noise (multiplier
+    z) when it takes part in at most k of them, b apart: ``k'`` Gaussian mechanisms composed
+    (:func:`participations`); the releases it is not in don't see it.
+
+    >>> independent_events(2.0, 100, 10, 3).count
+    3
+    """
+    from dp_accounting import dp_event as dpe
+
+    if noise_multiplier <= 0:
+        return dpe.NonPrivateDpEvent()
+    return dpe.SelfComposedDpEvent(dpe.GaussianDpEvent(noise_multiplier),
+                                   participations(releases, min_separation, max_participations))
