@@ -73,3 +73,22 @@ def test_progress_counts_a_rate_over_the_last_seconds():
     assert (p.examples, p.batches, p.bytes) == (200, 20, 800)
     assert p.rate(now=20.0) == 9.0  # 200 - 110 (counted by second 10) examples in the last 10 seconds
     assert p.rate(now=40.0) == 0.0  # idle for longer than the window
+
+
+def test_each_row_of_a_step_carries_its_batchs_weight():
+    """Batches of weights 0.5, 1 and 0.25 (2, 3 and 2 rows) at 4 rows a step: the first step's rows weigh
+    0.5, 0.5, 1, 1, the second's 1, 0.25, 0.25; a whole aligned step weighs its batch's."""
+    def weighted(sequence, rows, weight):
+        layer = np.full((rows, 16), float(sequence), np.float32)
+        return types.SimpleNamespace(client=f"c{sequence}", writer="w",
+                                     batch=Batch(sequence, rows, [layer], layer.nbytes, weight=weight))
+
+    later = iter([weighted(2, 3, 1.0), weighted(3, 2, 0.25)])
+    steps = [item for item in pack(weighted(1, 2, 0.5), 4, lambda: [np.zeros((4, 16), np.float32)],
+                                   lambda rows, wait: next(later, None), deadline=0.0) if isinstance(item, Step)]
+    assert [s.weights[:s.rows].tolist() for s in steps] == [[0.5, 0.5, 1.0, 1.0], [1.0, 0.25, 0.25]]
+    big = aligned_empty((4, 16), np.float32)
+    whole = next(item for item in pack(types.SimpleNamespace(client="c", writer="w", batch=Batch(
+        1, 4, [big], big.nbytes, weight=0.75)), 4, lambda: [np.zeros((4, 16), np.float32)], lambda r, w: None,
+        deadline=0.0) if isinstance(item, Step))
+    assert not whole.staged and whole.weights.tolist() == [0.75] * 4

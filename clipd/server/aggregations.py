@@ -167,8 +167,10 @@ class AggregationSpec:
     holding NaN or inf is refused whole (the wire's ``REJECT``; the engine then zeroes nothing), its privacy
     policy, how many shards its clients are split over, its privacy unit (``Unit``: an example, or a client
     identity that contributes once) and how its client ids are established where they count (``client_ids``:
-    ``CREDENTIAL``, ``SELF_ASSERTED``, or ``""`` where no identity is counted). :meth:`to_json` is the one form
-    it is kept in (``AggregationRecord.spec``); :meth:`Aggregation.from_record` opens an aggregation from it.
+    ``CREDENTIAL``, ``SELF_ASSERTED``, or ``""`` where no identity is counted); a buffered stream's buffer says
+    whose and which version it becomes (``stream``, ``version``: its batches then carry weights).
+    :meth:`to_json` is the one form it is kept in (``AggregationRecord.spec``); :meth:`Aggregation.from_record`
+    opens an aggregation from it.
 
     >>> spec = AggregationSpec((LayerSpec("w", (2, 3)),), ClipPolicy(l2_norm_clip=1.5), shards=2)
     >>> AggregationSpec.from_json(spec.to_json()) == spec
@@ -182,6 +184,8 @@ class AggregationSpec:
     shards: int = 1
     unit: Unit = Unit.EXAMPLE
     client_ids: str = ""
+    stream: str = ""  # a buffered stream's buffer: the stream's id ("": not a buffer)
+    version: int = 0  # ... and the version it is released as
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "unit", Unit(self.unit))
@@ -220,6 +224,8 @@ class AggregationSpec:
             spec["unit"] = self.unit.value
         if self.client_ids:
             spec["client_ids"] = self.client_ids
+        if self.stream:
+            spec["buffer"] = {"stream": self.stream, "version": self.version}
         return json.dumps(spec)
 
     @classmethod
@@ -238,8 +244,10 @@ class AggregationSpec:
             if fields.get("audit") is not None:
                 fields["audit"] = CanaryAudit(**fields["audit"])
             privacy = dp.PrivacyPolicy(**fields)
+        buffer = spec.get("buffer", {"stream": "", "version": 0})
         return cls(layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy,
-                   int(spec.get("shards", 1)), Unit(spec.get("unit", Unit.EXAMPLE.value)), spec.get("client_ids", ""))
+                   int(spec.get("shards", 1)), Unit(spec.get("unit", Unit.EXAMPLE.value)), spec.get("client_ids", ""),
+                   buffer["stream"], int(buffer["version"]))
 
     def release_plan(self) -> dp.ReleasePlan | None:
         """The release's plan under its privacy policy (noise, grid), for the bound in use; None if not private."""
@@ -315,6 +323,8 @@ class Aggregation:
     policy = property(lambda self: self.spec.policy)
     reject_non_finite = property(lambda self: self.spec.reject_non_finite)
     privacy = property(lambda self: self.spec.privacy, doc="engine PrivacyPolicy, or None: the sum is released as is")
+    weighted = property(lambda self: bool(self.spec.stream),
+                        doc="its batches carry weights (a buffered stream's buffer: staleness), its steps take them")
 
     @property
     def scope(self) -> tuple[float, str | None]:

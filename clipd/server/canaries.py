@@ -47,7 +47,7 @@ def clip_and_sum(aggregation: Aggregation, layout: CanaryLayout, vectors: Canary
         rows = layout.rows[chunk] if client else np.ones(chunk.size, np.int64)
         batch = _batch(chunk, rows, vectors.rows, member_index, dtypes, GROUP)
         contributions = contribution_rows(aggregation.unit, batch, rows.tolist() if client else None)
-        sums = _step(accumulator, contributions, one_at_a_time, on_host)
+        sums = _step(accumulator, contributions, one_at_a_time, on_host, aggregation.weighted)
         for k, index in enumerate(member_index):
             j = index[chunk]
             has = j >= 0
@@ -79,16 +79,19 @@ def _batch(chunk: np.ndarray, rows: np.ndarray, member_rows: Sequence[np.ndarray
     return batch
 
 
-def _step(accumulator, contributions: list[np.ndarray], one_at_a_time: bool, on_host: bool) -> list[np.ndarray]:
+def _step(accumulator, contributions: list[np.ndarray], one_at_a_time: bool, on_host: bool, weighted: bool
+          ) -> list[np.ndarray]:
     """The clipped sum of ``contributions`` (one row each) per column, float64, by the kind of step the
     aggregation's data takes: one row a step, its state carried from step to step as a shard's delta is (measured
     and added into float64 totals on the host, or summed into the device delta), or every row in one step padded
-    to ``GROUP`` rows (the padding invalid: it adds exactly nothing)."""
+    to ``GROUP`` rows (the padding invalid: it adds exactly nothing). ``weighted``: the steps that take weights
+    (a buffered stream's), each canary's 1."""
     n = contributions[0].shape[0]
+    one = np.ones(1, np.float32) if weighted else None
     if one_at_a_time and on_host:
         state, measured = accumulator.init(sums=False), []
         for r in range(n):
-            state, scales = accumulator.measure(state, [c[r:r + 1] for c in contributions], np.ones(1, bool))
+            state, scales = accumulator.measure(state, [c[r:r + 1] for c in contributions], np.ones(1, bool), one)
             measured.append(scales)
         totals = [np.zeros(c.shape[1]) for c in contributions]
         for r, scales in enumerate(jax.device_get(measured)):
@@ -97,10 +100,11 @@ def _step(accumulator, contributions: list[np.ndarray], one_at_a_time: bool, on_
     if one_at_a_time:
         state = accumulator.init()
         for r in range(n):
-            state = accumulator.update(state, [c[r:r + 1] for c in contributions], np.ones(1, bool))
+            state = accumulator.update(state, [c[r:r + 1] for c in contributions], np.ones(1, bool), weights=one)
         return [np.asarray(s, np.float64) for s in state.sums]
     rows = max(n, GROUP)
     padded = [np.concatenate([c, np.zeros((rows - n, c.shape[1]), c.dtype)]) if n < rows else c
               for c in contributions]
-    state = accumulator.update(accumulator.init(), padded, np.arange(rows) < n)
+    state = accumulator.update(accumulator.init(), padded, np.arange(rows) < n,
+                               weights=np.ones(rows, np.float32) if weighted else None)
     return [np.asarray(s, np.float64) for s in state.sums]

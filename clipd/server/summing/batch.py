@@ -14,7 +14,9 @@ class Batch(NamedTuple):
 
     ``reservation`` holds its bytes in the server's buffer budget until the
     device worker has copied it (or it is dropped): whoever lets go of a batch
-    calls :meth:`give_back`.
+    calls :meth:`give_back`. ``weight``: the factor in [0, 1] each of its rows'
+    clipped contributions is summed with (a buffered stream's staleness weight;
+    1 elsewhere).
     """
 
     sequence: int
@@ -22,6 +24,7 @@ class Batch(NamedTuple):
     layers: list[np.ndarray]
     nbytes: int
     reservation: Reservation | None = None
+    weight: float = 1.0
 
     def give_back(self) -> None:
         if self.reservation is not None:

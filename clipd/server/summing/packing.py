@@ -41,12 +41,13 @@ Done = tuple[str, str, int, int, int]
 @dataclasses.dataclass
 class Step:
     """One device step: ``rows`` valid rows of ``layers`` (a staging buffer, or a batch's own aligned rows when
-    not ``staged``), and the batches it completes."""
+    not ``staged``), the batches it completes, and each row's weight (its batch's)."""
 
     layers: list[np.ndarray]
     rows: int
     done: list[Done]
     staged: bool = True
+    weights: np.ndarray | None = None  # float32 (rows,): each row's batch's weight
 
 
 @dataclasses.dataclass
@@ -81,6 +82,7 @@ def pack(first: Any, capacity: int, staging: Callable[[], list[np.ndarray]],
     """
     buffers: list[np.ndarray] | None = None  # the staging buffer being filled (taken when first needed)
     fill, done = 0, []
+    weights = np.ones(capacity, np.float32)  # each staged row's batch's weight
     work = first
     while work is not None:
         batch, start, in_place = work.batch, 0, False
@@ -89,7 +91,8 @@ def pack(first: Any, capacity: int, staging: Callable[[], list[np.ndarray]],
             if whole is not None:  # a whole step of this batch's own aligned rows: no copy
                 if start + capacity == batch.rows:
                     done.append((work.client, work.writer, batch.sequence, batch.rows, batch.nbytes))
-                yield Step(whole, capacity, done, staged=False)
+                yield Step(whole, capacity, done, staged=False,
+                           weights=np.full(capacity, batch.weight, np.float32))
                 start, done, in_place = start + capacity, [], True
                 continue
             if buffers is None:
@@ -97,10 +100,11 @@ def pack(first: Any, capacity: int, staging: Callable[[], list[np.ndarray]],
             take = min(batch.rows - start, capacity - fill)
             for buf, layer in zip(buffers, batch.layers):
                 buf[fill : fill + take] = layer[start : start + take]
+            weights[fill : fill + take] = batch.weight
             fill, start = fill + take, start + take
             if fill == capacity and start < batch.rows:  # a batch larger than one step
-                yield Step(buffers, fill, done)
-                buffers, fill, done = None, 0, []
+                yield Step(buffers, fill, done, weights=weights)
+                buffers, fill, done, weights = None, 0, [], np.ones(capacity, np.float32)
         yield Packed(batch, in_place)
         if not fill:  # its last rows went in a step of their own: nothing is waiting in staging
             work = more(capacity, 0.0)
@@ -109,4 +113,4 @@ def pack(first: Any, capacity: int, staging: Callable[[], list[np.ndarray]],
         work = more(capacity - fill, deadline if fill < capacity // 2 else 0.0)
     if fill:
         assert buffers is not None  # (rows were copied into it)
-        yield Step(buffers, fill, done)
+        yield Step(buffers, fill, done, weights=weights)

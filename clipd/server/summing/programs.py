@@ -48,7 +48,7 @@ def programs(aggregation: Aggregation, device) -> list[tuple[int, str]]:
 
 
 def program_keys(aggregation: Aggregation, device) -> list[tuple]:
-    return [(device.platform, device.id, aggregation.accumulator.program_key(rows, kind))
+    return [(device.platform, device.id, aggregation.weighted, aggregation.accumulator.program_key(rows, kind))
             for rows, kind in programs(aggregation, device)]
 
 
@@ -72,10 +72,11 @@ def compile_programs(aggregation: Aggregation, device, still_wanted=lambda: True
             if not still_wanted():
                 return False
             layers = [np.zeros((rows, *layer.shape), layer.dtype) for layer in aggregation.layers]
+            weights = np.ones(rows, np.float32) if aggregation.weighted else None  # (its steps' own programs)
             if kind == "measure":
-                jax.block_until_ready(acc.measure(acc.init(sums=False), layers, np.zeros(rows, bool)))
+                jax.block_until_ready(acc.measure(acc.init(sums=False), layers, np.zeros(rows, bool), weights))
             else:
-                jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(rows, bool), kind == "fresh"))
+                jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(rows, bool), kind == "fresh", weights))
     with _warm_lock:
         _warm_programs.update(program_keys(aggregation, device))
     return True

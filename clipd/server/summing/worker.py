@@ -409,12 +409,16 @@ class DeviceWorker:
         valid = np.arange(bucket) < step.rows
         self._finish_inflight()
         inflight = InFlight(aggregation, shard, step.done, self.steps + 1, staged=step.staged)
+        weights = None  # (an aggregation whose batches carry weights: each row's, the padding's 1)
+        if aggregation.weighted and step.weights is not None:
+            weights = np.ones(bucket, np.float32)
+            weights[:step.rows] = step.weights[:step.rows]
         if slot.delta.sum_chunks is None:  # sums on the host: the step measures, the worker adds (_add_measured)
-            slot.delta, inflight.scales = aggregation.accumulator.measure(slot.delta, layers, valid)
+            slot.delta, inflight.scales = aggregation.accumulator.measure(slot.delta, layers, valid, weights)
             inflight.example = layers
         else:
             fresh = aggregation.device_rows == 1 and slot.steps == 0  # the delta was flushed: written over
-            slot.delta = aggregation.accumulator.update(slot.delta, layers, valid, fresh)
+            slot.delta = aggregation.accumulator.update(slot.delta, layers, valid, fresh, weights)
         slot.steps += 1
         self.steps += 1
         self._inflight = inflight
