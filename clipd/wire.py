@@ -119,15 +119,19 @@ def privacy_policy(*, sampling: str = "none", sampling_rate: float = 0.0, popula
                    drawn_by: str = "caller", neighbouring: str = "add_remove_one", accountant: str = "rdp",
                    noise: str = "gaussian", noise_multiplier: float | None = None, seed: int | None = None,
                    mechanism: str = INDEPENDENT, releases: int = 0, min_separation: int = 1,
-                   max_participations: int = 1, buffers: int = 0, declared_participation: bool = False,
+                   max_participations: int = 0, buffers: int = 0, declared_participation: bool = False,
                    **fields) -> pb.PrivacyPolicy:
     """A PrivacyPolicy message from the flat fields of ``clipd.client.Privacy``: enums by name (ValueError
     naming a wrong one), ``noise_multiplier`` and ``seed`` None unset; ``fields`` are the message's others.
-    ``mechanism`` other than ``independent``: the correlated stream (``CorrelatedNoise``) of those fields."""
+    ``mechanism`` other than ``independent``: the correlated stream (``CorrelatedNoise``) of those fields
+    (``max_participations`` 0: 1); independent with ``max_participations``: its ``Participation`` limits."""
     if mechanism != INDEPENDENT:
         fields["correlated"] = pb.CorrelatedNoise(
             mechanism=code_of(MECHANISMS, mechanism, "mechanism"), releases=releases, min_separation=min_separation,
-            max_participations=max_participations, buffers=buffers, declared=declared_participation)
+            max_participations=max_participations or 1, buffers=buffers, declared=declared_participation)
+    elif max_participations:  # independent noise: limits enforced per client identity
+        fields["participation"] = pb.Participation(min_separation=min_separation,
+                                                   max_participations=max_participations)
     message = pb.PrivacyPolicy(
         sampling=pb.Sampling(kind=code_of(SAMPLING, sampling, "sampling"), rate=sampling_rate,
                              population=population, sample_size=sample_size,

@@ -174,19 +174,25 @@ def server_draws(seed: int, ledger: str, release: int, rate: float) -> np.ndarra
 
 
 def independent_scores(seed, released, raw, stddevs, bounds, rate=1.0, policy="global", unit="example",
-                       drawn_by=None, grid_step=0.0):
+                       drawn_by=None, grid_step=0.0, participation=None):
     """Each canary's score over independent releases: the sum over every release of the log-likelihood ratio of
     a canary drawn with probability q against an absent one, log(1 - q + q exp((c y - c^2 / 2) / sigma^2)), y its
     projection on the release with the held-in canaries that were drawn put back; c the norm of its correct
     clip at the release's bound (``bounds``: one per release, or one for all). ``drawn_by``: a callable
-    (release -> drawn) for a server-drawn ledger."""
+    (release -> drawn) for a server-drawn ledger. ``participation``: (b, k) limits: each canary in k releases
+    b apart from its start (drawn from the seed), scored on those only."""
     layout = canaries_of(seed)
     held_in = np.arange(2 * CANARIES) < CANARIES
     scores = np.zeros(2 * CANARIES)
     if np.ndim(bounds) == 0:
         bounds = [bounds] * len(released)
     for r, (out, total, sigma, bound) in enumerate(zip(released, raw, stddevs, bounds), start=1):
-        if drawn_by is not None:
+        scored = np.ones(2 * CANARIES, bool)
+        if participation is not None:
+            b, k = participation
+            since = (r - 1) - np.random.default_rng([seed, 1]).integers(0, b, size=2 * CANARIES)
+            drawn = scored = (since >= 0) & (since % b == 0) & (since // b < k)
+        elif drawn_by is not None:
             drawn = drawn_by(r)
         elif rate >= 1:
             drawn = np.ones(2 * CANARIES, bool)
@@ -196,7 +202,7 @@ def independent_scores(seed, released, raw, stddevs, bounds, rate=1.0, policy="g
         c = np.linalg.norm(clips, axis=1)
         y = projections_of(clips, out, total, drawn & held_in)
         share = (c * y - c ** 2 / 2) / sigma ** 2
-        scores += share if rate >= 1 else np.log(1 - rate + rate * np.exp(share))
+        scores += np.where(scored, share if rate >= 1 else np.log(1 - rate + rate * np.exp(share)), 0.0)
     return scores[:CANARIES], scores[CANARIES:]
 
 
@@ -288,6 +294,20 @@ def test_a_server_drawn_ledger_is_audited_with_canaries_the_server_draws(auth_se
     in_scores, out_scores = independent_scores(audit.seed, released, raw, [f.noise_stddev for f in fields], CLIP,
                                                0.3, unit="client",
                                                drawn_by=lambda r: server_draws(audit.seed, privacy.ledger_id, r, 0.3))
+    assert_server_agrees(audit, in_scores, out_scores)
+    assert not audit.refuted and audit.epsilon_lower < audit.epsilon_claimed
+
+
+def test_a_participation_limited_ledger_is_audited_on_each_canarys_own_releases(auth_server):
+    """Independent noise with participation limits (b = 2, k = 2, unit client): each canary takes part as a client
+    may (k releases b apart from a start drawn from the seed) and is scored on those releases (the claim, k
+    Gaussians, does not rest on their being secret); the sound ledger is not refuted."""
+    privacy = gaussian(3.0, seed=14, min_separation=2, max_participations=2)
+    with Client(f"127.0.0.1:{auth_server.port}", token=ADMIN_TOKEN) as admin:
+        released, raw, fields = run_ledger(admin, privacy, 5, unit="client", rows=10)
+        audit = admin.close_audit(privacy.ledger_id).audit
+    in_scores, out_scores = independent_scores(audit.seed, released, raw, [f.noise_stddev for f in fields], CLIP,
+                                               unit="client", participation=(2, 2))
     assert_server_agrees(audit, in_scores, out_scores)
     assert not audit.refuted and audit.epsilon_lower < audit.epsilon_claimed
 

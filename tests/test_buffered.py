@@ -1,5 +1,6 @@
-"""Buffered asynchronous aggregation's math (engine/_buffered.py): FedBuff's staleness weights, and what a client
-limited to k contributions b releases apart costs under independent noise, against dp_accounting."""
+"""Buffered asynchronous aggregation's math (engine/_buffered.py): FedBuff's staleness weights; and what a client
+limited to k contributions b releases apart costs under independent noise (engine/_privacy.py), against
+dp_accounting."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ def test_staleness_counts_the_versions_released_in_between_and_refuses_the_futur
 @pytest.mark.parametrize("releases, b, k", [(100, 10, 3), (20, 10, 5), (7, 1, 7), (50, 4, 20)])
 def test_a_clients_epsilon_is_dp_accountings_for_its_participations(releases, b, k):
     """k' = the most releases a client can be in (positions 0, b, 2b, ... below n, at most k, counted here by
-    walking them); its epsilon is RdpAccountant's for k' Gaussian releases of multiplier z."""
+    walking them); a participation-limited ledger's entry after n releases is dp_accounting's k' Gaussian
+    releases of multiplier z."""
     most = len([t for t in range(0, releases, b)][:k])
     accountant = rdp_privacy_accountant.RdpAccountant()
     accountant.compose(dpe.GaussianDpEvent(1.5), most)
-    event = buffered.independent_events(1.5, releases, b, k)
-    assert dp.epsilon([event], 1e-5, "rdp", "add_remove_one") == pytest.approx(accountant.get_epsilon(1e-5),
-                                                                               rel=1e-9)
+    entry = dp.participation_event(dp.event_to_json(dpe.GaussianDpEvent(1.5)), releases, dp.Participation(b, k))
+    assert dp.epsilon_of_json([entry], 1e-5, "rdp", "add_remove_one") == pytest.approx(accountant.get_epsilon(1e-5),
+                                                                                       rel=1e-9)

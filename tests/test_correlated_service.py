@@ -165,7 +165,7 @@ def test_one_aggregation_of_a_correlated_ledger_is_open_at_a_time_and_the_ledger
             rf" finalize or cancel {first} first")):
         client.create_aggregation(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger))
     client.cancel(first)
-    for layers, other in ((LAYERS, _privacy(ledger, mechanism="independent")),
+    for layers, other in ((LAYERS, _privacy(ledger, mechanism="independent", max_participations=0)),
                           (LAYERS, _privacy(ledger, releases=N + 1)),
                           ({"w": (5,), "b": (3,)}, _privacy(ledger))):  # another model: another state size
         with pytest.raises(FailedPreconditionError, match=f"ledger '{ledger}' exists with"):
@@ -182,7 +182,7 @@ def test_a_stream_past_the_budget_is_refused_at_creation(client):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(min_separation=7), r"min_separation must be in \[1, releases=6\], got 7"),
-    (dict(max_participations=0), "max_participations must be >= 1, got 0"),
+    (dict(min_separation=0), r"min_separation must be in \[1, releases=6\], got 0"),
     (dict(buffers=7), r"buffers must be in \[1, min\(releases=6, 10\)\], got 7"),
     (dict(releases=0), "releases must be >= 1, got 0"),
     (dict(mechanism="banded", buffers=3), "a banded strategy has at most min_separation=2 bands"),

@@ -64,9 +64,12 @@ class Privacy:
     discrete Gaussian from a CSPRNG (OpenDP), every released value a whole number of
     ``Release.grid_step``; see docs/privacy.md, "Secure noise".
     ``mechanism="blt"`` or ``"banded"``: the ledger's releases share one correlated noise stream (DP-FTRL)
-    planned for ``releases`` releases, each contributor in at most ``max_participations`` of them, at least
-    ``min_separation`` apart (enforced per client id unless ``declared_participation``); ``buffers``: a BLT's
-    buffers or a banded strategy's bands (0: chosen). See docs/privacy.md, "Correlated noise".
+    planned for ``releases`` releases, each contributor in at most ``max_participations`` of them (0: 1), at
+    least ``min_separation`` apart (enforced per client id unless ``declared_participation``); ``buffers``: a
+    BLT's buffers or a banded strategy's bands (0: chosen). See docs/privacy.md, "Correlated noise".
+    With independent noise, ``max_participations`` > 0 limits each client identity (``unit="client"``, ids
+    from credentials) to that many releases, ``min_separation`` apart, enforced by the server, and the
+    ledger's epsilon is a client's over the releases it can be in (docs/privacy.md, "Participation limits").
     """
 
     ledger_id: str
@@ -92,7 +95,7 @@ class Privacy:
     mechanism: str = "independent"
     releases: int = 0
     min_separation: int = 1
-    max_participations: int = 1
+    max_participations: int = 0
     buffers: int = 0
     declared_participation: bool = False
     audit: Audit | None = None

@@ -10,9 +10,9 @@ FedBuff's polynomial ``(1 + tau)^-a`` by default (:func:`staleness_weight`). A w
 after the clip keeps each contribution within its bound, so the release's sensitivity is the bound's.
 
 Asynchronous clients are not sampled: privacy comes from how often each client may take part, at most ``k``
-contributions and at least ``b`` releases between two (:func:`participations`). With independent noise each
-release is a Gaussian mechanism of multiplier ``z`` on the client's contribution, and a client meets at most
-``k`` of them: :func:`independent_events` is that composition, for dp_accounting. The neighbouring relation
+contributions and at least ``b`` releases between two (``engine._privacy.Participation``). With independent
+noise each release is a Gaussian mechanism of multiplier ``z`` on the client's contribution, and a client meets
+at most ``k`` of them (``participation_event``: their composition, for dp_accounting). The neighbouring relation
 is zero-out (a client's contributions replaced by zeros, the arrivals unchanged), as DP-FTRL's analysis uses:
 a buffer that closes after ``K`` arrivals has boundaries that move when a client is added or removed, and
 zero-out keeps them where they are; one zero-out moves a release's sum by at most the bound, as one addition
@@ -52,31 +52,3 @@ def staleness_weight(tau: int, exponent: float = DEFAULT_EXPONENT) -> float:
     if not (exponent >= 0 and math.isfinite(exponent)):
         raise ValueError(f"the staleness exponent is finite and >= 0, got {exponent}")
     return float((1.0 + tau) ** -exponent)
-
-
-def participations(releases: int, min_separation: int, max_participations: int) -> int:
-    """The most releases of ``releases`` one client can take part in: at most ``k``, at least ``b`` apart.
-
-    >>> participations(100, 10, 3), participations(20, 10, 5)
-    (3, 2)
-    """
-    if min_separation < 1 or max_participations < 1:
-        raise ValueError(f"min_separation and max_participations are >= 1, got {min_separation} and"
-                         f" {max_participations}")
-    return min(max_participations, -(-releases // min_separation))
-
-
-def independent_events(noise_multiplier: float, releases: int, min_separation: int, max_participations: int):
-    """dp_accounting's event for one client over ``releases`` releases of independent Gaussian noise (multiplier
-    z) when it takes part in at most k of them, b apart: ``k'`` Gaussian mechanisms composed
-    (:func:`participations`); the releases it is not in don't see it.
-
-    >>> independent_events(2.0, 100, 10, 3).count
-    3
-    """
-    from dp_accounting import dp_event as dpe
-
-    if noise_multiplier <= 0:
-        return dpe.NonPrivateDpEvent()
-    return dpe.SelfComposedDpEvent(dpe.GaussianDpEvent(noise_multiplier),
-                                   participations(releases, min_separation, max_participations))

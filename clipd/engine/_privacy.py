@@ -122,6 +122,47 @@ class Sampling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Participation:
+    """How often one unit (a client identity) may take part in a ledger's releases, with independent noise: at
+    most ``max_participations`` (k) releases, at least ``min_separation`` (b) apart. Its epsilon is then that
+    of k' Gaussian releases (:func:`participation_event`), whatever the number of releases; the server enforces
+    it per client identity, on credentials (asynchronous clients are not sampled: this is their privacy).
+
+    >>> Participation(min_separation=10, max_participations=3).most(100)
+    3
+    """
+
+    min_separation: int = 1
+    max_participations: int = 1
+
+    def __post_init__(self) -> None:
+        if self.min_separation < 1 or self.max_participations < 1:
+            raise ValueError(f"participation: min_separation and max_participations are >= 1, got"
+                             f" {self.min_separation} and {self.max_participations}")
+
+    def most(self, releases: int) -> int:
+        """The most of ``releases`` releases one unit can take part in: min(k, ceil(n / b))."""
+        return min(self.max_participations, -(-releases // self.min_separation))
+
+
+def participation_event(event_json: str, releases: int, participation: Participation) -> str:
+    """The ledger entry of a participation-limited ledger's ``releases``-th release: each release's event
+    composed as many times as one unit can have taken part in so far (the ledger's epsilon is that entry's
+    alone).
+
+    >>> participation_event('{"class_name": "NonPrivateDpEvent", "module_name": "dp_accounting.dp_event"}', 5,
+    ...                     Participation(1, 2))
+    '{"class_name": "NonPrivateDpEvent", "module_name": "dp_accounting.dp_event"}'
+    """
+    event = event_from_json(event_json)
+    from dp_accounting import dp_event as dpe
+
+    if isinstance(event, dpe.NonPrivateDpEvent):
+        return event_json
+    return event_to_json(dpe.SelfComposedDpEvent(event, participation.most(releases)))
+
+
+@dataclasses.dataclass(frozen=True)
 class AdaptiveClipping:
     """Andrew et al.'s quantile-tracking bound, as TF Privacy's ``QuantileAdaptiveClipSumQuery``.
 
@@ -455,6 +496,9 @@ class PrivacyPolicy:
         for that one event); None: each release has independent noise.
       audit: canaries that put an empirical lower bound beside the ledger's epsilon (``engine._audit``); the
         ledger's, from its first release on.
+      participation: with independent noise, how often one unit may take part (:class:`Participation`): the
+        server enforces it per client identity, and the ledger's epsilon is a unit's over the releases it can
+        be in; None: no limit (every release may have every unit).
     """
 
     ledger_id: str
@@ -475,6 +519,7 @@ class PrivacyPolicy:
     noise: Noise = Noise.GAUSSIAN
     correlated: CorrelatedNoise | None = None
     audit: CanaryAudit | None = None
+    participation: Participation | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "neighbouring", Neighbouring(self.neighbouring))
@@ -506,6 +551,7 @@ class PrivacyPolicy:
         check_supported(self.accountant, self.neighbouring, self.sampling)
         self._check_noise()
         self._check_correlated()
+        self._check_participation()
         if self.audit is not None and (self.debug_raw_statistics or self.noise_multiplier == 0):
             raise ValueError("an audit measures the noise of private releases: not with debug_raw_statistics"
                              " (its raw statistics make epsilon infinite) nor with noise_multiplier 0")
@@ -525,6 +571,19 @@ class PrivacyPolicy:
         if refused:
             raise ValueError(f"correlated noise ({self.correlated.mechanism.value}) does not take"
                              f" {'; '.join(refused)}")
+
+    def _check_participation(self) -> None:
+        if self.participation is None:
+            return
+        refused = [what for what, given in (
+            ("correlated noise (its stream has min_separation and max_participations of its own)",
+             self.correlated is not None),
+            ("sampling amplification (a unit's privacy comes from how often it takes part)",
+             self.sampling.kind is not SamplingKind.NONE),
+            ("debug_raw_statistics (its ledger entries would break the accounting)", self.debug_raw_statistics),
+            ("target_epsilon (give noise_multiplier)", self.target_epsilon is not None)) if given]
+        if refused:
+            raise ValueError(f"participation limits do not take {'; '.join(refused)}")
 
     def _check_noise(self) -> None:
         secure_noise = self.noise is Noise.SECURE

@@ -197,10 +197,12 @@ class AggregationSpec:
         """What a client's identity bounds, in words (empty: nothing): one contribution (unit CLIENT), and a
         correlated stream's participation rules that the server enforces per client."""
         stream = self.privacy.correlated if self.privacy is not None else None
+        limited = self.privacy is not None and self.privacy.participation is not None
         return [why for why, given in (
             ("its unit is client: one contribution per client", self.unit is Unit.CLIENT),
             ("its ledger's correlated noise stream limits each client's participation",
-             stream is not None and not stream.declared)) if given]
+             stream is not None and not stream.declared),
+            ("its ledger limits each client's participation", limited)) if given]
 
     @property
     def counts_identities(self) -> bool:
@@ -243,6 +245,8 @@ class AggregationSpec:
                 fields["correlated"] = CorrelatedNoise(**fields["correlated"])
             if fields.get("audit") is not None:
                 fields["audit"] = CanaryAudit(**fields["audit"])
+            if fields.get("participation") is not None:
+                fields["participation"] = dp.Participation(**fields["participation"])
             privacy = dp.PrivacyPolicy(**fields)
         buffer = spec.get("buffer", {"stream": "", "version": 0})
         return cls(layers, ClipPolicy(**spec["policy"]), bool(spec["reject_non_finite"]), privacy,

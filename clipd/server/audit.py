@@ -113,8 +113,10 @@ class AuditState:
         """Adds one release: its canaries' projections, under noise of ``stddev`` per coordinate; on a
         correlated ``stream`` (its release ``release``, 0-based), decorrelated by its strategy."""
         if stream is None:
-            self.scores = self.scores + audit.independent_scores(projections, canaries.magnitudes, canaries.rate,
-                                                                 stddev)
+            share = audit.independent_scores(projections, canaries.magnitudes, canaries.rate, stddev)
+            if canaries.scored is not None:
+                share = np.where(canaries.scored, share, 0.0)
+            self.scores = self.scores + share
         else:
             if self.stream is None:
                 self.stream = audit.StreamScoring.new(stream.state_rows, 2 * self.canaries)
@@ -187,6 +189,8 @@ class Canaries:
     magnitudes: np.ndarray  # float64 (2N,): the norm of each canary's correct clip
     added: np.ndarray  # bool (2N,)
     rate: float = 1.0  # the probability that a canary is drawn for an independent release (its sampling rate)
+    scored: np.ndarray | None = None  # bool (2N,): the canaries this release scores (participation limits:
+    # those taking part, known to the auditor as the claim allows); None: every canary
 
     def taken_out(self, k: int) -> np.ndarray:
         """Layer ``k``: what the release takes out at each member's coordinate (0 where it was not added)."""
@@ -199,17 +203,21 @@ def canaries_for(state: AuditState, aggregation: Aggregation, release: int) -> C
     stream; their vectors and correct clips at the aggregation's bounds."""
     policy, privacy, layers = aggregation.policy, aggregation.privacy, aggregation.layers
     sizes = [layer.size for layer in layers]
-    stream = privacy.correlated
-    layout = state.layout(sizes, stream.min_separation if stream is not None else 1)
+    stream, limited = privacy.correlated, privacy.participation
+    layout = state.layout(sizes, stream.min_separation if stream is not None
+                          else limited.min_separation if limited is not None else 1)
     bounds = audit.layer_bounds(policy.kind.value, policy.l2_norm_clip, sizes, policy.layer_clips)
     vectors = audit.canary_vectors(layout, bounds, [layer.dtype for layer in layers], aggregation.unit is Unit.CLIENT)
     plan = aggregation.plan
     assert plan is not None  # (a private aggregation's)
     clipped, magnitudes = audit.clipped_as_specified(layout, vectors.values, bounds, plan.grid_step)
-    rate = 1.0
+    rate, scored = 1.0, None
     if stream is not None:
         drawn = audit.stream_participation(layout.starts, release - 1, stream.min_separation,
                                            stream.max_participations) > 0
+    elif limited is not None:  # as often as a client may: k releases b apart from its start, scored on those
+        drawn = scored = audit.stream_participation(layout.starts, release - 1, limited.min_separation,
+                                                    limited.max_participations) > 0
     else:
         rate = sampling_rate(privacy.sampling)
         if privacy.sampling.drawn_by is dp.DrawnBy.SERVER:
@@ -217,7 +225,7 @@ def canaries_for(state: AuditState, aggregation: Aggregation, release: int) -> C
                                    audit.canary_identities(layout.count), rate)
         else:
             drawn = audit.drawn_for_release(state.seed, release, layout.count, rate)
-    return Canaries(layout, vectors, clipped, magnitudes, drawn & layout.held_in, rate)
+    return Canaries(layout, vectors, clipped, magnitudes, drawn & layout.held_in, rate, scored)
 
 
 def sampling_rate(sampling: dp.Sampling) -> float:

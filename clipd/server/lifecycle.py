@@ -161,7 +161,11 @@ class Lifecycle:
             asserted = self_asserted_client_ids or not self.settings.admin_token
             spec = dataclasses.replace(spec, client_ids=SELF_ASSERTED if asserted else CREDENTIAL)
         if privacy is not None and privacy.sampling.drawn_by is dp.DrawnBy.SERVER:
-            check_server_draws(spec, bool(self.settings.admin_token))
+            check_identities(spec, bool(self.settings.admin_token), "privacy.sampling: the server draws clients"
+                                                                    " by their ids (drawn_by server)")
+        if privacy is not None and privacy.participation is not None:
+            check_identities(spec, bool(self.settings.admin_token), "privacy.participation: the server limits each"
+                                                                    " client's participation by its id")
 
         def make(aggregation_id: str) -> Aggregation:
             return Aggregation(aggregation_id, spec, self.settings.max_device_rows, self.settings.staging_bytes,
@@ -305,17 +309,16 @@ class Lifecycle:
         return aggregation
 
 
-def check_server_draws(spec: AggregationSpec, authenticates: bool) -> None:
-    """``InvalidArgument`` unless the server can draw the aggregation's participants: clients (unit CLIENT) whose
-    ids come from credentials, so that a caller can't present a name the draw favours."""
+def check_identities(spec: AggregationSpec, authenticates: bool, what: str) -> None:
+    """``InvalidArgument`` unless the aggregation counts clients (unit CLIENT) whose ids come from credentials,
+    so that a caller can't present a name of its choosing: what the server's draws and participation limits
+    rest on (``what``, their words)."""
     if spec.unit is not Unit.CLIENT:
-        raise InvalidArgument("privacy.sampling: the server draws clients (drawn_by server): the aggregation needs"
-                              " unit client")
+        raise InvalidArgument(f"{what}: the aggregation needs unit client")
     if spec.client_ids != CREDENTIAL:
         why = ("the server has no admin token: it authenticates no one, so every client id is self-asserted"
                if not authenticates else "self_asserted_client_ids makes every client id the submitter's choice")
-        raise InvalidArgument(f"privacy.sampling: the server draws clients by their ids (drawn_by server), which"
-                              f" must come from credentials; {why}")
+        raise InvalidArgument(f"{what}, which must come from credentials; {why}")
 
 
 def _same_request(aggregation: Aggregation, spec: AggregationSpec) -> bool:

@@ -79,7 +79,9 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
                               "delta": policy.delta, "max_epsilon": policy.max_epsilon,
                               "mechanism": Mechanism.INDEPENDENT.value, "unit": Unit(unit).value,
                               "client_ids": client_ids, "drawn_by": policy.sampling.drawn_by.value,
-                              "audit": dataclasses.asdict(policy.audit) if policy.audit is not None else None}
+                              "audit": dataclasses.asdict(policy.audit) if policy.audit is not None else None,
+                              "participation": (dataclasses.asdict(policy.participation)
+                                                if policy.participation is not None else None)}
     stream = policy.correlated
     if stream is not None:
         config["mechanism"] = stream.mechanism.value
@@ -94,7 +96,7 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
 # What a ledger stored before these fields existed had: independent noise, examples; its client ids, where they
 # counted (a correlated stream's participation), were whatever a submitter named.
 _CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value, "unit": Unit.EXAMPLE.value, "client_ids": "",
-                    "audit": None, "drawn_by": dp.DrawnBy.CALLER.value}
+                    "audit": None, "drawn_by": dp.DrawnBy.CALLER.value, "participation": None}
 
 
 def _same_config(stored: dict, wanted: dict) -> bool:
@@ -135,8 +137,10 @@ def _config_difference(stored: dict, wanted: dict) -> str:
 
 def ledger_epsilon(config: dict, events: Sequence[str]) -> float:
     """A ledger's epsilon: its entries' events composed; for a correlated stream, the last entry's alone (the
-    first t releases are one Gaussian mechanism: ``CorrelatedNoise.prefix_noise_multiplier``)."""
-    if config.get("mechanism", Mechanism.INDEPENDENT.value) != Mechanism.INDEPENDENT.value:
+    first t releases are one Gaussian mechanism: ``CorrelatedNoise.prefix_noise_multiplier``), and so for a
+    ledger with participation limits (each entry: a client's events over the releases made so far)."""
+    if (config.get("mechanism", Mechanism.INDEPENDENT.value) != Mechanism.INDEPENDENT.value
+            or config.get("participation")):
         events = [] if not events else (list(events) if NON_PRIVATE in events else list(events)[-1:])
     return dp.epsilon_of_json(list(events), config["delta"], config["accountant"], config["neighbouring"])
 
@@ -266,11 +270,14 @@ class Ledgers:
             stream = stream.optimized()
         return dataclasses.replace(policy, correlated=stream)
 
-    def check_participation(self, policy: dp.PrivacyPolicy, client_id: str) -> None:
+    def check_participation(self, policy: dp.PrivacyPolicy, client_id: str, release: int | None = None,
+                            pending: Sequence[int] = ()) -> None:
         """Refuses (FAILED_PRECONDITION) a client the ledger's rules keep out of its next release: one the
         server did not draw (its sampling drawn by the server), or, on a correlated ledger whose participation
-        the server enforces, one that took part in one of the last b - 1 releases or in k already. The next
-        release is the ledger's (one aggregation at a time is open on such a ledger)."""
+        the server enforces, or on a ledger with participation limits, one that took part in one of the last b - 1
+        releases or in k already. The release is the ledger's next (one aggregation at a time is open on such a
+        ledger), or ``release`` (0-based: a buffered stream's buffer), with the client's ``pending`` releases (its
+        contributions in buffers not released yet) beside those it took part in."""
         if policy.sampling.drawn_by is dp.DrawnBy.SERVER:
             client = client_of(client_id)
             release = self.next_release(policy.ledger_id)
@@ -280,22 +287,24 @@ class Ledgers:
                                          f" ledger {policy.ledger_id!r}): the server draws each release's clients"
                                          f" (Poisson, rate {policy.sampling.rate:g}); DrawClients says which are")
             return
-        stream = policy.correlated
-        if stream is None or stream.declared:
+        limits = participation_limits(policy)
+        if limits is None:
             return
         client = client_of(client_id)
-        taken = self.store.participations(policy.ledger_id, client)
+        taken = sorted({*self.store.participations(policy.ledger_id, client), *pending})
         if not taken:
             return
-        with self._locked(policy.ledger_id):
-            release = len(self.events(policy.ledger_id))
-        if len(taken) >= stream.max_participations:
+        if release is None:
+            with self._locked(policy.ledger_id):
+                release = len(self.events(policy.ledger_id))
+        whose = "its stream" if policy.correlated is not None else "it"
+        if len(taken) >= limits.max_participations:
             reason = (f"client {client!r} took part in {len(taken)} releases of ledger {policy.ledger_id!r} (releases"
-                      f" {taken}); its stream allows at most {stream.max_participations} (max_participations)")
-        elif release - taken[-1] < stream.min_separation:
+                      f" {taken}); {whose} allows at most {limits.max_participations} (max_participations)")
+        elif release - taken[-1] < limits.min_separation:
             reason = (f"client {client!r} took part in release {taken[-1]} of ledger {policy.ledger_id!r}; this is"
-                      f" release {release} and its stream needs {stream.min_separation} between two"
-                      f" (min_separation): it may take part again from release {taken[-1] + stream.min_separation}")
+                      f" release {release} and {whose} needs {limits.min_separation} between two"
+                      f" (min_separation): it may take part again from release {taken[-1] + limits.min_separation}")
         else:
             return
         self.participation_refusals[policy.ledger_id] += 1
@@ -339,17 +348,25 @@ class Ledgers:
             committed = self.events(policy.ledger_id)
             if policy.audit is not None:
                 self._open_audit(policy, committed)
-            if policy.sampling.drawn_by is dp.DrawnBy.SERVER and reserved:
+            one_at_a_time = policy.sampling.drawn_by is dp.DrawnBy.SERVER or (
+                policy.participation is not None and not aggregation.spec.stream)
+            if one_at_a_time and reserved:
                 open_ids = [i for i, r in self._reserved[policy.ledger_id].items() if _counts(r.aggregation)]
+                why = ("draws each release's clients itself" if policy.sampling.drawn_by is dp.DrawnBy.SERVER
+                       else "limits each client's participation")
                 raise FailedPrecondition(
-                    f"ledger {policy.ledger_id!r} draws each release's clients itself, release by release: one"
-                    f" aggregation at a time; finalize or cancel {', '.join(open_ids)} first")
+                    f"ledger {policy.ledger_id!r} {why}, release by release: one aggregation at a time; finalize or"
+                    f" cancel {', '.join(open_ids)} first")
             if policy.correlated is not None:
                 planned = self._admit_to_stream(policy, plan, committed, reserved)
                 create(None)
                 self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event_json)
                 return planned
-            planned = _epsilon(policy, committed + reserved + debug + [plan.event_json])
+            if policy.participation is not None:  # a client's events over the releases made by then
+                planned = _epsilon(policy, [dp.participation_event(plan.event_json, len(committed) + len(reserved) + 1,
+                                                                   policy.participation)])
+            else:
+                planned = _epsilon(policy, committed + reserved + debug + [plan.event_json])
             if planned > policy.max_epsilon:
                 now = _epsilon(policy, committed)
                 raise FailedPrecondition(
@@ -520,7 +537,12 @@ class Ledgers:
             committed = self.events(policy.ledger_id)
             if policy.correlated is not None:
                 return self._release_from_stream(aggregation, totals, sum_dtypes, committed)
-            after = _epsilon(policy, committed + [plan.event_json])
+            event_json = plan.event_json
+            if policy.participation is not None:  # the entry: a client's events over the releases made
+                event_json = dp.participation_event(plan.event_json, len(committed) + 1, policy.participation)
+                after = _epsilon(policy, [event_json])
+            else:
+                after = _epsilon(policy, committed + [event_json])
             if after > policy.max_epsilon:
                 before = _epsilon(policy, committed)
                 reason = (f"privacy budget of ledger {policy.ledger_id!r} exhausted: this release would take epsilon"
@@ -535,11 +557,13 @@ class Ledgers:
                                                 canaries=canaries)
             if state is not None and canaries is not None:
                 state.record(canaries, projections, plan.noise_stddev)
-            entry = LedgerEntry(aggregation.id, plan.event_json, time.time(), after,
+            entry = LedgerEntry(aggregation.id, event_json, time.time(), after,
                                 release.fields["next_bound"] if policy.adaptive is not None else None)
+            participants = (sorted({client_of(c) for c in totals.clients}) if policy.participation is not None
+                            else [])
             try:
                 self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry,
-                                          len(committed), entry.time,
+                                          len(committed), entry.time, participants=participants,
                                           audit=state.record_of() if state is not None else None)
             except LedgerConflict as e:
                 raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
@@ -597,6 +621,15 @@ def _stream_of(config: dict, stream: dict) -> CorrelatedNoise:
     return CorrelatedNoise(config["mechanism"], stream["releases"], stream["min_separation"],
                            stream["max_participations"], stream["buffers"], stream["declared"],
                            tuple(stream["strategy"]))
+
+
+def participation_limits(policy: dp.PrivacyPolicy) -> dp.Participation | None:
+    """The participation limits the server enforces per client on a ledger: a correlated stream's (unless its
+    participation is declared), or an independent ledger's own; None: none."""
+    stream = policy.correlated
+    if stream is not None:
+        return None if stream.declared else dp.Participation(stream.min_separation, stream.max_participations)
+    return policy.participation
 
 
 def _counts(aggregation: Aggregation) -> bool:

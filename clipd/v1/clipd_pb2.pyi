@@ -123,7 +123,7 @@ class AdaptiveClipping(_message.Message):
     def __init__(self, target_unclipped_quantile: _Optional[float] = ..., learning_rate: _Optional[float] = ..., count_stddev: _Optional[float] = ..., initial_bound: _Optional[float] = ..., min_bound: _Optional[float] = ..., max_bound: _Optional[float] = ..., arithmetic_update: bool = ...) -> None: ...
 
 class PrivacyPolicy(_message.Message):
-    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics", "noise", "correlated", "audit")
+    __slots__ = ("ledger_id", "delta", "noise_multiplier", "target_epsilon", "planned_releases", "neighbouring", "sampling", "accountant", "max_epsilon", "adaptive", "public_denominator", "release_mean", "metrics_noise_multiplier", "seed", "debug_raw_statistics", "noise", "correlated", "audit", "participation")
     class Neighbouring(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ADD_REMOVE_ONE: _ClassVar[PrivacyPolicy.Neighbouring]
@@ -162,6 +162,7 @@ class PrivacyPolicy(_message.Message):
     NOISE_FIELD_NUMBER: _ClassVar[int]
     CORRELATED_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPATION_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     delta: float
     noise_multiplier: float
@@ -180,7 +181,16 @@ class PrivacyPolicy(_message.Message):
     noise: PrivacyPolicy.Noise
     correlated: CorrelatedNoise
     audit: CanaryAudit
-    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ..., noise: _Optional[_Union[PrivacyPolicy.Noise, str]] = ..., correlated: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., audit: _Optional[_Union[CanaryAudit, _Mapping]] = ...) -> None: ...
+    participation: Participation
+    def __init__(self, ledger_id: _Optional[str] = ..., delta: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., target_epsilon: _Optional[float] = ..., planned_releases: _Optional[int] = ..., neighbouring: _Optional[_Union[PrivacyPolicy.Neighbouring, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., accountant: _Optional[_Union[PrivacyPolicy.Accountant, str]] = ..., max_epsilon: _Optional[float] = ..., adaptive: _Optional[_Union[AdaptiveClipping, _Mapping]] = ..., public_denominator: _Optional[float] = ..., release_mean: bool = ..., metrics_noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., debug_raw_statistics: bool = ..., noise: _Optional[_Union[PrivacyPolicy.Noise, str]] = ..., correlated: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., audit: _Optional[_Union[CanaryAudit, _Mapping]] = ..., participation: _Optional[_Union[Participation, _Mapping]] = ...) -> None: ...
+
+class Participation(_message.Message):
+    __slots__ = ("min_separation", "max_participations")
+    MIN_SEPARATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_PARTICIPATIONS_FIELD_NUMBER: _ClassVar[int]
+    min_separation: int
+    max_participations: int
+    def __init__(self, min_separation: _Optional[int] = ..., max_participations: _Optional[int] = ...) -> None: ...
 
 class CanaryAudit(_message.Message):
     __slots__ = ("canaries", "confidence")

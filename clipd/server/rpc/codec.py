@@ -106,6 +106,10 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
         audit = None
         if message.HasField("audit"):
             audit = CanaryAudit(message.audit.canaries, message.audit.confidence or DEFAULT_CONFIDENCE)
+        participation = None
+        if message.HasField("participation"):
+            participation = dp.Participation(message.participation.min_separation,
+                                             message.participation.max_participations)
         return dp.PrivacyPolicy(
             ledger_id=message.ledger_id, delta=message.delta,
             noise_multiplier=message.noise_multiplier if message.HasField("noise_multiplier") else None,
@@ -117,7 +121,7 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
             metrics_noise_multiplier=message.metrics_noise_multiplier,
             seed=message.seed if message.HasField("seed") else None,
             debug_raw_statistics=message.debug_raw_statistics, noise=NOISES[message.noise], correlated=correlated,
-            audit=audit,
+            audit=audit, participation=participation,
         )
     except ValueError as e:
         raise InvalidArgument(f"privacy: {e}") from None
@@ -126,6 +130,10 @@ def privacy_from_proto(message: pb.PrivacyPolicy) -> dp.PrivacyPolicy:
 def privacy_to_proto(policy: dp.PrivacyPolicy) -> pb.PrivacyPolicy:
     fields = dataclasses.asdict(policy)  # named as the client's Privacy (the enums' values: the wire's names), but:
     sampling, adaptive, correlated = fields.pop("sampling"), fields["adaptive"], fields.pop("correlated")
+    participation = fields.pop("participation")
+    if participation is not None:  # flat, as the client's Privacy has it
+        fields.update(min_separation=participation["min_separation"],
+                      max_participations=participation["max_participations"])
     if correlated is not None:  # flat, as the client's Privacy has it (the strategy is the ledger's)
         fields.update(mechanism=correlated["mechanism"], releases=correlated["releases"],
                       min_separation=correlated["min_separation"],
