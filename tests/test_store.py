@@ -504,7 +504,7 @@ class TestSQLiteStore(DurableStoreContract):
         finally:
             store.close()
         with sqlite3.connect(data / "clipd.sqlite3") as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
 
     def test_only_two_generations_are_kept(self, tmp_path):
         data = tmp_path / "data"

@@ -15,11 +15,15 @@ from .errors import (
     UnavailableError,
 )
 from .privacy import Adaptive, Audit, Privacy
+from .streams import Buffer, StreamAck, StreamRelease
 from .updates import Layer, layers_like
 
 __all__ = [
     "Adaptive",
     "Audit",
+    "Buffer",
+    "StreamAck",
+    "StreamRelease",
     "Privacy",
     "AggregateResult",
     "AlreadyExistsError",

@@ -25,6 +25,7 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 
 from .errors import ClipdError, FailedPreconditionError, UnavailableError, from_rpc_error
 from .privacy import Privacy
+from .streams import StreamCalls
 from .updates import Layer, example_nbytes, iter_updates, rebatch, sum_rows
 
 MiB = 1 << 20
@@ -92,7 +93,7 @@ class AggregateResult:
         return self.release is not None
 
 
-class Client:
+class Client(StreamCalls):
     """A connection to a clipd server.
 
     Example (with a server on localhost:50051)::
@@ -674,6 +675,14 @@ class Client:
     def ledger(self, ledger_id: str) -> pb.Ledger:
         """A privacy ledger: its releases (DpEvents as JSON), epsilon so far and budget left."""
         return self._call(self._stub.GetLedger, pb.GetLedgerRequest(ledger_id=ledger_id))
+
+    def _specs(self, layers: Any, dtype: str) -> list[Layer]:
+        return _layer_specs(layers, dtype)
+
+    def _credential_client(self) -> str | None:
+        token = next((value[len(wire.BEARER):] for key, value in self._metadata if key == wire.AUTHORIZATION_KEY),
+                     None)
+        return client_token_id(token)
 
     def draw_clients(self, aggregation_id: str, candidates) -> list[str]:
         """The candidates (client ids) that take part in the release of ``aggregation_id``, whose ledger's

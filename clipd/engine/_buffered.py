@@ -52,3 +52,23 @@ def staleness_weight(tau: int, exponent: float = DEFAULT_EXPONENT) -> float:
     if not (exponent >= 0 and math.isfinite(exponent)):
         raise ValueError(f"the staleness exponent is finite and >= 0, got {exponent}")
     return float((1.0 + tau) ** -exponent)
+
+
+TRAINED_FROM = "v"  # a stream contribution's writer id: "v<the version it trained from>" (kept in the checkpoints)
+
+
+def trained_from_writer(version: int) -> str:
+    """The writer id a stream contribution is summed under: the version it was trained from, so that its buffer's
+    checkpoints keep it (and its staleness is known after a restart).
+
+    >>> trained_from_writer(12), trained_from(trained_from_writer(12))
+    ('v12', 12)
+    """
+    return f"{TRAINED_FROM}{int(version)}"
+
+
+def trained_from(writer: str) -> int:
+    """The version a stream contribution was trained from, from its writer id (:func:`trained_from_writer`)."""
+    if not writer.startswith(TRAINED_FROM) or not writer[len(TRAINED_FROM):].isdigit():
+        raise ValueError(f"not a stream contribution's writer id: {writer!r}")
+    return int(writer[len(TRAINED_FROM):])

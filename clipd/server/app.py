@@ -26,6 +26,7 @@ from clipd.server.shards.forward import reserve_port
 from clipd.server.shards.protocol import describe_load, sum_loads
 from clipd.server.stores import open_store
 from clipd.server.stores.base import CLOSING, FAILED, FINALIZED, Store
+from clipd.server.streams import Streams
 from clipd.server.summing.devices import Devices
 from clipd.server.summing.memory import HeapTrimmer
 
@@ -69,8 +70,11 @@ class ClipdServer:
         self.servicer, self.guard, self.grpc = serving.servicer, serving.guard, serving.grpc
         self.health = serving.health
         recover(self.store, self.registry, self.devices, settings, self.ledgers)
+        self.streams: Streams | None = None
         if self.hosts is None:  # this process receives the updates its devices sum
             self.servicer.attach_devices(self.devices)
+            self.streams = self.servicer.streams = Streams(self.lifecycle)  # (their buffers are recovered above)
+            self.streams.recover()
         launcher = self.launcher
         if launcher is not None and launcher.control_address is not None:  # the hosts take the public port (and
             self.grpc.add_insecure_port(launcher.control_address)  # terminate TLS): the control listens for them
@@ -87,6 +91,8 @@ class ClipdServer:
         period = min(60.0, self.settings.retention_seconds / 4)
         while not self.stopped.wait(period):
             for aggregation in self.registry.expired(time.time() - self.settings.retention_seconds):
+                if aggregation.spec.stream:  # a stream's buffer: the stream keeps its last keep_versions
+                    continue
                 try:
                     self.lifecycle.cancel(aggregation.id)
                     event(log, "aggregation.expired", aggregation=aggregation.id,
@@ -193,6 +199,8 @@ class ClipdServer:
         if self.data_plane_elsewhere:
             self.devices.stop(timeout=grace)  # they finish their streams (and may still call this process)
         self.grpc.stop(grace).wait(grace + 1.0)
+        if self.streams is not None:  # the releases due are made, with what was summed
+            self.streams.stop()
         if not self.data_plane_elsewhere:
             self.devices.stop(timeout=grace)
         self.store.close()

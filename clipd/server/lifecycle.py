@@ -145,18 +145,20 @@ class Lifecycle:
 
     # create -------------------------------------------------------------------------------------
     def create(self, requested_id: str, layers, policy, reject: bool, privacy=None, unit: Unit = Unit.EXAMPLE,
-               self_asserted_client_ids: bool = False) -> Aggregation:
+               self_asserted_client_ids: bool = False, stream: str = "", version: int = 0) -> Aggregation:
         """The aggregation ``requested_id`` (a new id if empty), created and durable; the same one again
         for a request that repeats it; ``AlreadyExists`` for another spec under that id.
 
         ``unit``: the privacy unit (an example, or a client that contributes once). Where identities count
         (unit CLIENT, or a correlated stream's enforced participation), its client ids come from credentials,
-        unless ``self_asserted_client_ids`` (or the server has no admin token: it authenticates no one)."""
+        unless ``self_asserted_client_ids`` (or the server has no admin token: it authenticates no one).
+        ``stream``, ``version``: a buffered stream's buffer, released as that version (``server.streams``)."""
         plan = None
         if privacy is not None:
             privacy = self.ledgers.with_strategy(privacy)  # a correlated stream's, from its ledger (or made)
             policy, plan = self._private_policy(policy, privacy, layers)
-        spec = AggregationSpec(layers, policy, reject, privacy, self.settings.shards or len(self.shards), unit)
+        spec = AggregationSpec(layers, policy, reject, privacy, self.settings.shards or len(self.shards), unit,
+                               stream=stream, version=version)
         if spec.counts_identities:
             asserted = self_asserted_client_ids or not self.settings.admin_token
             spec = dataclasses.replace(spec, client_ids=SELF_ASSERTED if asserted else CREDENTIAL)

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from clipd.engine import PartialState, Unit
+from clipd.engine import _buffered as buffered
 from clipd.engine import _container as container
 from clipd.engine import _privacy as dp
 from clipd.engine import _secure_noise as secure
@@ -70,7 +71,7 @@ NON_PRIVATE = '{"class_name": "NonPrivateDpEvent", "module_name": "dp_accounting
 
 
 def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, parameters: int = 0,
-                  unit: Unit = Unit.EXAMPLE, client_ids: str = "") -> dict:
+                  unit: Unit = Unit.EXAMPLE, client_ids: str = "", stream_id: str = "") -> dict:
     """What every aggregation of one ledger must agree on: its accounting and its privacy ``unit`` (an epsilon
     is of one unit); where identities count, how they are established (``client_ids``); with correlated noise
     also the stream (mechanism, n, b, k, buffers, the optimized strategy, the model's ``parameters``: the size
@@ -81,7 +82,8 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
                               "client_ids": client_ids, "drawn_by": policy.sampling.drawn_by.value,
                               "audit": dataclasses.asdict(policy.audit) if policy.audit is not None else None,
                               "participation": (dataclasses.asdict(policy.participation)
-                                                if policy.participation is not None else None)}
+                                                if policy.participation is not None else None),
+                              "buffered_stream": stream_id}
     stream = policy.correlated
     if stream is not None:
         config["mechanism"] = stream.mechanism.value
@@ -96,7 +98,7 @@ def ledger_config(policy: dp.PrivacyPolicy, plan: dp.ReleasePlan | None = None, 
 # What a ledger stored before these fields existed had: independent noise, examples; its client ids, where they
 # counted (a correlated stream's participation), were whatever a submitter named.
 _CONFIG_DEFAULTS = {"mechanism": Mechanism.INDEPENDENT.value, "unit": Unit.EXAMPLE.value, "client_ids": "",
-                    "audit": None, "drawn_by": dp.DrawnBy.CALLER.value, "participation": None}
+                    "audit": None, "drawn_by": dp.DrawnBy.CALLER.value, "participation": None, "buffered_stream": ""}
 
 
 def _same_config(stored: dict, wanted: dict) -> bool:
@@ -121,6 +123,11 @@ def _config_difference(stored: dict, wanted: dict) -> str:
         elif key == "audit":
             said.append(f"its audit is {json.dumps(has)}, this aggregation asks {json.dumps(asks)} (an audit is"
                         " the ledger's from its first aggregation on: start a new ledger to audit it)")
+        elif key == "buffered_stream":
+            has_words = f"buffered stream {has!r}'s ledger" if has else "the ledger of no stream"
+            asks_words = f"stream {asks!r}'s buffer" if asks else "no stream's buffer"
+            said.append(f"it is {has_words}, this aggregation is {asks_words} (a buffered stream's ledger is its"
+                        " own: its releases are its versions)")
         elif key == "drawn_by":
             said.append(f"its releases' participants are drawn by the {has}, this aggregation's by the {asks} (who"
                         " draws is the ledger's from its first aggregation on: its amplification rests on it)")
@@ -337,7 +344,8 @@ class Ledgers:
         relation, delta or budget, or if this release (with the reserved ones)
         would pass ``max_epsilon``.
         """
-        wanted = ledger_config(policy, plan, aggregation.parameters, aggregation.unit, aggregation.client_ids)
+        wanted = ledger_config(policy, plan, aggregation.parameters, aggregation.unit, aggregation.client_ids,
+                               aggregation.spec.stream)
         with self._locked(policy.ledger_id):
             stored = self.store.ensure_ledger(LedgerRecord(policy.ledger_id, json.dumps(wanted), time.time()))
             if not _same_config(json.loads(stored.config), wanted):
@@ -694,6 +702,11 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         "sampling": policy.sampling.kind.value, "sampling_rate": sampling_rate(policy.sampling),
         "sampling_drawn_by": policy.sampling.drawn_by.value,
     }
+    if aggregation.spec.stream:  # a buffered stream's buffer: the version it is, its contributions, their staleness
+        version = aggregation.spec.version
+        fields.update(stream_id=aggregation.spec.stream, stream_version=version, contributions=len(totals.clients),
+                      staleness=sorted(buffered.staleness(version, buffered.trained_from(writer))
+                                       for _, writer in totals.clients.values()))
     if policy.adaptive is not None:
         unclipped = examples - int(totals.clip_counts[0])
         centred = unclipped - examples / 2 + float(dp.gaussian_noise(1, plan.count_noise_stddev, key_count)[0])

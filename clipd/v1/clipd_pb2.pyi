@@ -421,7 +421,7 @@ class AggregationStats(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., state: _Optional[_Union[Aggregation.State, str]] = ..., examples: _Optional[int] = ..., batches: _Optional[int] = ..., bytes: _Optional[int] = ..., non_finite: _Optional[int] = ..., clipped: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., bucket_upper_bounds: _Optional[_Iterable[float]] = ..., example_norm_histogram: _Optional[_Iterable[int]] = ..., example_bound: _Optional[float] = ..., updated_unix_seconds: _Optional[float] = ..., examples_per_second: _Optional[float] = ..., failure_reason: _Optional[str] = ..., privacy_notice: _Optional[str] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale", "mechanism", "stream_release", "stream_releases", "unit", "client_ids", "stream_noise_stddev", "stream", "sampling", "sampling_rate", "sampling_drawn_by")
+    __slots__ = ("ledger_id", "noise_multiplier", "value_noise_multiplier", "sensitivity", "noise_stddev", "bound", "next_bound", "epsilon", "ledger_epsilon", "delta", "budget_left", "dp_event_json", "seeded", "mean", "denominator", "ledger_releases", "unclipped_fraction", "debug_raw_statistics", "statistics_noise_stddev", "example_norm_histogram", "layer_clipped", "examples", "grid_step", "grid_noise_scale", "mechanism", "stream_release", "stream_releases", "unit", "client_ids", "stream_noise_stddev", "stream", "sampling", "sampling_rate", "sampling_drawn_by", "stream_id", "stream_version", "contributions", "staleness")
     LEDGER_ID_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     VALUE_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +456,10 @@ class Release(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_RATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DRAWN_BY_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     ledger_id: str
     noise_multiplier: float
     value_noise_multiplier: float
@@ -490,7 +494,11 @@ class Release(_message.Message):
     sampling: str
     sampling_rate: float
     sampling_drawn_by: str
-    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ..., mechanism: _Optional[str] = ..., stream_release: _Optional[int] = ..., stream_releases: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., stream_noise_stddev: _Optional[float] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., sampling: _Optional[str] = ..., sampling_rate: _Optional[float] = ..., sampling_drawn_by: _Optional[str] = ...) -> None: ...
+    stream_id: str
+    stream_version: int
+    contributions: int
+    staleness: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ledger_id: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., value_noise_multiplier: _Optional[float] = ..., sensitivity: _Optional[float] = ..., noise_stddev: _Optional[float] = ..., bound: _Optional[float] = ..., next_bound: _Optional[float] = ..., epsilon: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., budget_left: _Optional[float] = ..., dp_event_json: _Optional[str] = ..., seeded: bool = ..., mean: bool = ..., denominator: _Optional[float] = ..., ledger_releases: _Optional[int] = ..., unclipped_fraction: _Optional[float] = ..., debug_raw_statistics: bool = ..., statistics_noise_stddev: _Optional[float] = ..., example_norm_histogram: _Optional[_Iterable[float]] = ..., layer_clipped: _Optional[_Iterable[float]] = ..., examples: _Optional[float] = ..., grid_step: _Optional[float] = ..., grid_noise_scale: _Optional[float] = ..., mechanism: _Optional[str] = ..., stream_release: _Optional[int] = ..., stream_releases: _Optional[int] = ..., unit: _Optional[_Union[PrivacyUnit, str]] = ..., client_ids: _Optional[str] = ..., stream_noise_stddev: _Optional[float] = ..., stream: _Optional[_Union[CorrelatedNoise, _Mapping]] = ..., sampling: _Optional[str] = ..., sampling_rate: _Optional[float] = ..., sampling_drawn_by: _Optional[str] = ..., stream_id: _Optional[str] = ..., stream_version: _Optional[int] = ..., contributions: _Optional[int] = ..., staleness: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetLedgerRequest(_message.Message):
     __slots__ = ("ledger_id",)
@@ -677,3 +685,155 @@ class ClientToken(_message.Message):
     role: IssueClientTokenRequest.Role
     expires_unix_seconds: float
     def __init__(self, token: _Optional[str] = ..., client_id: _Optional[str] = ..., aggregation_id: _Optional[str] = ..., ledger_id: _Optional[str] = ..., role: _Optional[_Union[IssueClientTokenRequest.Role, str]] = ..., expires_unix_seconds: _Optional[float] = ...) -> None: ...
+
+class BufferPolicy(_message.Message):
+    __slots__ = ("size", "staleness_exponent", "max_staleness", "max_wait_seconds", "min_size", "keep_versions")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_EXPONENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    staleness_exponent: float
+    max_staleness: int
+    max_wait_seconds: float
+    min_size: int
+    keep_versions: int
+    def __init__(self, size: _Optional[int] = ..., staleness_exponent: _Optional[float] = ..., max_staleness: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ..., min_size: _Optional[int] = ..., keep_versions: _Optional[int] = ...) -> None: ...
+
+class CreateStreamRequest(_message.Message):
+    __slots__ = ("stream_id", "layers", "policy", "privacy", "buffer")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    policy: ClipPolicy
+    privacy: PrivacyPolicy
+    buffer: BufferPolicy
+    def __init__(self, stream_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., buffer: _Optional[_Union[BufferPolicy, _Mapping]] = ...) -> None: ...
+
+class BufferedStream(_message.Message):
+    __slots__ = ("stream_id", "layers", "policy", "privacy", "buffer", "version", "filling", "state", "reason", "created_unix_seconds", "releases_per_minute", "ledger_epsilon")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FILLING_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    policy: ClipPolicy
+    privacy: PrivacyPolicy
+    buffer: BufferPolicy
+    version: int
+    filling: int
+    state: str
+    reason: str
+    created_unix_seconds: float
+    releases_per_minute: float
+    ledger_epsilon: float
+    def __init__(self, stream_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., policy: _Optional[_Union[ClipPolicy, _Mapping]] = ..., privacy: _Optional[_Union[PrivacyPolicy, _Mapping]] = ..., buffer: _Optional[_Union[BufferPolicy, _Mapping]] = ..., version: _Optional[int] = ..., filling: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., created_unix_seconds: _Optional[float] = ..., releases_per_minute: _Optional[float] = ..., ledger_epsilon: _Optional[float] = ...) -> None: ...
+
+class GetStreamRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class StopStreamRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class StreamSubmitRequest(_message.Message):
+    __slots__ = ("stream_id", "client_id", "sequence", "trained_from", "chunks")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FROM_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    client_id: str
+    sequence: int
+    trained_from: int
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, stream_id: _Optional[str] = ..., client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., trained_from: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class StreamSubmitResponse(_message.Message):
+    __slots__ = ("client_id", "sequence", "version", "staleness", "weight", "duplicate")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    sequence: int
+    version: int
+    staleness: int
+    weight: float
+    duplicate: bool
+    def __init__(self, client_id: _Optional[str] = ..., sequence: _Optional[int] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., weight: _Optional[float] = ..., duplicate: bool = ...) -> None: ...
+
+class GetStreamClientRequest(_message.Message):
+    __slots__ = ("stream_id", "client_id")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    client_id: str
+    def __init__(self, stream_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class StreamClient(_message.Message):
+    __slots__ = ("client_id", "contributions", "next_sequence", "versions", "may_contribute_from")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAY_CONTRIBUTE_FROM_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    contributions: int
+    next_sequence: int
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    may_contribute_from: int
+    def __init__(self, client_id: _Optional[str] = ..., contributions: _Optional[int] = ..., next_sequence: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., may_contribute_from: _Optional[int] = ...) -> None: ...
+
+class WatchReleasesRequest(_message.Message):
+    __slots__ = ("stream_id", "after_version", "max_chunk_bytes")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    after_version: int
+    max_chunk_bytes: int
+    def __init__(self, stream_id: _Optional[str] = ..., after_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetStreamReleaseRequest(_message.Message):
+    __slots__ = ("stream_id", "version", "max_chunk_bytes")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    version: int
+    max_chunk_bytes: int
+    def __init__(self, stream_id: _Optional[str] = ..., version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class StreamReleasePart(_message.Message):
+    __slots__ = ("release", "sum", "chunks")
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    release: Release
+    sum: TensorChunk
+    chunks: int
+    def __init__(self, release: _Optional[_Union[Release, _Mapping]] = ..., sum: _Optional[_Union[TensorChunk, _Mapping]] = ..., chunks: _Optional[int] = ...) -> None: ...

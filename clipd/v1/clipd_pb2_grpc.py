@@ -99,6 +99,41 @@ class ClipdStub(object):
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.DrawClientsRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.DrawClientsResponse.FromString,
                 _registered_method=True)
+        self.CreateStream = channel.unary_unary(
+                '/clipd.v1.Clipd/CreateStream',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.CreateStreamRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.BufferedStream.FromString,
+                _registered_method=True)
+        self.GetStream = channel.unary_unary(
+                '/clipd.v1.Clipd/GetStream',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.GetStreamRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.BufferedStream.FromString,
+                _registered_method=True)
+        self.StopStream = channel.unary_unary(
+                '/clipd.v1.Clipd/StopStream',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.StopStreamRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.BufferedStream.FromString,
+                _registered_method=True)
+        self.SubmitToStream = channel.unary_unary(
+                '/clipd.v1.Clipd/SubmitToStream',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.StreamSubmitRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.StreamSubmitResponse.FromString,
+                _registered_method=True)
+        self.GetStreamClient = channel.unary_unary(
+                '/clipd.v1.Clipd/GetStreamClient',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.GetStreamClientRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.StreamClient.FromString,
+                _registered_method=True)
+        self.WatchReleases = channel.unary_stream(
+                '/clipd.v1.Clipd/WatchReleases',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.WatchReleasesRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.StreamReleasePart.FromString,
+                _registered_method=True)
+        self.GetStreamRelease = channel.unary_stream(
+                '/clipd.v1.Clipd/GetStreamRelease',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.GetStreamReleaseRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.StreamReleasePart.FromString,
+                _registered_method=True)
 
 
 class ClipdServicer(object):
@@ -217,6 +252,63 @@ class ClipdServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateStream(self, request, context):
+        """Buffered streams (FedBuff): a stream releases a new model version each
+        time its buffer holds `size` contributions; clients submit with the
+        version they trained from and never wait for a round. Creating, reading
+        and stopping one is the admin's; submitting, the credentials' that may
+        submit to its ledger (client tokens, submitter tokens, certificates).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitToStream(self, request, context):
+        """One contribution, whole in one message, answered once it is durable
+        with the version it counts in. A stale one (more than max_staleness
+        versions behind) is FAILED_PRECONDITION, a version not released yet
+        INVALID_ARGUMENT, both saying the newest version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStreamClient(self, request, context):
+        """What the stream has of one client: its contributions and the next
+        sequence number it gives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchReleases(self, request, context):
+        """The releases from a version on, each as it is made: a header, then its
+        sums in chunks; the call stays open until the stream stops or the
+        caller goes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStreamRelease(self, request, context):
+        """One kept release by version (NOT_FOUND past keep_versions).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClipdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +376,41 @@ def add_ClipdServicer_to_server(servicer, server):
                     servicer.DrawClients,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.DrawClientsRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.DrawClientsResponse.SerializeToString,
+            ),
+            'CreateStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateStream,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.CreateStreamRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.BufferedStream.SerializeToString,
+            ),
+            'GetStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStream,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.GetStreamRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.BufferedStream.SerializeToString,
+            ),
+            'StopStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopStream,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.StopStreamRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.BufferedStream.SerializeToString,
+            ),
+            'SubmitToStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitToStream,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.StreamSubmitRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.StreamSubmitResponse.SerializeToString,
+            ),
+            'GetStreamClient': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStreamClient,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.GetStreamClientRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.StreamClient.SerializeToString,
+            ),
+            'WatchReleases': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchReleases,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.WatchReleasesRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.StreamReleasePart.SerializeToString,
+            ),
+            'GetStreamRelease': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetStreamRelease,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.GetStreamReleaseRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.StreamReleasePart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -637,6 +764,195 @@ class Clipd(object):
             '/clipd.v1.Clipd/DrawClients',
             clipd_dot_v1_dot_clipd__pb2.DrawClientsRequest.SerializeToString,
             clipd_dot_v1_dot_clipd__pb2.DrawClientsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/CreateStream',
+            clipd_dot_v1_dot_clipd__pb2.CreateStreamRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.BufferedStream.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/GetStream',
+            clipd_dot_v1_dot_clipd__pb2.GetStreamRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.BufferedStream.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/StopStream',
+            clipd_dot_v1_dot_clipd__pb2.StopStreamRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.BufferedStream.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitToStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/SubmitToStream',
+            clipd_dot_v1_dot_clipd__pb2.StreamSubmitRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.StreamSubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStreamClient(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clipd.v1.Clipd/GetStreamClient',
+            clipd_dot_v1_dot_clipd__pb2.GetStreamClientRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.StreamClient.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchReleases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/clipd.v1.Clipd/WatchReleases',
+            clipd_dot_v1_dot_clipd__pb2.WatchReleasesRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.StreamReleasePart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStreamRelease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/clipd.v1.Clipd/GetStreamRelease',
+            clipd_dot_v1_dot_clipd__pb2.GetStreamReleaseRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.StreamReleasePart.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,8 @@ OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 # Methods a submit token may call: the handler checks the token against the aggregation.
 SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", wire.SUBMIT_ONE_METHOD, f"/{SERVICE_NAME}/GetAggregation",
-                        f"/{SERVICE_NAME}/GetPlacement")
+                        f"/{SERVICE_NAME}/GetPlacement", f"/{SERVICE_NAME}/SubmitToStream",
+                        f"/{SERVICE_NAME}/GetStreamClient")
 PENDING_CALLS = 16_384  # calls gRPC core holds for the server's loop before it drops any (server_options)
 OTHER_STREAMS = 16  # Health/Watch and reflection streams at once (beside max_streams Submit streams)
 

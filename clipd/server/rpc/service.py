@@ -29,6 +29,7 @@ from clipd.server.aggregations import Aggregation
 from clipd.server.credentials import SubmitTokens, bearer_token
 from clipd.server.errors import (
     ClipdError,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
 )
@@ -36,12 +37,14 @@ from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import Lifecycle
 from clipd.server.logs import event
 from clipd.server.rpc import codec
+from clipd.server.rpc import streams as stream_rpcs
 from clipd.server.rpc.auth import Authenticator, check_id
 from clipd.server.rpc.limits import Admission, StreamSlots
 from clipd.server.rpc.resume import ParkedBatches
 from clipd.server.rpc.submit import SubmitSession, stream_owner, submit_one
 from clipd.server.sampling import MAX_CANDIDATES
 from clipd.server.settings import Settings
+from clipd.server.streams import Streams, iter_releases
 from clipd.server.summing.memory import ByteBudget
 from clipd.v1 import clipd_pb2 as pb
 from clipd.v1 import clipd_pb2_grpc as pb_grpc
@@ -49,6 +52,7 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 CHUNK_OVERHEAD = 1024  # bytes of a FinalizeResponse besides the tensor data
 RECEIVE_BUFFERS = 2  # updates of a large model whose receive buffers are prepared as its aggregation opens
+WATCHERS = 16  # WatchReleases streams at once (each holds a server thread while it waits for releases)
 
 
 def _status_on_error(method):
@@ -81,6 +85,8 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.payload_bytes = 0  # tensor bytes of the batches that Submit streams delivered to this process
         self._lock = threading.Lock()
         self.parked = ParkedBatches(settings.stream_idle_timeout)  # broken streams' batches, for a resume
+        self.streams: Streams | None = None  # the buffered streams, where this process runs them (ClipdServer)
+        self.watch_slots = StreamSlots(WATCHERS, "WatchReleases stream")
 
     def _memory_left(self) -> int:
         """The buffer for updates in flight in this process: its share of the memory budget, less the sums of
@@ -223,6 +229,78 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         aggregation, release, rate, drawn = self.lifecycle.draw_clients(request.aggregation_id, candidates)
         return pb.DrawClientsResponse(aggregation_id=aggregation.id, ledger_id=aggregation.privacy.ledger_id,
                                       release=release, sampling_rate=rate, drawn_client_ids=drawn)
+
+    # Buffered streams (server.streams; rpc/streams.py) -------------------------------------------------
+    @property
+    def _streams(self):
+        if self.streams is None:
+            raise FailedPrecondition("this server runs no buffered streams (not with --processes or --ray yet)")
+        return self.streams
+
+    def _described(self, stream) -> pb.BufferedStream:
+        ledger = self.lifecycle.ledgers.describe(stream.privacy.ledger_id)
+        return stream_rpcs.describe(stream, ledger["epsilon"] if ledger is not None else 0.0)
+
+    @_status_on_error
+    def CreateStream(self, request: pb.CreateStreamRequest, context) -> pb.BufferedStream:
+        return self._described(stream_rpcs.create(self._streams, request))
+
+    @_status_on_error
+    def GetStream(self, request: pb.GetStreamRequest, context) -> pb.BufferedStream:
+        return self._described(self._streams.get(request.stream_id))
+
+    @_status_on_error
+    def StopStream(self, request: pb.StopStreamRequest, context) -> pb.BufferedStream:
+        stream = self._streams.get(request.stream_id)
+        stream.stop("stopped by its caller (StopStream)")
+        return self._described(stream)
+
+    @_status_on_error
+    def SubmitToStream(self, request: pb.StreamSubmitRequest, context) -> pb.StreamSubmitResponse:
+        return stream_rpcs.submit(self, self._streams, request, bearer_token(context.invocation_metadata()),
+                                  self.auth.certified_client(context), context)
+
+    @_status_on_error
+    def GetStreamClient(self, request: pb.GetStreamClientRequest, context) -> pb.StreamClient:
+        """One client's standing in a stream: any client's for the admin, its own for a credential that may submit
+        to the stream (the id it submits under)."""
+        stream = self._streams.get(request.stream_id)
+        token = bearer_token(context.invocation_metadata())
+        client = request.client_id
+        if not self.auth.is_admin(token):
+            filling = stream.buffer()
+            self.auth.authorize(token, filling.id, "read")
+            client = self.auth.client_identity(token, self.auth.certified_client(context), filling, client)
+        return stream_rpcs.client_state(stream, client)
+
+    def GetStreamRelease(self, request: pb.GetStreamReleaseRequest, context):
+        try:
+            if isinstance(request, codec.Malformed):
+                raise InvalidArgument(f"malformed GetStreamRelease request: {request.reason}")
+            limit = stream_rpcs.chunk_limit(self, request.max_chunk_bytes)
+            aggregation = self._streams.get(request.stream_id).release(request.version)
+        except ClipdError as e:
+            self.refuse(context, e, "GetStreamRelease")
+        yield from stream_rpcs.release_parts(aggregation, limit)
+
+    def WatchReleases(self, request: pb.WatchReleasesRequest, context):
+        """Each release after ``after_version`` as it is made, on one of ``WATCHERS`` slots, until the stream stops
+        or the caller goes."""
+        try:
+            if isinstance(request, codec.Malformed):
+                raise InvalidArgument(f"malformed WatchReleases request: {request.reason}")
+            limit = stream_rpcs.chunk_limit(self, request.max_chunk_bytes)
+            stream = self._streams.get(request.stream_id)
+            self.watch_slots.acquire()
+        except ClipdError as e:
+            self.refuse(context, e, "WatchReleases")
+        try:
+            for aggregation in iter_releases(stream, request.after_version, context.is_active):
+                yield from stream_rpcs.release_parts(aggregation, limit)
+        except ClipdError as e:  # a kept release gone meanwhile (keep_versions passed while the caller read)
+            self.refuse(context, e, "WatchReleases")
+        finally:
+            self.watch_slots.release()
 
     @_status_on_error
     def GetLedger(self, request: pb.GetLedgerRequest, context) -> pb.Ledger:

@@ -53,6 +53,18 @@ class LedgerRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamRecord:
+    """A buffered stream (``server.streams``): its spec (JSON, opaque to the store), when it was made, and whether it
+    takes contributions (``open``) or stopped (``stopped``, with the reason). Its buffers are aggregations."""
+
+    stream_id: str
+    spec: str
+    created: float = 0.0
+    state: str = "open"
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class LedgerEntry:
     """One accounted event of a ledger: a release, or a debug aggregation's non-private event."""
 
@@ -214,6 +226,19 @@ class Store(abc.ABC):
     def load_release(self, aggregation_id: str) -> bytes | None:
         """The committed release of an aggregation, or None."""
 
+    # Buffered streams ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def create_stream(self, record: StreamRecord) -> bool:
+        """Adds a buffered stream, durably; False (and nothing changes) if its id exists."""
+
+    @abc.abstractmethod
+    def streams(self) -> list[StreamRecord]:
+        """Every buffered stream, oldest first."""
+
+    @abc.abstractmethod
+    def set_stream_state(self, stream_id: str, state: str, reason: str = "") -> None:
+        """Moves a stream to ``state`` (``open`` or ``stopped``), durably (``KeyError`` if it does not exist)."""
+
     def close(self) -> None:  # noqa: B027 (a store with nothing to release keeps this)
         """Releases files and connections."""
 
@@ -234,6 +259,7 @@ class MemoryStore(Store):
         self._audits: dict[str, AuditRecord] = {}
         self._releases: dict[str, bytes] = {}
         self._epochs: dict[tuple[str, int], int] = {}
+        self._buffered: dict[str, StreamRecord] = {}
         self._key = secrets.token_bytes(32)
 
     def create(self, record: AggregationRecord, *, ledger_entry: tuple[str, LedgerEntry] | None = None) -> bool:
@@ -335,6 +361,20 @@ class MemoryStore(Store):
         with self._lock:
             return self._releases.get(aggregation_id)
 
+    def create_stream(self, record: StreamRecord) -> bool:
+        with self._lock:
+            if record.stream_id in self._buffered:
+                return False
+            self._buffered[record.stream_id] = record
+            return True
+
+    def streams(self) -> list[StreamRecord]:
+        with self._lock:
+            return sorted(self._buffered.values(), key=lambda r: r.created)
+
+    def set_stream_state(self, stream_id: str, state: str, reason: str = "") -> None:
+        with self._lock:
+            self._buffered[stream_id] = dataclasses.replace(self._buffered[stream_id], state=state, reason=reason)
     def ledger_audit(self, ledger_id: str) -> bytes | None:
         with self._lock:
             stored = self._audits.get(ledger_id)

@@ -31,10 +31,10 @@ import secrets
 import psycopg
 from psycopg import errors as pg_errors
 
-from clipd.server.stores.sql import SQLStore, Tx, audit_tables, ledger_tables, stream_tables
+from clipd.server.stores.sql import SQLStore, Tx, audit_tables, buffered_stream_tables, ledger_tables, stream_tables
 
-SCHEMA_VERSION = 4  # clipd_schema.version; no table is an empty database; 1 had no shards, 2 no noise streams, 3 no
-# audits
+SCHEMA_VERSION = 5  # clipd_schema.version; no table is an empty database; 1 had no shards, 2 no noise streams, 3 no
+# audits, 4 no buffered streams
 _SCHEMA_LOCK = 0x636C6970  # pg_advisory_xact_lock key: one process creates the schema at a time
 
 _SCHEMA = (
@@ -87,7 +87,8 @@ class PostgresStore(SQLStore):
     log = logging.getLogger(__name__)
     SCHEMA_VERSION = SCHEMA_VERSION
     MIGRATIONS = (_SCHEMA, _SCHEMA_V2, stream_tables(text="text", integer="bigint", blob="bytea"),
-                  audit_tables(text="text", integer="bigint", blob="bytea"))
+                  audit_tables(text="text", integer="bigint", blob="bytea"),
+                  buffered_stream_tables(text="text", real="double precision"))
     PLACEHOLDER = "%s"
     FOR_UPDATE, FOR_SHARE = " FOR UPDATE", " FOR SHARE"
     UNIQUE_VIOLATION = (pg_errors.UniqueViolation,)

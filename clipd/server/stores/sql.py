@@ -38,6 +38,7 @@ from clipd.server.stores.base import (
     LedgerRecord,
     NoiseStream,
     Store,
+    StreamRecord,
     check_state,
 )
 
@@ -109,6 +110,22 @@ _AUDIT_TABLES = (
 def audit_tables(*, text: str, integer: str, blob: str) -> tuple[str, ...]:
     """``CREATE TABLE`` of the ledgers' canary audits (both dialects)."""
     return tuple(statement.format(text=text, integer=integer, blob=blob) for statement in _AUDIT_TABLES)
+
+
+_BUFFERED_STREAM_TABLES = (
+    """CREATE TABLE buffered_streams (  -- a buffered stream's spec and state (its buffers are aggregations)
+        id {text} PRIMARY KEY,
+        spec {text} NOT NULL,
+        created {real} NOT NULL,
+        state {text} NOT NULL,
+        reason {text} NOT NULL
+    )""",
+)
+
+
+def buffered_stream_tables(*, text: str, real: str) -> tuple[str, ...]:
+    """``CREATE TABLE`` of the buffered streams (both dialects)."""
+    return tuple(statement.format(text=text, real=real) for statement in _BUFFERED_STREAM_TABLES)
 
 
 _UPSERT_AUDIT = ("INSERT INTO ledger_audits (ledger, nbytes, crc32, state, closed) VALUES (?, ?, ?, ?, ?)"
@@ -397,6 +414,23 @@ class SQLStore(Store):
                        " ON CONFLICT (id) DO NOTHING", (record.ledger_id, record.config, record.created))
             return LedgerRecord(*tx.row("SELECT id, config, created FROM ledgers WHERE id = ?",
                                         (record.ledger_id,)))
+
+    def create_stream(self, record: StreamRecord) -> bool:
+        with self._transaction() as tx:
+            cursor = tx.execute("INSERT INTO buffered_streams (id, spec, created, state, reason) VALUES (?, ?, ?, ?, ?)"
+                                " ON CONFLICT (id) DO NOTHING", (record.stream_id, record.spec, record.created,
+                                                                 record.state, record.reason))
+            return cursor.rowcount == 1
+
+    def streams(self) -> list[StreamRecord]:
+        return [StreamRecord(*row) for row in self._query(
+            "SELECT id, spec, created, state, reason FROM buffered_streams ORDER BY created, id")]
+
+    def set_stream_state(self, stream_id: str, state: str, reason: str = "") -> None:
+        with self._transaction() as tx:
+            if tx.execute("UPDATE buffered_streams SET state = ?, reason = ? WHERE id = ?",
+                          (state, reason, stream_id)).rowcount != 1:
+                raise KeyError(stream_id)
 
     def ledgers(self) -> list[LedgerRecord]:
         return [LedgerRecord(*row) for row in self._query(

@@ -52,10 +52,19 @@ from collections.abc import Iterator, Sequence
 from clipd.engine import CorruptStateError, PartialState
 from clipd.server.credentials import load_key
 from clipd.server.stores.base import AuditRecord, FencedOut, LedgerEntry, NoiseStream
-from clipd.server.stores.sql import NEXT_GENERATION, SQLStore, Tx, audit_tables, checked, ledger_tables, stream_tables
+from clipd.server.stores.sql import (
+    NEXT_GENERATION,
+    SQLStore,
+    Tx,
+    audit_tables,
+    buffered_stream_tables,
+    checked,
+    ledger_tables,
+    stream_tables,
+)
 
-SCHEMA_VERSION = 5  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards; 3 no noise
-# streams; 4 no audits
+SCHEMA_VERSION = 6  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards; 3 no noise
+# streams; 4 no audits; 5 no buffered streams
 DB_NAME = "clipd.sqlite3"
 RELEASE_FILE = "release"
 STATES_DIR = "states"
@@ -118,7 +127,8 @@ class SQLiteStore(SQLStore):
     log = logging.getLogger(__name__)
     SCHEMA_VERSION = SCHEMA_VERSION
     MIGRATIONS = (_SCHEMA, _SCHEMA_V2, _SCHEMA_V3, stream_tables(text="TEXT", integer="INTEGER", blob="BLOB"),
-                  audit_tables(text="TEXT", integer="INTEGER", blob="BLOB"))
+                  audit_tables(text="TEXT", integer="INTEGER", blob="BLOB"), buffered_stream_tables(text="TEXT",
+                                                                                                     real="REAL"))
     PLACE = "data dir"
     LEDGER_ORDER = "created"
     CHECKPOINT_PAYLOAD = "file"  # the blob is in states/<key>/<file>
