@@ -19,7 +19,9 @@ ledger). This module decides which buffer a contribution goes into, with what we
   is summed (``Lifecycle.finalize``), in version order, by the stream's release thread; with ``max_wait`` a
   buffer that has waited that long with at least ``min_size`` contributions is released as it is;
 - after a restart a stream goes on from its buffers as the store has them: a buffer whose checkpoint holds K
-  contributions is released (once: its release commits with its ledger entry), the others fill on.
+  contributions is released (once: its release commits with its ledger entry), and so is a shorter one that a
+  later buffer holding contributions follows (what was taken but not durable is gone, and the clients in the
+  later one may not be able to fill it); the others fill on.
 
 Each buffer's contribution carries the version it was trained from as its writer id (``v<version>``), kept in
 the buffer's checkpoints, so a release states its contributions' staleness whatever happened in between.
@@ -163,8 +165,13 @@ class BufferedStream:
                     for client in aggregation.totals.clients:
                         self._pending[client_of(client)].add(version)
             self.filling = self.version + 1
-            for version in sorted(self._buffers):  # a buffer that filled before a restart is released first
-                if version == self.filling and self._count(self._buffers[version]) >= self.policy.size:
+            # A buffer that filled before a restart is released first; so is one that is short (contributions
+            # taken but not yet durable when the server died) while a later one holds contributions: the clients
+            # in that later one may not be able to fill it (their limits), and nothing acknowledged is lost.
+            versions = sorted(v for v in self._buffers if v >= self.filling)
+            for k, version in enumerate(versions):
+                later = any(self._count(self._buffers[v]) for v in versions[k + 1:])
+                if version == self.filling and (self._count(self._buffers[version]) >= self.policy.size or later):
                     self._to_release.append(version)
                     self.filling += 1
             for version, aggregation in self._buffers.items():
