@@ -101,8 +101,12 @@ class StreamCalls:
                       stream_id: str | None = None, dtype: str = "float32") -> str:
         """Makes a buffered stream (admin) and returns its id; making it again with the same spec is a no-op.
         ``privacy`` must limit participation (``max_participations``, ``min_separation``): asynchronous clients
-        are not sampled. Its buffers count clients (``unit="client"``), whose ids come from credentials."""
+        are not sampled. With ``release_mean`` each version is the mean over ``buffer.size`` (the public
+        denominator, unless the policy gives another). Its buffers count clients (``unit="client"``), whose ids
+        come from credentials."""
         specs = self._specs(layers, dtype)
+        if privacy.release_mean and not privacy.public_denominator:  # FedBuff's mean over the buffer: K, public
+            privacy = dataclasses.replace(privacy, public_denominator=float(buffer.size))
         request = pb.CreateStreamRequest(
             stream_id=stream_id or "", layers=wire.layer_specs(specs), buffer=buffer.to_proto(),
             policy=wire.clip_policy(policy, non_finite, l2_norm_clip=l2_norm_clip, layer_clips=list(layer_clips)),

@@ -483,8 +483,6 @@ class Streams:
         for a stream the server can't run."""
         check_stream_privacy(privacy)
         assert privacy is not None
-        if privacy.release_mean and not privacy.public_denominator:  # FedBuff's mean over the buffer: K, public
-            privacy = dataclasses.replace(privacy, public_denominator=float(buffer.size))
         template = AggregationSpec(tuple(layers), policy, reject, privacy, 1, Unit.CLIENT, stream=stream_id or "?")
         stream_id = stream_id or f"stream-{uuid.uuid4().hex[:16]}"
         spec = StreamSpec(dataclasses.replace(template, stream=stream_id), buffer)

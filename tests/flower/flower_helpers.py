@@ -88,14 +88,15 @@ class FixedGrid:
 
 
 # Flower's simulation runtime, without Ray --------------------------------------------------------------
-def install_in_process_backend() -> None:
+def install_in_process_backend(workers: int = 1) -> None:
     """Lets ``flwr.simulation.run_simulation`` run ClientApps in this process instead of Ray actors.
 
     Everything else is flwr's own simulation runtime: the in-memory LinkState and InMemoryGrid, the
     ServerApp thread, the node contexts and message routing of the Simulation Engine. Only the backend
     that executes a ClientApp (flwr's RayBackend, which ``start_vce`` imports by name) is replaced by
-    one that calls ``client_app(message, context)`` here, one message at a time; ``run_simulation``
-    must then be called with a backend name other than "ray" (its check for the ray package).
+    one that calls ``client_app(message, context)`` here, ``workers`` messages at a time (the Simulation
+    Engine's worker threads); ``run_simulation`` must then be called with a backend name other than "ray" (its
+    check for the ray package).
     """
     from flwr.server.superlink.fleet.vce.backend.backend import Backend
 
@@ -108,7 +109,7 @@ def install_in_process_backend() -> None:
 
         @property
         def num_workers(self) -> int:
-            return 1
+            return workers
 
         def is_worker_idle(self) -> bool:
             return True
