@@ -160,7 +160,7 @@ class TestPostgresStore(DurableStoreContract):
         finally:
             store.close()
         with psycopg.connect(dsn) as conn:
-            assert conn.execute("SELECT version FROM clipd_schema").fetchall() == [(SCHEMA_VERSION,)] == [(4,)]
+            assert conn.execute("SELECT version FROM clipd_schema").fetchall() == [(SCHEMA_VERSION,)] == [(5,)]
 
     def test_processes_sharing_a_database_share_the_submit_token_key(self):
         dsn = self.cluster.new_database()
