@@ -15,6 +15,7 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from clipd.client import Buffer, Client, ClipdError, FailedPreconditionError, InvalidArgumentError, Privacy
+from clipd.server import streams as streams_module
 from clipd.server.app import create_server
 from clipd.server.settings import Settings
 
@@ -138,10 +139,13 @@ def test_stale_future_and_bad_contributions_are_refused_and_move_nothing(admin):
     assert admin.stream(sid).filling == 0 and admin.stream_client(sid, "late").contributions == 0
 
 
-def test_participation_limits_hold_across_buffers(admin):
+@pytest.mark.parametrize("in_memory", [1 << 20, 1])
+def test_participation_limits_hold_across_buffers(admin, monkeypatch, in_memory):
     """k = 2, b = 3, K = 1: alice, in version 1, is refused while version 4 is beyond the next buffer (b), goes
     into version 4 once it is the next buffer (not refused: taken ahead), and is refused from then on (k); the
-    ledger's epsilon is dp_accounting's for min(k, ceil(n / b)) Gaussians."""
+    ledger's epsilon is dp_accounting's for min(k, ceil(n / b)) Gaussians. The same when the stream keeps one
+    client's versions in memory (the others' from the store)."""
+    monkeypatch.setattr(streams_module, "PARTICIPANTS_IN_MEMORY", in_memory)
     sid = admin.create_stream({"w": (WIDTH,)}, l2_norm_clip=CLIP, privacy=(p := privacy(z=2.0, k=2, b=3)),
                               buffer=Buffer(size=1))
     assert admin.submit_to_stream(sid, {"w": update(0, 1)}, trained_from=0, client_id="alice").version == 1

@@ -294,20 +294,27 @@ class Ledgers:
                                          f" ledger {policy.ledger_id!r}): the server draws each release's clients"
                                          f" (Poisson, rate {policy.sampling.rate:g}); DrawClients says which are")
             return
-        limits = participation_limits(policy)
-        if limits is None:
+        if participation_limits(policy) is None:
             return
         client = client_of(client_id)
         taken = sorted({*self.store.participations(policy.ledger_id, client), *pending})
-        if not taken:
-            return
-        if release is None:
+        if taken and release is None:
             with self._locked(policy.ledger_id):
                 release = len(self.events(policy.ledger_id))
+        self.check_taken(policy, client, taken, release if release is not None else 0)
+
+    def check_taken(self, policy: dp.PrivacyPolicy, client: str, taken: Sequence[int], release: int) -> None:
+        """Refuses (FAILED_PRECONDITION) ``client``, whose releases so far are ``taken`` (0-based, ascending), in
+        release ``release`` of a ledger with participation limits (its own or its correlated stream's): past its
+        k, or within b of its last. What :meth:`check_participation` decides once it knows them (a buffered
+        stream, whose ledger is its own, knows them without asking the store)."""
+        limits = participation_limits(policy)
+        if limits is None or not taken:
+            return
         whose = "its stream" if policy.correlated is not None else "it"
         if len(taken) >= limits.max_participations:
             reason = (f"client {client!r} took part in {len(taken)} releases of ledger {policy.ledger_id!r} (releases"
-                      f" {taken}); {whose} allows at most {limits.max_participations} (max_participations)")
+                      f" {list(taken)}); {whose} allows at most {limits.max_participations} (max_participations)")
         elif release - taken[-1] < limits.min_separation:
             reason = (f"client {client!r} took part in release {taken[-1]} of ledger {policy.ledger_id!r}; this is"
                       f" release {release} and {whose} needs {limits.min_separation} between two"

@@ -51,6 +51,7 @@ from clipd.server.stores.base import StreamRecord
 log = logging.getLogger(__name__)
 OPEN, STOPPED = "open", "stopped"
 WAIT_FOR_BUFFER = 30.0  # seconds a contribution waits for the next buffer to open (it opens as the last fills)
+PARTICIPANTS_IN_MEMORY = 1 << 20  # clients whose released versions a stream keeps in memory (about 200 bytes each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,56 @@ class Slot:
     duplicate: bool = False
 
 
+class Participants:
+    """The released versions each client of a stream took part in, kept in memory (a stream's ledger is its own:
+    only its releases add to it). Every client while they number at most ``limit`` (``complete``: one not here
+    took part in none); past that the ``limit`` most recently seen, and a client not here is the store's to say.
+    Not thread-safe (the stream's lock guards it).
+
+    >>> p = Participants(limit=2, known={"a": [1]})
+    >>> p.get("a"), p.get("b")
+    ([1], [])
+    >>> p.released(2, ["b", "c"]); p.get("c"), p.complete, p.get("a")
+    ([2], False, None)
+    """
+
+    def __init__(self, limit: int, known: dict[str, list[int]] | None = None) -> None:
+        self.limit = limit
+        self._versions: collections.OrderedDict[str, list[int]] = collections.OrderedDict(
+            (client, sorted(versions)) for client, versions in (known or {}).items())
+        self.complete = len(self._versions) <= limit
+        self._trim()
+        self.changes = 0  # releases recorded: a read of the store older than one is not kept
+
+    def get(self, client: str) -> list[int] | None:
+        """The client's released versions, or None when only the store knows them."""
+        versions = self._versions.get(client)
+        if versions is not None:
+            self._versions.move_to_end(client)
+            return list(versions)
+        return [] if self.complete else None
+
+    def put(self, client: str, versions: list[int], as_of: int) -> None:
+        """What the store says of ``client``, read when ``changes`` was ``as_of`` (kept if nothing changed since)."""
+        if as_of == self.changes:
+            self._versions[client] = sorted(versions)
+            self._trim()
+
+    def released(self, version: int, clients) -> None:
+        """``version`` was released with ``clients`` in it."""
+        self.changes += 1
+        for client in clients:
+            known = self.get(client)
+            if known is not None:
+                self._versions[client] = [*known, version]
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._versions) > self.limit:
+            self._versions.popitem(last=False)
+            self.complete = False
+
+
 class BufferedStream:
     """One stream: which buffer fills, who is in which, and its releases (see the module). Thread-safe."""
 
@@ -136,6 +187,7 @@ class BufferedStream:
         self._pending: dict[str, set[int]] = collections.defaultdict(set)  # client -> versions of its contributions
         # in buffers not released yet
         self._claims: set[str] = set()  # clients whose contribution is being taken now
+        self._participants = Participants(PARTICIPANTS_IN_MEMORY)  # (from the ledger, at start)
         self._to_release: collections.deque[int] = collections.deque()
         self._released_at: collections.deque[float] = collections.deque(maxlen=10)
         self._stopping = False  # the server stops: the release thread ends
@@ -155,7 +207,10 @@ class BufferedStream:
     def start(self, recovered: list[Aggregation]) -> None:
         """Goes on from its buffers as they are (``recovered``: its aggregations, any state), opens the next ones
         and starts its release thread."""
+        known = self.lifecycle.store.ledger_participants(self.privacy.ledger_id)
         with self.cond:
+            self._participants = Participants(PARTICIPANTS_IN_MEMORY,
+                                              {c: [p + 1 for p in positions] for c, positions in known.items()})
             for aggregation in sorted(recovered, key=lambda a: a.spec.version):
                 version = aggregation.spec.version
                 if aggregation.state is State.FINALIZED:
@@ -226,12 +281,18 @@ class BufferedStream:
 
     def _versions(self, client: str) -> tuple[list[int], set[int]]:
         """The versions a client's contributions count in, ascending (released ones, as the ledger records each
-        release's participants, and ones in buffers not released yet), and which of them are not released.
-        Read in this order, a release committed in between is counted once."""
+        release's participants, and ones in buffers not released yet), and which of them are not released."""
         with self.cond:
             pending = set(self._pending.get(client, ()))
-        released = {p + 1 for p in self.lifecycle.ledgers.store.participations(self.privacy.ledger_id, client)}
-        return sorted(released | pending), pending - released
+            released = self._participants.get(client)
+            as_of = self._participants.changes
+        if released is None:  # (a stream of more clients than it keeps in memory)
+            released = [p + 1 for p in self.lifecycle.store.participations(self.privacy.ledger_id, client)]
+            with self.cond:
+                self._participants.put(client, released, as_of)
+                if self._participants.changes != as_of:  # a release meanwhile: read again
+                    return self._versions(client)
+        return sorted(set(released) | pending), pending - set(released)
 
     def _take(self, client: str, sequence: int, trained_from: int) -> Slot:
         versions, pending = self._versions(client)
@@ -255,8 +316,8 @@ class BufferedStream:
                                           f" {self.version} (a contribution trains from a released version, or 0:"
                                           " the initial model)")
                 if len(versions) >= limits.max_participations:  # never again (the ledger's words)
-                    self.lifecycle.ledgers.check_participation(self.privacy, client, release=self.filling - 1,
-                                                               pending=[v - 1 for v in pending])
+                    self.lifecycle.ledgers.check_taken(self.privacy, client, [v - 1 for v in versions],
+                                                       self.filling - 1)
                 # The earliest buffer the client's limits allow: the one filling, or the next (open already).
                 version = max(self.filling, versions[-1] + limits.min_separation) if versions else self.filling
                 if version > self.filling + 1:
@@ -281,8 +342,7 @@ class BufferedStream:
                                          f" stale in stream {self.id}, past its max_staleness"
                                          f" {self.policy.max_staleness}: train from the newest version,"
                                          f" {self.version}")
-            self.lifecycle.ledgers.check_participation(self.privacy, client, release=version - 1,
-                                                       pending=[v - 1 for v in pending])
+            self.lifecycle.ledgers.check_taken(self.privacy, client, [v - 1 for v in versions], version - 1)
             aggregation = self._buffers[version]
             self._taken[version] += 1
             self._in_flight[version] += 1
@@ -384,10 +444,12 @@ class BufferedStream:
         with self.cond:
             self.version = version
             self._buffers.pop(version, None)
-            for client in [c for c, versions in self._pending.items() if version in versions]:
+            participants = [c for c, versions in self._pending.items() if version in versions]
+            for client in participants:
                 self._pending[client].discard(version)
                 if not self._pending[client]:
                     del self._pending[client]
+            self._participants.released(version, participants)
             self._released_at.append(time.monotonic())
             self.cond.notify_all()
         event(log, "stream.released", stream=self.id, version=version)

@@ -223,6 +223,10 @@ class Store(abc.ABC):
         """The ledger positions of the releases ``client`` took part in, in order."""
 
     @abc.abstractmethod
+    def ledger_participants(self, ledger_id: str) -> dict[str, list[int]]:
+        """Every client of the ledger's releases, with the positions of those it took part in, in order."""
+
+    @abc.abstractmethod
     def load_release(self, aggregation_id: str) -> bytes | None:
         """The committed release of an aggregation, or None."""
 
@@ -398,4 +402,9 @@ class MemoryStore(Store):
     def participations(self, ledger_id: str, client: str) -> list[int]:
         with self._lock:
             return list(self._participations.get((ledger_id, client), []))
+
+    def ledger_participants(self, ledger_id: str) -> dict[str, list[int]]:
+        with self._lock:
+            return {client: list(positions) for (ledger, client), positions in self._participations.items()
+                    if ledger == ledger_id}
 

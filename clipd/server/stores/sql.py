@@ -516,6 +516,13 @@ class SQLStore(Store):
             "SELECT position FROM ledger_participations WHERE ledger = ? AND client = ? ORDER BY position",
             (ledger_id, client))]
 
+    def ledger_participants(self, ledger_id: str) -> dict[str, list[int]]:
+        participants: dict[str, list[int]] = {}
+        for client, position in self._query(
+                "SELECT client, position FROM ledger_participations WHERE ledger = ? ORDER BY position", (ledger_id,)):
+            participants.setdefault(client, []).append(position)
+        return participants
+
     def load_release(self, aggregation_id: str) -> bytes | None:
         with self._files_lock:
             rows = self._query(f"SELECT aggregation, {', '.join(self.RELEASE_COLUMNS)} FROM releases"
