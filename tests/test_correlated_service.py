@@ -260,3 +260,50 @@ def test_target_epsilon_calibrates_z_for_the_whole_stream_as_one_event(client):
         2.0, 1e-5)
     assert release.noise_multiplier == pytest.approx(expected, rel=1e-6)
     assert _pld_epsilon(release.noise_multiplier) == pytest.approx(2.0, abs=1e-3)
+
+
+def test_a_buffered_stream_releases_the_noise_stream_in_version_order_and_ends_with_it(client, oracle):
+    """A buffered stream of K=2 on the BLT ledger (b=2, k=3, N=6): version V is the ledger's release V-1, its
+    noise row t=V-1 of sigma C^-1 Z; a client back too soon goes into the buffer its b allows (not refused);
+    once version 6 is out the stream has stopped (its noise stream's planned releases) and refuses more, and
+    the ledger's epsilon is dp_accounting's for one Gaussian of z. Correlated noise with declared
+    participation is refused (a stream enforces it)."""
+    from clipd.client import Buffer
+
+    ledger, rng = f"blt-{uuid.uuid4().hex[:8]}", np.random.default_rng(7)
+    sigma = Z * 1.0 * oracle["sens"]
+    sid = client.create_stream(LAYERS, l2_norm_clip=1.0, privacy=_privacy(ledger),
+                               buffer=Buffer(size=2, staleness_exponent=0.0, max_staleness=N))
+    # a back while version 2 fills goes into version 3 (b=2); a fourth of a's is refused (k=3).
+    schedule = [("a", 1), ("b", 1), ("a", 3), ("c", 2), ("d", 2), ("b", 3), ("c", 4), ("d", 4), ("a", 5),
+                ("a", None), ("b", 5), ("c", 6), ("d", 6)]
+    exact = np.zeros((N + 1, PARAMETERS))
+    sequence = dict.fromkeys("abcd", 0)
+    for name, version in schedule:
+        example = {"w": rng.uniform(-0.2, 0.2, 4).astype(np.float32), "b": rng.uniform(-0.2, 0.2, 3).astype(np.float32)}
+        sequence[name] += 1
+        if version is None:
+            with pytest.raises(FailedPreconditionError, match="took part in 3 releases .* its stream allows at most 3"):
+                client.submit_to_stream(sid, example, trained_from=0, client_id=name, sequence=sequence[name])
+            continue
+        ack = client.submit_to_stream(sid, example, trained_from=0, client_id=name, sequence=sequence[name])
+        assert (ack.version, ack.weight) == (version, 1.0)
+        exact[version] += np.concatenate([example["w"], example["b"]]).astype(np.float64)
+    for update in client.watch_releases(sid, after=0, timeout=60):
+        t = update.version - 1
+        released = np.concatenate([update.sums["w"], update.sums["b"]]).astype(np.float64)
+        np.testing.assert_allclose(released - exact[update.version], sigma * oracle["rows"][t], rtol=1e-5, atol=2e-6)
+        assert (update.release.mechanism, update.release.stream_release) == ("blt", t)
+        assert update.release.ledger_epsilon == pytest.approx(_pld_epsilon(Z * oracle["sens"] / oracle["prefix"][t]),
+                                                              rel=1e-6)
+        if update.version == N:
+            break
+    view = client.stream(sid)
+    assert view.version == N and view.state == "stopped" and "planned releases" in view.reason
+    with pytest.raises(FailedPreconditionError, match="stopped"):
+        client.submit_to_stream(sid, {"w": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}, trained_from=N,
+                                client_id="c", sequence=4)
+    assert client.ledger(ledger).stream_made == N
+    with pytest.raises(InvalidArgumentError, match="declared participation"):
+        client.create_stream(LAYERS, privacy=_privacy(f"blt-{uuid.uuid4().hex[:8]}", declared_participation=True),
+                             buffer=Buffer(size=2))

@@ -168,6 +168,29 @@ def test_participation_limits_hold_across_buffers(admin, monkeypatch, in_memory)
     assert len(ledger.entries) == 4 and ledger.epsilon == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
 
 
+def test_the_budget_ends_a_stream_after_the_last_version_it_allows(admin):
+    """z = 2, K = 1, a budget between dp_accounting's epsilon for 2 and for 3 Gaussians (k = 100, b = 1): the
+    ledger refuses version 3, version 2 still fills and is released, then the stream stops; a contribution for
+    version 3 is refused saying why, and the ledger holds 2 entries."""
+    def epsilon(n):
+        accountant = rdp_privacy_accountant.RdpAccountant()
+        accountant.compose(dpe.GaussianDpEvent(2.0), n)
+        return accountant.get_epsilon(1e-5)
+
+    budget = (epsilon(2) + epsilon(3)) / 2
+    sid = admin.create_stream({"w": (WIDTH,)}, l2_norm_clip=CLIP, privacy=(p := privacy(z=2.0, max_epsilon=budget)),
+                              buffer=Buffer(size=1))
+    assert admin.submit_to_stream(sid, {"w": update(0, 1)}, trained_from=0, client_id="c0").version == 1
+    assert admin.submit_to_stream(sid, {"w": update(1, 1)}, trained_from=0, client_id="c1").version == 2
+    with pytest.raises(FailedPreconditionError, match="(ends with version 2|version 2 was its last).*privacy budget"):
+        admin.submit_to_stream(sid, {"w": update(2, 1)}, trained_from=0, client_id="c2")
+    assert released(admin, sid, 2).version == 2
+    view = admin.stream(sid)
+    assert (view.version, view.state) == (2, "stopped") and "version 2 was its last" in view.reason
+    ledger = admin.ledger(p.ledger_id)
+    assert len(ledger.entries) == 2 and ledger.epsilon == pytest.approx(epsilon(2), rel=1e-9)
+
+
 def test_twenty_clients_as_fast_as_they_can_are_each_counted_exactly_once(server, admin):
     """20 clients, 25 contributions each, K = 10 (a buffer that has waited 0.5 s is released as it is), z = 0:
     every acknowledged contribution is in exactly one release (each release equals the sum of the contributions
@@ -202,7 +225,7 @@ def test_twenty_clients_as_fast_as_they_can_are_each_counted_exactly_once(server
 
 
 def test_what_a_stream_cant_be_is_refused_plainly(admin):
-    """No participation limits, a buffer of 0, a negative staleness exponent, correlated noise: INVALID_ARGUMENT;
+    """No participation limits, a buffer of 0, a negative staleness exponent: INVALID_ARGUMENT;
     the same id with another spec: ALREADY_EXISTS."""
     layers = {"w": (WIDTH,)}
     for words, make in [

@@ -373,7 +373,7 @@ class Ledgers:
                     f"ledger {policy.ledger_id!r} {why}, release by release: one aggregation at a time; finalize or"
                     f" cancel {', '.join(open_ids)} first")
             if policy.correlated is not None:
-                planned = self._admit_to_stream(policy, plan, committed, reserved)
+                planned = self._admit_to_stream(policy, plan, committed, reserved, bool(aggregation.spec.stream))
                 create(None)
                 self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event_json)
                 return planned
@@ -439,21 +439,23 @@ class Ledgers:
         return described
 
     def _admit_to_stream(self, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, committed: list[str],
-                         reserved: list[str]) -> float:
-        """A correlated ledger's next aggregation: one open at a time, the stream not spent, its whole plan
-        within the budget; the ledger's epsilon once this release is made."""
+                         reserved: list[str], buffered: bool = False) -> float:
+        """A correlated ledger's next aggregation: one open at a time (a buffered stream's buffers, released in
+        version order, may be open together), the stream not spent by the releases made and reserved, its whole
+        plan within the budget; the ledger's epsilon once this release is made."""
         stream = policy.correlated
         assert stream is not None
-        if reserved:
+        if reserved and not buffered:
             open_ids = [i for i, r in self._reserved[policy.ledger_id].items() if _counts(r.aggregation)]
             raise FailedPrecondition(
                 f"ledger {policy.ledger_id!r} releases one correlated noise stream in order: one aggregation at a"
                 f" time; finalize or cancel {', '.join(open_ids)} first")
-        made = len(committed)
+        made = len(committed) + len(reserved)
         if made >= stream.releases:
             raise FailedPrecondition(
                 f"the noise stream of ledger {policy.ledger_id!r} is spent: {made} of its {stream.releases} planned"
-                f" releases are made (a stream is accounted for its planned releases only; start a new ledger)")
+                f" releases are made{' or open' if reserved else ''} (a stream is accounted for its planned releases"
+                " only; start a new ledger)")
         whole = _epsilon(policy, [plan.event_json])
         if whole > policy.max_epsilon:
             raise FailedPrecondition(

@@ -12,8 +12,11 @@ ledger). This module decides which buffer a contribution goes into, with what we
 - each client numbers its contributions to the stream 1, 2, 3, ...: the n-th is counted once. One the stream
   has (released: the ledger records each release's participants; or in a buffer not released yet) is a
   duplicate, acknowledged with the version it counts in;
-- the participation limits (at most k contributions, at least b versions apart) are the ledger's, checked
-  with the client's contributions in buffers not released yet counted too;
+- the participation limits (at most k contributions, at least b versions apart) are the ledger's (or its
+  correlated noise stream's: version V is the stream's release V - 1, noised by its row), checked with the
+  client's contributions in buffers not released yet counted too;
+- when the ledger refuses a buffer (its budget, its noise stream's planned releases) the buffers before it
+  still fill and release, and the stream stops after the last of them;
 - the buffer being filled takes its K-th contribution and the next one, open already, takes the ones after: a
   contribution is never refused because a buffer is closing. A full buffer is released once everything it took
   is summed (``Lifecycle.finalize``), in version order, by the stream's release thread; with ``max_wait`` a
@@ -45,6 +48,7 @@ from clipd.server.aggregations import Aggregation, AggregationSpec, State
 from clipd.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from clipd.server.lifecycle import Lifecycle
 from clipd.server.logs import event
+from clipd.server.privacy import participation_limits
 from clipd.server.sequences import client_of
 from clipd.server.stores.base import StreamRecord
 
@@ -192,6 +196,8 @@ class BufferedStream:
         self._released_at: collections.deque[float] = collections.deque(maxlen=10)
         self._stopping = False  # the server stops: the release thread ends
         self._thread: threading.Thread | None = None
+        self.last: int | None = None  # the last version its ledger allows (known once the next is refused)
+        self._last_reason = ""
 
     @property
     def policy(self) -> BufferPolicy:
@@ -202,6 +208,13 @@ class BufferedStream:
         privacy = self.spec.aggregation.privacy
         assert privacy is not None  # (a stream has one)
         return privacy
+
+    @property
+    def limits(self) -> dp.Participation:
+        """How often a client may take part: the ledger's limits, or its correlated noise stream's."""
+        limits = participation_limits(self.privacy)
+        assert limits is not None  # (a stream's privacy has them)
+        return limits
 
     # Its buffers ---------------------------------------------------------------------------------------
     def start(self, recovered: list[Aggregation]) -> None:
@@ -245,14 +258,19 @@ class BufferedStream:
         the one before is full)."""
         for version in (self.filling, self.filling + 1):
             with self.cond:
-                if version in self._buffers or self.state != OPEN:
+                if version in self._buffers or self.state != OPEN or (self.last is not None and version > self.last):
                     continue
             try:
                 aggregation = self.lifecycle.create(
                     buffer_id(self.id, version), self.spec.aggregation.layers, self.spec.aggregation.policy,
                     self.spec.aggregation.reject_non_finite, self.spec.aggregation.privacy, Unit.CLIENT,
                     stream=self.id, version=version)
-            except FailedPrecondition as e:  # the ledger refuses the buffer (its budget): the stream stops
+            except FailedPrecondition as e:  # the ledger refuses the buffer (its budget, its noise stream spent)
+                with self.cond:
+                    if self._buffers or self._to_release:  # the ones before still fill and release: then it stops
+                        self.last, self._last_reason = version - 1, f"the ledger refuses version {version}: {e}"
+                        self.cond.notify_all()
+                        return
                 self.stop(f"the ledger refuses version {version}: {e}")
                 return
             with self.cond:
@@ -305,8 +323,7 @@ class BufferedStream:
         if sequence != counted + 1:
             raise FailedPrecondition(f"client {client!r} has {counted} contributions in stream {self.id}: its next is"
                                      f" sequence {counted + 1}, not {sequence}")
-        limits = self.privacy.participation
-        assert limits is not None  # (a stream's privacy has them)
+        limits = self.limits
         deadline = time.monotonic() + WAIT_FOR_BUFFER
         with self.cond:
             while True:
@@ -320,6 +337,9 @@ class BufferedStream:
                                                        self.filling - 1)
                 # The earliest buffer the client's limits allow: the one filling, or the next (open already).
                 version = max(self.filling, versions[-1] + limits.min_separation) if versions else self.filling
+                if self.last is not None and version > self.last:
+                    raise FailedPrecondition(f"stream {self.id} ends with version {self.last}, the last its ledger"
+                                             f" allows ({self._last_reason})")
                 if version > self.filling + 1:
                     self.lifecycle.ledgers.participation_refusals[self.privacy.ledger_id] += 1
                     raise FailedPrecondition(
@@ -416,6 +436,9 @@ class BufferedStream:
             self._release(version)
             with self.cond:
                 self._to_release.popleft()
+                ended = self.last is not None and self.version >= self.last
+            if ended:
+                self.stop(f"version {self.last} was its last: {self._last_reason}")
 
     def _wait_summed(self, version: int) -> None:
         """Until every contribution taken into ``version``'s buffer is in it (or given up)."""
@@ -520,8 +543,7 @@ class BufferedStream:
         versions, _ = self._versions(client)
         with self.cond:
             filling = self.filling
-        limits = self.privacy.participation
-        assert limits is not None  # (a stream's privacy has them)
+        limits = self.limits
         if len(versions) >= limits.max_participations:
             allowed = 0
         else:
@@ -594,14 +616,15 @@ class Streams:
 
 def check_stream_privacy(privacy: dp.PrivacyPolicy | None) -> None:
     """``InvalidArgument`` unless a stream can release under ``privacy``: a policy with participation limits
-    (independent noise; a client's privacy is how often it takes part)."""
+    the server enforces (independent noise, or a correlated noise stream's (k, b); a client's privacy is how often
+    it takes part)."""
     if privacy is None:
         raise InvalidArgument("a buffered stream needs a privacy policy (each release is noised and accounted on"
                               " its ledger)")
-    if privacy.correlated is not None:
-        raise InvalidArgument("a buffered stream with correlated noise (BLT, banded) is not built yet: use"
-                              " independent noise with participation limits")
-    if privacy.participation is None:
+    if privacy.correlated is not None and privacy.correlated.declared:
+        raise InvalidArgument("a buffered stream enforces its clients' participation itself: correlated noise with"
+                              " declared participation is for a trainer's own steps (declared_participation=False)")
+    if participation_limits(privacy) is None:
         raise InvalidArgument("a buffered stream needs participation limits (Privacy(..., max_participations=k,"
                               " min_separation=b)): asynchronous clients are not sampled, and their privacy is how"
                               " often each may take part")
