@@ -16,7 +16,7 @@ import time
 DEFAULT_ADMIN = "http://127.0.0.1:8080"  # the admin API of `clipd serve` on this machine
 AGGREGATION_STATES = ("warming_up", "open", "finalizing", "finalized", "cancelled", "failed")
 
-STATUS_PATHS = ("/readyz", "/api/v1/server", "/api/v1/aggregations", "/api/v1/ledgers")
+STATUS_PATHS = ("/readyz", "/api/v1/server", "/api/v1/aggregations", "/api/v1/ledgers", "/api/v1/streams")
 
 
 class AdminError(Exception):
@@ -77,7 +77,8 @@ def read(base: str, path: str, token: str | None, context, timeout: float) -> di
 
 
 def status_lines(base: str, reads: dict[str, dict], states: list[str] | None) -> list[str]:
-    """The server line, the aggregations' table and the ledgers' table of ``clipd status``."""
+    """The server line, the aggregations' table, the ledgers' table and (if any) the buffered streams' table of
+    ``clipd status``."""
     ready, server = reads["/readyz"], reads["/api/v1/server"]
     listed = reads["/api/v1/aggregations"]
     ledgers = reads["/api/v1/ledgers"].get("ledgers") or []
@@ -160,6 +161,20 @@ def status_lines(base: str, reads: dict[str, dict], states: list[str] | None) ->
                         "STREAM LEFT", "AUDIT"], rows, right=(4, 5, 6, 7))
     else:
         lines.append("no privacy ledgers")
+    streams = (reads.get("/api/v1/streams") or {}).get("streams") or []
+    if streams:
+        lines += ["", f"{len(streams)} buffered stream{'s' * (len(streams) != 1)}"]
+        rows = []
+        for stream in streams:
+            buffer, staleness = stream.get("buffer") or {}, stream.get("staleness") or {}
+            rows.append([str(stream.get("stream_id")), str(stream.get("state")), cell(stream.get("version")),
+                         f"{cell(buffer.get('filled'))}/{cell(buffer.get('size'))}",
+                         f"{float(stream.get('releases_per_minute') or 0):.1f}", cell(staleness.get("mean")),
+                         str(stream.get("ledger_id") or "-"), cell(stream.get("ledger_epsilon"))])
+        lines += table(["ID", "STATE", "VERSION", "BUFFER", "RELEASES/MIN", "MEAN STALENESS", "LEDGER", "EPSILON"],
+                       rows, right=(2, 3, 4, 5, 7))
+        lines += [f"{s.get('stream_id')} stopped: {s['reason']}" for s in streams
+                  if s.get("state") == "stopped" and s.get("reason")]
     return lines
 
 

@@ -157,7 +157,7 @@ def test_every_flag_of_every_subcommand_explains_itself_and_version_is_the_proje
 
 
 # clipd status: a running server's aggregations and ledgers, read from its admin API -----------------------------
-STATUS_PATHS = ("/readyz", "/api/v1/server", "/api/v1/aggregations", "/api/v1/ledgers")
+STATUS_PATHS = ("/readyz", "/api/v1/server", "/api/v1/aggregations", "/api/v1/ledgers", "/api/v1/streams")
 
 
 def _admin_json(server, path: str) -> dict:

@@ -270,3 +270,69 @@ def test_a_stream_goes_on_after_a_restart(tmp_path):
     assert release.release.contributions == 2 and sorted(release.release.staleness) == [0, 1]
     np.testing.assert_allclose(release.sums["w"], 2 ** -0.5 * clipped(update(2, 1)) + clipped(update(3, 1)),
                                rtol=1e-6, atol=1e-7)
+
+
+def test_the_admin_api_metrics_and_status_show_a_stream(tmp_path, capsys):
+    """GET /api/v1/streams and /api/v1/streams/{id} (401 without the token, 404 for another id): the newest
+    version, the open buffer's fill, the limits, contributions by staleness and the ledger's epsilon; /metrics
+    the same as clipd_buffered_stream_* series; ``clipd status`` a row for it, and a stopped stream's reason."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from clipd.cli import main
+
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "admin_token": ADMIN_TOKEN, "admin_port": 0,
+                                             "data_dir": str(tmp_path)}))
+    base = f"http://127.0.0.1:{server.admin.port}"
+
+    def get(path, token=ADMIN_TOKEN):
+        request = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.read().decode()
+
+    try:
+        with Client(f"127.0.0.1:{port}", token=ADMIN_TOKEN) as admin:
+            sid = admin.create_stream({"w": (WIDTH,)}, l2_norm_clip=CLIP, privacy=(p := privacy(z=1.0, k=5, b=2)),
+                                      buffer=Buffer(size=3, max_staleness=4))
+            for i in range(3):
+                admin.submit_to_stream(sid, {"w": update(i, 1)}, trained_from=0, client_id=f"c{i}")
+            released(admin, sid, 1)
+            admin.submit_to_stream(sid, {"w": update(3, 1)}, trained_from=0, client_id="c3")  # 1 stale
+            admin.submit_to_stream(sid, {"w": update(4, 1)}, trained_from=1, client_id="c4")
+            epsilon = admin.ledger(p.ledger_id).epsilon
+            view = json.loads(get(f"/api/v1/streams/{sid}"))
+            assert json.loads(get("/api/v1/streams"))["streams"] == [view]
+            assert (view["state"], view["version"], view["filling_version"], view["last_version"]) == ("open", 1, 2,
+                                                                                                    None)
+            assert view["buffer"]["filled"] == 2 and view["buffer"]["size"] == 3
+            assert view["participation"] == {"max_participations": 5, "min_separation": 2}
+            assert view["staleness"]["by_staleness"] == {"0": 4, "1": 1} and view["staleness"]["contributions"] == 5
+            assert view["staleness"]["mean"] == pytest.approx(0.2) and view["staleness"]["max"] == 4
+            assert (view["ledger_id"], view["mechanism"]) == (p.ledger_id, "independent")
+            assert view["ledger_epsilon"] == pytest.approx(epsilon, rel=1e-12) and epsilon > 0
+            for path, token, code in [(f"/api/v1/streams/{sid}", None, 401), ("/api/v1/streams/nope", ADMIN_TOKEN, 404)]:
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    get(path, token)
+                assert e.value.code == code
+            metrics = get("/metrics")
+            key = f'ledger="{p.ledger_id}",stream="{sid}"'
+            for line in [f"clipd_buffered_stream_version{{{key}}} 1.0", f"clipd_buffered_stream_open{{{key}}} 1.0",
+                         f"clipd_buffered_stream_buffer_filled{{{key}}} 2.0",
+                         f"clipd_buffered_stream_buffer_size{{{key}}} 3.0",
+                         f'clipd_buffered_stream_staleness_bucket{{le="0",{key}}} 4.0',
+                         f'clipd_buffered_stream_staleness_bucket{{le="+Inf",{key}}} 5.0',
+                         f"clipd_buffered_stream_staleness_sum{{{key}}} 1.0"]:
+                assert line in metrics, line
+            admin.stop_stream(sid)
+        assert main(["status", "--admin", base, "--token", ADMIN_TOKEN]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        at = lines.index("1 buffered stream")
+        assert lines[at + 1].split() == ["ID", "STATE", "VERSION", "BUFFER", "RELEASES/MIN", "MEAN", "STALENESS",
+                                         "LEDGER", "EPSILON"]
+        row = lines[at + 2].split()
+        assert row[:5] == [sid, "stopped", "1", "0/3", "0.0"] and row[5:7] == ["0.2", p.ledger_id]
+        assert float(row[7]) == pytest.approx(epsilon, rel=1e-5)
+        assert lines[at + 3].startswith(f"{sid} stopped: ")
+    finally:
+        server.stop(grace=1.0)

@@ -164,6 +164,16 @@ class ClipdServer:
     def ledger(self, ledger_id: str) -> dict | None:
         return self.ledgers.describe(ledger_id)
 
+    def buffered_streams(self) -> list[dict]:
+        described = []
+        for stream in self.streams.all() if self.streams is not None else []:
+            view = stream.describe()
+            ledger = self.ledgers.describe(view["ledger_id"])
+            view["ledger_epsilon"] = ledger["epsilon"] if ledger is not None else 0.0
+            view["max_epsilon"] = ledger["max_epsilon"] if ledger is not None else None
+            described.append(view)
+        return described
+
     @staticmethod
     def _launcher(settings: Settings) -> HostLauncher:
         """What starts the shard hosts: local subprocesses (``--processes``; the public port is held here, bound

@@ -197,6 +197,8 @@ class BufferedStream:
         self._stopping = False  # the server stops: the release thread ends
         self._thread: threading.Thread | None = None
         self.last: int | None = None  # the last version its ledger allows (known once the next is refused)
+        self._staleness: collections.Counter[int] = collections.Counter()  # accepted contributions by staleness
+        # (since this server started)
         self._last_reason = ""
 
     @property
@@ -395,6 +397,7 @@ class BufferedStream:
         """The slot's contribution is in its buffer (accepted: it is summed before the buffer is released)."""
         with self.cond:
             self._pending[slot.client].add(slot.version)
+            self._staleness[slot.staleness] += 1
 
     def done(self, slot: Slot) -> None:
         """The slot's call is over (its contribution in, or given up)."""
@@ -516,6 +519,30 @@ class BufferedStream:
         if len(times) < 2:
             return 0.0
         return 60.0 * (len(times) - 1) / max(1e-9, times[-1] - times[0])
+
+    def describe(self) -> dict:
+        """The stream as plain data (the admin API's view): its state, newest version, the open buffer's fill,
+        its rules, releases per minute and its accepted contributions by staleness since this server started."""
+        limits, correlated = self.limits, self.privacy.correlated
+        with self.cond:
+            staleness = dict(sorted(self._staleness.items()))
+            described = {
+                "stream_id": self.id, "state": self.state, "reason": self.reason, "created_unix_seconds": self.created,
+                "ledger_id": self.privacy.ledger_id,
+                "mechanism": correlated.mechanism.value if correlated is not None else "independent",
+                "version": self.version, "filling_version": self.filling, "last_version": self.last,
+                "buffer": {"size": self.policy.size, "filled": self._taken[self.filling] if self.state == OPEN else 0,
+                           "min_size": self.policy.min_size, "max_wait_seconds": self.policy.max_wait,
+                           "keep_versions": self.policy.keep_versions},
+                "participation": {"max_participations": limits.max_participations,
+                                  "min_separation": limits.min_separation}}
+        contributions = sum(staleness.values())
+        described["releases_per_minute"] = self.releases_per_minute()
+        described["staleness"] = {
+            "exponent": self.policy.staleness_exponent, "max": self.policy.max_staleness,
+            "contributions": contributions, "by_staleness": {str(t): n for t, n in staleness.items()},
+            "mean": sum(t * n for t, n in staleness.items()) / contributions if contributions else None}
+        return described
 
     def release(self, version: int) -> Aggregation:
         """The kept buffer of a released version (``NotFound`` if it is not released, or no longer kept)."""

@@ -1,8 +1,8 @@
 """The admin HTTP API (FastAPI): health, aggregation snapshots, Prometheus metrics, the dashboard.
 
-The app is its routers (:mod:`.routers`: aggregations, ledgers, the server, metrics, pages) over the server's
-facade (:mod:`.facade`), with one authentication: the admin token, as a bearer header or the dashboard's
-session cookie. Every route reads host-side snapshots (``ServerFacade.stats``); none runs JAX.
+The app is its routers (:mod:`.routers`: aggregations, ledgers, buffered streams, the server, metrics, pages)
+over the server's facade (:mod:`.facade`), with one authentication: the admin token, as a bearer header or the
+dashboard's session cookie. Every route reads host-side snapshots (``ServerFacade.stats``); none runs JAX.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def create_admin_app(server: ServerFacade, settings: Settings) -> FastAPI:
         check(bearer_token(request.headers.items()))
 
     access = routers.Access(read=Depends(read_access), write=Depends(write_access))
-    for make in (routers.server_state, routers.aggregations, routers.ledgers, routers.metrics):
+    for make in (routers.server_state, routers.aggregations, routers.ledgers, routers.streams, routers.metrics):
         app.include_router(make(server, access))
     app.include_router(routers.pages(settings.admin_token))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

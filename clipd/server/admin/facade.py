@@ -1,8 +1,9 @@
 """What the admin API sees of a running server: a typed facade, and the snapshot of the server's own state.
 
 The admin app (its routers, views and metrics) imports this module and nothing else of the server: it reads
-aggregations (their host-side statistics), ledgers and the server's snapshot, and cancels an aggregation; it never
-touches a device, a store or the gRPC server. :class:`ServerFacade` is what ``ClipdServer`` hands it.
+aggregations (their host-side statistics), ledgers, buffered streams and the server's snapshot, and cancels an
+aggregation; it never touches a device, a store or the gRPC server. :class:`ServerFacade` is what ``ClipdServer``
+hands it.
 """
 
 from __future__ import annotations
@@ -80,3 +81,6 @@ class ServerFacade(Protocol):
 
     def ledger(self, ledger_id: str) -> dict | None:
         """A ledger as plain data (``Ledgers.describe``), None if there is none."""
+
+    def buffered_streams(self) -> list[dict]:
+        """Every buffered stream as plain data (``BufferedStream.describe``, with its ledger's epsilon)."""

@@ -50,6 +50,7 @@ class SnapshotCollector:
         yield from (examples, batches, received, non_finite, clipped, bound, norms, rate)
         snapshot = server.snapshot()
         yield from _privacy_metrics(server, private, dict(snapshot.load.participation_refusals))
+        yield from _buffered_stream_metrics(server.buffered_streams())
         states = GaugeMetricFamily("clipd_aggregations", "Aggregations by state.", labels=["state"])
         for state in sorted({s.state.value for _, s in views}):
             states.add_metric([state], sum(s.state.value == state for _, s in views))
@@ -193,6 +194,40 @@ def _privacy_metrics(server: ServerFacade, private, participation_refusals: dict
                 audited.add_metric([ledger_id, "ceiling"], audit["epsilon_ceiling"])
                 refuted.add_metric([ledger_id], float(audit["refuted"]))
     yield from (epsilon, left, releases, stream_left, stream_bytes, refused, audited, audit_releases, refuted)
+
+
+STALENESS_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
+
+
+def _buffered_stream_metrics(streams: list[dict]):
+    """Each buffered stream: its newest version, whether it is open, the open buffer's fill and size, releases per
+    minute, and its accepted contributions' staleness (since this server started)."""
+    labels = ["stream", "ledger"]
+    version = GaugeMetricFamily("clipd_buffered_stream_version", "The newest version a buffered stream released.",
+                                labels=labels)
+    is_open = GaugeMetricFamily("clipd_buffered_stream_open", "1 while a buffered stream takes contributions, 0 once"
+                                " stopped.", labels=labels)
+    filled = GaugeMetricFamily("clipd_buffered_stream_buffer_filled", "Contributions taken into the buffer being"
+                               " filled.", labels=labels)
+    size = GaugeMetricFamily("clipd_buffered_stream_buffer_size", "Contributions that release a buffer (K).",
+                             labels=labels)
+    rate = GaugeMetricFamily("clipd_buffered_stream_releases_per_minute", "Releases per minute over a stream's last"
+                             " ten.", labels=labels)
+    staleness = HistogramMetricFamily("clipd_buffered_stream_staleness", "Versions between the one a contribution"
+                                      " trained from and the one before its buffer's (accepted contributions).",
+                                      labels=labels)
+    for stream in streams:
+        key = [stream["stream_id"], stream["ledger_id"]]
+        version.add_metric(key, stream["version"])
+        is_open.add_metric(key, float(stream["state"] == "open"))
+        filled.add_metric(key, stream["buffer"]["filled"])
+        size.add_metric(key, stream["buffer"]["size"])
+        rate.add_metric(key, stream["releases_per_minute"])
+        counts = {int(t): n for t, n in stream["staleness"]["by_staleness"].items()}
+        buckets = [(str(le), float(sum(n for t, n in counts.items() if t <= le))) for le in STALENESS_BUCKETS]
+        staleness.add_metric(key, [*buckets, ("+Inf", float(sum(counts.values())))],
+                             sum_value=float(sum(t * n for t, n in counts.items())))
+    yield from (version, is_open, filled, size, rate, staleness)
 
 
 def _cumulative(counts, upper_bounds) -> list[tuple[str, float]]:

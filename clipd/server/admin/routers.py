@@ -1,4 +1,4 @@
-"""The admin API's routes, one router a subject: aggregations, ledgers, the server, metrics, pages.
+"""The admin API's routes, one router a subject: aggregations, ledgers, buffered streams, the server, metrics, pages.
 
 Each router is made over the server's facade (:class:`~clipd.server.admin.facade.ServerFacade`) and the app's
 two access checks (``Access``: read, by the bearer header or the dashboard's session cookie; write, by the
@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from clipd.server.admin.facade import THROUGHPUT_SECONDS, Aggregation, NotFound, ServerFacade, same
 from clipd.server.admin.metrics import SnapshotCollector
-from clipd.server.admin.views import aggregation_view, ledger_view
+from clipd.server.admin.views import aggregation_view, ledger_view, stream_view
 
 STATIC = pathlib.Path(__file__).resolve().parent / "static"
 SESSION_COOKIE = "clipd_admin"
@@ -105,6 +105,25 @@ def ledgers(server: ServerFacade, access: Access) -> APIRouter:
         if ledger is None:
             raise HTTPException(404, f"no ledger {ledger_id!r}")
         return ledger_view(ledger, dict(server.snapshot().load.participation_refusals))
+
+    return router
+
+
+def streams(server: ServerFacade, access: Access) -> APIRouter:
+    """``/api/v1/streams``: every buffered stream, and one: its state, newest version, the open buffer's fill, its
+    rules, releases per minute, its contributions by staleness (since the server started), its ledger's epsilon."""
+    router = APIRouter(prefix="/api/v1/streams")
+
+    @router.get("", dependencies=[access.read])
+    def list_streams() -> dict[str, Any]:
+        return {"streams": [stream_view(s) for s in server.buffered_streams()]}
+
+    @router.get("/{stream_id}", dependencies=[access.read])
+    def get_stream(stream_id: str) -> dict[str, Any]:
+        found = [s for s in server.buffered_streams() if s["stream_id"] == stream_id]
+        if not found:
+            raise HTTPException(404, f"no stream {stream_id!r}")
+        return stream_view(found[0])
 
     return router
 

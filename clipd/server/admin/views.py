@@ -116,5 +116,10 @@ def ledger_view(ledger: dict, participation_refusals: dict[str, int]) -> dict[st
             "audit": audit, "participation_refusals": participation_refusals.get(ledger["ledger_id"], 0)}
 
 
+def stream_view(stream: dict) -> dict[str, Any]:
+    """A buffered stream's JSON view (``BufferedStream.describe`` with its ledger's epsilon)."""
+    return {k: json_float(v) if isinstance(v, float) else v for k, v in stream.items()}
+
+
 def json_float(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)  # JSON has no inf or NaN

@@ -1,8 +1,9 @@
 // clipd dashboard. The overview (#/ or #filter=open|finalized|failed) shows the server (/api/v1/server), the
-// privacy ledgers (/api/v1/ledgers) and a card per aggregation (/api/v1/aggregations); #/aggregations/<id> shows
-// one aggregation in detail, with its throughput as the server recorded it (/api/v1/aggregations/<id>/throughput).
+// privacy ledgers (/api/v1/ledgers), the buffered streams (/api/v1/streams; a server older than them answers 404:
+// none shown) and a card per aggregation (/api/v1/aggregations); #/aggregations/<id> shows one aggregation in
+// detail, with its throughput as the server recorded it (/api/v1/aggregations/<id>/throughput).
 // Plain DOM and SVG, no dependency. Every string reaches the page as text (textContent, setAttribute), never as
-// HTML: aggregation ids, layer and ledger names come from clients. A number the API does not give shows "—".
+// HTML: aggregation, stream, layer and ledger names come from clients. A number the API does not give shows "—".
 "use strict";
 const SVG = "http://www.w3.org/2000/svg";
 const REFRESH_MS = 2000;
@@ -310,6 +311,60 @@ function auditLine(a, lv) {
       " (they can show at most ", lv("audit.epsilon_ceiling", a.epsilon_ceiling), ")"));
 }
 
+// Buffered streams ----------------------------------------------------------------------------------------------
+function streamPanel(streams) {
+  const node = el("section", { class: "panel", id: "streams" }, el("h2", {}, "Buffered streams"));
+  if (!streams.length) {
+    node.append(el("p", { class: "muted" }, "No buffered stream: Client.create_stream makes one."));
+    return node;
+  }
+  node.append(...[...streams].sort((a, b) => (b.created_unix_seconds ?? 0) - (a.created_unix_seconds ?? 0)).map(streamBlock));
+  return node;
+}
+// A buffered stream (FedBuff): its state (a stopped one's reason in red), the newest version released, the open
+// buffer's fill (a bar), releases per minute, its contributions' staleness (the mean, and the count at each
+// staleness), its ledger's ε against the budget, and each client's limits (k participations, b versions apart).
+function streamBlock(s) {
+  const sv = (key, format = fmtNum) => el("b", {}, value("data-stream-field", key, get(s, key), format));
+  const state = value("data-stream-field", "state", s.state, String);
+  state.setAttribute("class", `state ${s.state === "stopped" ? "stopped" : "open"}`);
+  const budget = num(s.max_epsilon), spent = num(s.ledger_epsilon);
+  const bar = Number.isFinite(budget) && budget > 0 ? gauge(Number.isFinite(spent) ? spent : budget, budget) : null;
+  return el("div", { class: "stream", "data-stream": s.stream_id },
+    el("h4", {}, s.stream_id, " ", state),
+    s.state === "stopped" ? el("div", { class: "error" }, "stopped: ",
+      value("data-stream-field", "reason", s.reason || null, String)) : null,
+    el("div", {}, "version ", sv("version", fmtCount), " released · buffer ", sv("buffer.filled", fmtCount), " of ",
+      sv("buffer.size", fmtCount), " filled", gauge(get(s, "buffer.filled"), get(s, "buffer.size")), " for version ",
+      sv("filling_version", fmtCount)),
+    el("div", { class: "meta" },
+      el("span", {}, sv("releases_per_minute"), " releases/min"),
+      el("span", {}, "staleness mean ", sv("staleness.mean"), " over ", sv("staleness.contributions", fmtCount),
+        " contributions"),
+      el("span", {}, "weight (1 + τ)^-", sv("staleness.exponent"), ", τ ≤ ", sv("staleness.max", fmtCount)),
+      missing(s.last_version) ? null : el("span", {}, "last version ", sv("last_version", fmtCount))),
+    stalenessCounts(get(s, "staleness.by_staleness")),
+    el("div", { class: "meta" },
+      el("span", {}, "ledger ", sv("ledger_id", String), " · ε ", sv("ledger_epsilon"), " of ",
+        Number.isFinite(budget) ? sv("max_epsilon") : sv("max_epsilon", () => "no budget"), bar),
+      el("span", {}, "noise ", sv("mechanism", String)),
+      el("span", {}, "k = ", sv("participation.max_participations", fmtCount), " participations, b = ",
+        sv("participation.min_separation", fmtCount), " versions apart"),
+      el("span", {}, "created ", sv("created_unix_seconds", fmtTime))));
+}
+// Contributions by staleness (the API's counts, keyed by staleness): a small bar above each count.
+function stalenessCounts(counts) {
+  if (missing(counts)) return el("div", { class: "muted", "data-staleness": "" }, "by staleness ", DASH);
+  const keys = Object.keys(counts).sort((a, b) => Number(a) - Number(b));
+  if (!keys.length) return el("div", { class: "muted" }, "no contribution yet");
+  const top = Math.max(...keys.map((k) => Number(counts[k]) || 0), 1);
+  return el("div", { class: "staleness", title: "contributions by staleness τ (versions behind)" },
+    el("span", { class: "muted" }, "by staleness"),
+    ...keys.map((k) => el("span", { class: "tau" },
+      el("span", { class: "bar", style: `height:${Math.round((24 * Math.max(0, Number(counts[k]) || 0)) / top)}px` }),
+      value("data-staleness", k, counts[k], fmtCount), el("span", { class: "muted" }, `τ=${k}`))));
+}
+
 // Aggregations --------------------------------------------------------------------------------------------------
 const detailHash = (id) => `#/aggregations/${encodeURIComponent(id)}`;
 
@@ -402,9 +457,10 @@ function card(agg, now) {
   return node;
 }
 
-function overview(data, server, ledgers, filter) {
+function overview(data, server, ledgers, streams, filter) {
   const view = [];
-  view.push(el("div", { class: "panels" }, serverPanel(server), ledgerPanel(ledgers.ledgers || [])));
+  view.push(el("div", { class: "panels" }, serverPanel(server), ledgerPanel(ledgers.ledgers || []),
+    streamPanel(streams.streams || [])));
   const all = [...data.aggregations].sort((a, b) => b.created_unix_seconds - a.created_unix_seconds);
   const filters = el("nav", { class: "filters", id: "filters" }, el("b", {}, "Aggregations"));
   for (const [name, keep] of Object.entries(FILTERS)) {
@@ -501,7 +557,9 @@ async function getJSON(path, allow404 = false) {
   // Same-origin: the session cookie set by /login goes along (the token never appears in a URL).
   const response = await fetch(path, { credentials: "same-origin" });
   if (response.status === 401 || response.status === 403) throw new SignIn();
-  if (allow404 && response.status === 404) return { notFound: (await response.json()).detail };
+  if (allow404 && response.status === 404) {
+    return { notFound: (await response.json().catch(() => ({}))).detail || `${path}: not found` };
+  }
   if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
   return response.json();
 }
@@ -528,10 +586,11 @@ async function refresh() {
       nodes = agg.notFound ? [el("section", { class: "panel", id: "detail" }, el("p", {}, el("a", { href: "#/" }, "← all aggregations")),
         el("p", { class: "error" }, agg.notFound))] : [detail(agg, tp, data.now_unix_seconds)];
     } else {
-      const [data, server, ledgers] = await Promise.all([list, getJSON("/api/v1/server"), getJSON("/api/v1/ledgers")]);
+      const [data, server, ledgers, streams] = await Promise.all([list, getJSON("/api/v1/server"),
+        getJSON("/api/v1/ledgers"), getJSON("/api/v1/streams", true)]);  // (404: a server without streams)
       if (mine !== generation) return;
       banner(data);
-      nodes = overview(data, server, ledgers, r.filter);
+      nodes = overview(data, server, ledgers, streams.notFound ? { streams: [] } : streams, r.filter);
     }
     document.getElementById("view").replaceChildren(...nodes);
     status.textContent = `updated ${fmtClock(Date.now() / 1000)}`;
