@@ -1,5 +1,7 @@
 """The dashboard in real headless Chromium against a real server holding real aggregations (open, finalized,
 failed, private), every number it shows compared with the admin API's JSON; and the throughput series behind it.
+A buffered stream lives on a second server, with auth on (its participation limits need client ids from
+credentials), whose dashboard a browser signs in to.
 
 One server and one set of aggregations serve the whole module; the pages are loaded once, in parallel.
 Screenshots land in ``tests/.artifacts/dashboard/`` (git-ignored) for a person to look at; they are not compared.
@@ -8,6 +10,7 @@ Screenshots land in ``tests/.artifacts/dashboard/`` (git-ignored) for a person t
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import html.parser
 import json
 import pathlib
@@ -19,11 +22,11 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import TEST_SETTINGS
+from conftest import ADMIN_TOKEN, TEST_SETTINGS
 from helpers import wait_until
 from service_helpers import LAYERS, make_updates
 
-from clipd.client import Audit, Client, FailedPreconditionError, NotFoundError, Privacy
+from clipd.client import Audit, Buffer, Client, FailedPreconditionError, NotFoundError, Privacy
 from clipd.server.aggregations import Aggregation, AggregationSpec
 from clipd.server.app import create_server
 from clipd.server.progress import THROUGHPUT_SECONDS
@@ -35,8 +38,13 @@ PRIVACY = Privacy("dashboard-ledger", 1e-5, noise_multiplier=0.5, max_epsilon=20
                   audit=Audit(canaries=2))
 
 
-def http_json(server, path):
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.admin.port}{path}", timeout=30) as response:
+STREAM_PRIVACY = Privacy("dashboard-stream", 1e-5, noise_multiplier=1.0, max_participations=10, min_separation=1)
+
+
+def http_json(server, path, token=None):
+    request = urllib.request.Request(f"http://127.0.0.1:{server.admin.port}{path}",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
 
@@ -82,6 +90,28 @@ def deployment(tmp_path_factory):
         server.stop(grace=1.0)
 
 
+@pytest.fixture(scope="module")
+def streaming(auth_server):
+    """A buffered stream (K = 2) on the server with auth on: version 1 released from two fresh contributions, then
+    one a version stale in version 2's buffer (1 of 2)."""
+    update = {"w": np.ones(8, np.float32) * 0.1}
+    with Client(f"127.0.0.1:{auth_server.port}", token=ADMIN_TOKEN) as admin:
+        sid = admin.create_stream({"w": (8,)}, l2_norm_clip=1.0, privacy=STREAM_PRIVACY,
+                                  buffer=Buffer(size=2, staleness_exponent=0.5, max_staleness=10))
+        admin.submit_to_stream(sid, update, trained_from=0, client_id="s0")
+        admin.submit_to_stream(sid, update, trained_from=0, client_id="s1")
+        with contextlib.closing(admin.watch_releases(sid, after=0, timeout=30)) as releases:
+            assert next(releases).version == 1
+        assert admin.submit_to_stream(sid, update, trained_from=0, client_id="s2").staleness == 1
+    return auth_server, sid
+
+
+def signed_in(server) -> str:
+    """A page whose form signs in with the admin token (POST /login: a session cookie), landing on the overview."""
+    return (f"data:text/html,<form method=post action='http://127.0.0.1:{server.admin.port}/login'>"
+            f"<input name=token value={ADMIN_TOKEN}></form><script>document.forms[0].submit()</script>")
+
+
 def chromium_flags(profile: pathlib.Path) -> list[str]:
     chromium = shutil.which("chromium")
     assert chromium, "chromium is missing: apt-get install chromium (.ci/run does)"
@@ -99,9 +129,10 @@ def load(url: str, profile: pathlib.Path, screenshot: pathlib.Path | None = None
 
 
 @pytest.fixture(scope="module")
-def pages(deployment, tmp_path_factory):
-    """Every view the tests read, loaded at once (three browsers at a time), and two screenshots."""
+def pages(deployment, streaming, tmp_path_factory):
+    """Every view the tests read, loaded at once (three browsers at a time), and three screenshots."""
     server, ids = deployment
+    stream_server, _ = streaming
     base = f"http://127.0.0.1:{server.admin.port}/"
     profiles = tmp_path_factory.mktemp("chromium")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -114,6 +145,8 @@ def pages(deployment, tmp_path_factory):
         "finalized": (base + f"#/aggregations/{ids['finalized']}", None),
         "overview.png": (base, ARTIFACTS / "overview.png"),
         "detail.png": (base + f"#/aggregations/{ids['open']}", ARTIFACTS / "detail.png"),
+        "streams": (signed_in(stream_server), None),
+        "streams.png": (signed_in(stream_server), ARTIFACTS / "streams.png"),
     }
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = {name: pool.submit(load, url, profiles / str(i), shot)
@@ -229,8 +262,8 @@ def test_the_server_panel_shows_the_api_s_numbers(deployment, pages):
 def test_the_ledger_panel_shows_epsilon_budget_and_releases(deployment, pages):
     server, _ = deployment
     panel = dom(pages, "overview").one(id="ledgers")
-    (ledger,) = http_json(server, "/api/v1/ledgers")["ledgers"]
-    assert ledger["ledger_id"] == PRIVACY.ledger_id and ledger["epsilon"] > 0
+    (ledger,) = [x for x in http_json(server, "/api/v1/ledgers")["ledgers"] if x["ledger_id"] == PRIVACY.ledger_id]
+    assert ledger["epsilon"] > 0
     row = panel.one(data_ledger=PRIVACY.ledger_id)
     shown(row.one(data_ledger_field="epsilon"), ledger["epsilon"])
     shown(row.one(data_ledger_field="max_epsilon"), ledger["max_epsilon"])
@@ -251,6 +284,52 @@ def test_the_ledger_panel_shows_epsilon_budget_and_releases(deployment, pages):
     assert row.all(class_="gauge")  # spent against the budget
     shown(row.one(data_ledger_field="budget_left"), ledger["budget_left"])
     assert f"{ledger['epsilon']:.4g}" in row.one(data_ledger_field="epsilon").text
+
+
+def test_the_streams_panel_shows_each_stream_as_the_api_does(streaming, pages):
+    server, sid = streaming
+    listed = http_json(server, "/api/v1/streams", ADMIN_TOKEN)["streams"]
+    (api,) = [s for s in listed if s["stream_id"] == sid]
+    assert http_json(server, f"/api/v1/streams/{sid}", ADMIN_TOKEN) == api
+    # What the fixture made: version 1 released, a contribution one version stale in version 2's buffer.
+    assert (api["state"], api["version"], api["filling_version"]) == ("open", 1, 2)
+    assert (api["buffer"]["filled"], api["buffer"]["size"]) == (1, 2)
+    assert api["staleness"]["by_staleness"] == {"0": 2, "1": 1} and api["staleness"]["contributions"] == 3
+    assert api["staleness"]["mean"] == pytest.approx(1 / 3) and api["ledger_id"] == STREAM_PRIVACY.ledger_id
+    ledger = http_json(server, f"/api/v1/ledgers/{STREAM_PRIVACY.ledger_id}", ADMIN_TOKEN)
+    assert api["ledger_epsilon"] == ledger["epsilon"] > 0
+    panel = dom(pages, "streams").one(id="streams")
+    assert [b.attrs["data-stream"] for b in panel.all(data_stream=True)] == [s["stream_id"] for s in listed]
+    block = panel.one(data_stream=sid)
+    assert block.one("h4").text.startswith(sid)
+    counts = ("version", "filling_version", "buffer.filled", "buffer.size", "staleness.contributions", "staleness.max",
+              "participation.max_participations", "participation.min_separation")
+    for path in ("state", "mechanism", "ledger_id", "releases_per_minute", "staleness.mean", "staleness.exponent",
+                 "ledger_epsilon", "max_epsilon", "created_unix_seconds", *counts):
+        value = api
+        for key in path.split("."):
+            value = value[key]
+        shown(block.one(data_stream_field=path), value)
+        if path in counts:
+            assert count_text(block.one(data_stream_field=path)) == value  # what a person reads
+    assert block.one(data_stream_field="state").text == "open" and not block.all(class_="error")  # no reason
+    assert api["max_epsilon"] == "inf" and block.one(data_stream_field="max_epsilon").text == "no budget"
+    assert f"{api['ledger_epsilon']:.4g}" in block.one(data_stream_field="ledger_epsilon").text
+    assert block.one(data_stream_field="staleness.mean").text == "0.3333"
+    by_staleness = api["staleness"]["by_staleness"]
+    assert {n.attrs["data-staleness"] for n in block.all(data_staleness=True)} == set(by_staleness)
+    for tau, n in by_staleness.items():
+        shown(block.one(data_staleness=tau), n)
+        assert count_text(block.one(data_staleness=tau)) == n
+    assert block.all(class_="gauge")  # the open buffer's fill
+
+
+def test_without_a_stream_the_panel_says_how_to_make_one(deployment, pages):
+    server, _ = deployment
+    assert http_json(server, "/api/v1/streams") == {"streams": []}
+    panel = dom(pages, "overview").one(id="streams")
+    assert not panel.all(data_stream=True)
+    assert panel.one(class_="muted").text == "No buffered stream: Client.create_stream makes one."
 
 
 def test_every_aggregation_has_a_card_with_what_a_person_recognises(deployment, pages):
@@ -384,7 +463,7 @@ def test_strings_from_clients_are_text_never_markup(deployment, pages):
 
 
 def test_screenshots_for_a_person_to_look_at(pages):
-    for name in ("overview.png", "detail.png"):
+    for name in ("overview.png", "detail.png", "streams.png"):
         shot = ARTIFACTS / name
         assert shot.exists() and shot.stat().st_size > 20_000, shot
     print(f"screenshots: {ARTIFACTS}")
@@ -398,6 +477,7 @@ def test_with_an_admin_token_the_page_asks_a_stranger_to_sign_in(auth_server, tm
     form = Dom(page).root.one(id="sign-in").one("form")
     assert form.attrs["action"] == "/login" and form.attrs["method"] == "post" and form.one("input", name="token")
     assert not Dom(page).root.all(id="server") and not Dom(page).root.all(data_aggregation=True)
+    assert not Dom(page).root.all(id="streams") and not Dom(page).root.all(data_stream=True)
 
 
 def test_the_series_is_bounded_and_marks_idle_gaps(monkeypatch):

@@ -818,6 +818,9 @@ class Aggregation:
         return [float(bounds[i if self.policy.is_per_layer else 0]) for i in range(len(self.layers))]
 
 
+HELD_SECONDS = 0.1  # how old Registry.state_bytes' sum may be
+
+
 class Registry:
     """The aggregations of one server, by id. Only open ones count toward ``max_aggregations``."""
 
@@ -831,6 +834,7 @@ class Registry:
         # Ids being published (stored, admitted, warmed up) by a create, outside the lock: they count toward
         # the limits; a second create of the same id waits for the first's outcome.
         self._publishing: dict[str, tuple[Aggregation, threading.Event]] = {}
+        self._held: tuple[float, int] | None = None  # (when, state_bytes' sum then): see state_bytes
 
     def create(self, aggregation_id: str, make, publish) -> tuple[Aggregation, bool]:
         """The aggregation with this id; True if it was created.
@@ -852,6 +856,7 @@ class Registry:
                     aggregation = self._admit_locked(aggregation_id, make)
                     published = threading.Event()
                     self._publishing[aggregation_id] = (aggregation, published)
+                    self._held = None
                     break
             underway[1].wait()
         try:
@@ -864,6 +869,7 @@ class Registry:
         with self._lock:
             del self._publishing[aggregation_id]
             self._by_id[aggregation_id] = aggregation
+            self._held = None
         published.set()
         return aggregation, True
 
@@ -903,15 +909,25 @@ class Registry:
     def state_bytes(self) -> int:
         """Bytes the aggregations hold: the open ones' sums (totals and device deltas, every shard), the finished
         ones' kept results, a finished one's sums kept for the next round (``SPARE_TOTALS``); those being created
-        count already."""
+        count already.
+
+        Asked for each batch received, it is summed over the aggregations at most every ``HELD_SECONDS`` (a
+        server keeps hundreds: a stream's kept versions, finished rounds), and again at once after one is
+        created, added or removed. In between an aggregation only gives memory back (open sums become a smaller
+        result, or nothing), so the figure errs on the safe side."""
+        now = time.monotonic()
         with self._lock:
+            if self._held is not None and now - self._held[0] < HELD_SECONDS:
+                return self._held[1]
             held = sum(a.memory_bytes for a in [*self._by_id.values(), *(a for a, _ in self._publishing.values())])
-        return held + SPARE_TOTALS.nbytes
+            self._held = (now, held + SPARE_TOTALS.nbytes)
+            return self._held[1]
 
     def add(self, aggregation: Aggregation) -> None:
         """Adds a recovered aggregation."""
         with self._lock:
             self._by_id[aggregation.id] = aggregation
+            self._held = None
 
     def get(self, aggregation_id: str) -> Aggregation:
         with self._lock:
@@ -935,6 +951,7 @@ class Registry:
     def remove(self, aggregation_id: str) -> Aggregation:
         with self._lock:
             aggregation = self._by_id.pop(aggregation_id, None)
+            self._held = None
         if aggregation is None:
             raise NotFound(f"no aggregation {aggregation_id!r}")
         return aggregation

@@ -117,8 +117,18 @@ def ledger_view(ledger: dict, participation_refusals: dict[str, int]) -> dict[st
 
 
 def stream_view(stream: dict) -> dict[str, Any]:
-    """A buffered stream's JSON view (``BufferedStream.describe`` with its ledger's epsilon)."""
-    return {k: json_float(v) if isinstance(v, float) else v for k, v in stream.items()}
+    """A buffered stream's JSON view (``BufferedStream.describe`` with its ledger's epsilon), floats JSON can
+    carry at every depth (an unbounded ``max_wait_seconds``, a budget of inf).
+
+    >>> stream_view({"max_epsilon": float("inf"), "buffer": {"max_wait_seconds": float("inf"), "size": 2}})
+    {'max_epsilon': 'inf', 'buffer': {'max_wait_seconds': 'inf', 'size': 2}}
+    """
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return json_float(v) if isinstance(v, float) else v
+
+    return plain(stream)
 
 
 def json_float(x: float) -> float | str:

@@ -348,8 +348,8 @@ function streamBlock(s) {
       el("span", {}, "ledger ", sv("ledger_id", String), " · ε ", sv("ledger_epsilon"), " of ",
         Number.isFinite(budget) ? sv("max_epsilon") : sv("max_epsilon", () => "no budget"), bar),
       el("span", {}, "noise ", sv("mechanism", String)),
-      el("span", {}, "k = ", sv("participation.max_participations", fmtCount), " participations, b = ",
-        sv("participation.min_separation", fmtCount), " versions apart"),
+      el("span", {}, "each client: k = ", sv("participation.max_participations", fmtCount), " participations, b = ",
+        sv("participation.min_separation", fmtCount), " min separation"),
       el("span", {}, "created ", sv("created_unix_seconds", fmtTime))));
 }
 // Contributions by staleness (the API's counts, keyed by staleness): a small bar above each count.
