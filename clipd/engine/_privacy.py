@@ -154,12 +154,18 @@ def participation_event(event_json: str, releases: int, participation: Participa
     ...                     Participation(1, 2))
     '{"class_name": "NonPrivateDpEvent", "module_name": "dp_accounting.dp_event"}'
     """
+    return _self_composed(event_json, participation.most(releases))
+
+
+@functools.lru_cache(maxsize=256)
+def _self_composed(event_json: str, count: int) -> str:
+    """``event_json`` composed ``count`` times, as JSON (a ledger asks for the same few at each release)."""
     event = event_from_json(event_json)
     from dp_accounting import dp_event as dpe
 
     if isinstance(event, dpe.NonPrivateDpEvent):
         return event_json
-    return event_to_json(dpe.SelfComposedDpEvent(event, participation.most(releases)))
+    return event_to_json(dpe.SelfComposedDpEvent(event, count))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +375,16 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, releases: in
 
 
 def event_to_json(event: dpe.DpEvent) -> str:
-    """The event as JSON (``to_named_tuple``'s fields, nested events as objects)."""
+    """The event as JSON (``to_named_tuple``'s fields, nested events as objects); the same event's JSON is made
+    once (``to_named_tuple`` makes a class each time) where the event is hashable (frozen, no lists)."""
+    try:
+        return _event_json(repr(event), event)  # (the repr too: GaussianDpEvent(1) == GaussianDpEvent(1.0))
+    except TypeError:  # (unhashable: a composition of a list of events)
+        return json.dumps(_plain(event.to_named_tuple()), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _event_json(_: str, event: dpe.DpEvent) -> str:
     return json.dumps(_plain(event.to_named_tuple()), sort_keys=True)
 
 
@@ -387,11 +402,17 @@ def _plain(value):
     return value
 
 
+@functools.lru_cache(maxsize=64)
+def _event_tuple(fields: tuple[str, ...]) -> type:
+    """The named tuple type of one event's fields (made once: a class is slow to make)."""
+    return collections.namedtuple("_Event", fields)
+
+
 def _named(value):
     """JSON objects back into named tuples that ``DpEvent.from_named_tuple`` accepts."""
     if isinstance(value, dict):
         fields = {k: _named(v) for k, v in value.items()}
-        return collections.namedtuple("_Event", list(fields))(**fields)
+        return _event_tuple(tuple(fields))(**fields)
     if isinstance(value, list):
         return [_named(v) for v in value]
     return value

@@ -342,20 +342,24 @@ class BufferedStream:
                 if self.last is not None and version > self.last:
                     raise FailedPrecondition(f"stream {self.id} ends with version {self.last}, the last its ledger"
                                              f" allows ({self._last_reason})")
-                if version > self.filling + 1:
+                ahead = version > self.filling + 1
+                # A client whose last contribution is in the next buffer, allowed in the one after, is one release
+                # away (it submits faster than the buffers fill): it waits for it, as for a buffer not open yet.
+                if ahead and not (version == self.filling + 2 and versions[-1] in pending):
                     self.lifecycle.ledgers.participation_refusals[self.privacy.ledger_id] += 1
                     raise FailedPrecondition(
                         f"client {client!r} takes part in version {versions[-1]} of stream {self.id}; it needs"
                         f" {limits.min_separation} versions between two (min_separation): it may take part again"
                         f" from version {version}")
-                if version in self._buffers and self._taken[version] < self.policy.size:
+                if not ahead and version in self._buffers and self._taken[version] < self.policy.size:
                     break
-                if version in self._buffers:  # the next buffer is full before the one filling: briefly
+                if not ahead and version in self._buffers:  # the next buffer is full before the one filling
                     raise Unavailable(f"stream {self.id}: version {version}'s buffer is full until version"
                                       f" {self.filling}'s is; retry", retry_after=0.1)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Unavailable(f"stream {self.id}: the buffer of version {version} is not open yet; retry",
+                    raise Unavailable(f"stream {self.id}: the buffer of version {version} is not open yet"
+                                      + (f" (version {self.filling} is filling)" if ahead else "") + "; retry",
                                       retry_after=1.0)
                 self.cond.wait(left)
             tau = buffered.staleness(version, trained_from)

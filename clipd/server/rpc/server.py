@@ -22,11 +22,13 @@ from clipd.v1 import clipd_pb2
 INGEST_METADATA = "x-clipd-ingest"  # which shard process (or host) forwarded a call (counted by the server)
 SERVICE_NAME = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"].full_name
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+SUBMIT_TO_STREAM_METHOD = f"/{SERVICE_NAME}/SubmitToStream"
+ONE_MESSAGE_METHODS = (wire.SUBMIT_ONE_METHOD, SUBMIT_TO_STREAM_METHOD)  # run on the admission's pool
 
 
 # Methods a submit token may call: the handler checks the token against the aggregation.
 SUBMIT_TOKEN_METHODS = (f"/{SERVICE_NAME}/Submit", wire.SUBMIT_ONE_METHOD, f"/{SERVICE_NAME}/GetAggregation",
-                        f"/{SERVICE_NAME}/GetPlacement", f"/{SERVICE_NAME}/SubmitToStream",
+                        f"/{SERVICE_NAME}/GetPlacement", SUBMIT_TO_STREAM_METHOD,
                         f"/{SERVICE_NAME}/GetStreamClient")
 PENDING_CALLS = 16_384  # calls gRPC core holds for the server's loop before it drops any (server_options)
 OTHER_STREAMS = 16  # Health/Watch and reflection streams at once (beside max_streams Submit streams)
@@ -40,9 +42,9 @@ class Guard(grpc.ServerInterceptor):
     aggregation: a submit token may submit to its aggregation and read its spec);
     every other RPC needs the admin token: no credential is UNAUTHENTICATED, a
     submit token is PERMISSION_DENIED. Health ``Watch`` and reflection streams take one of
-    ``OTHER_STREAMS`` slots, so they can't use up the threads of anything else. A SubmitOne call
-    waits for its own pool's thread (``Admission``), or is refused at once with an appointment when
-    that pool's queue is full: decided here, before anything of it is read.
+    ``OTHER_STREAMS`` slots, so they can't use up the threads of anything else. A one-message submission
+    (SubmitOne, SubmitToStream) waits for its own pool's thread (``Admission``), or is refused at once with an
+    appointment when that pool's queue is full: decided here, before anything of it is read.
     """
 
     def __init__(self, admin_token: str, servicer: ClipdServicer) -> None:
@@ -60,7 +62,7 @@ class Guard(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        if method == wire.SUBMIT_ONE_METHOD:
+        if method in ONE_MESSAGE_METHODS:
             admission = self._servicer.admission
             wait = admission.retry_after()
             if wait is not None:
@@ -126,7 +128,8 @@ def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: Cl
 
 def clipd_handlers(servicer) -> list[grpc.GenericRpcHandler]:
     """The Clipd service's handlers, made from its descriptor; Submit and SubmitOne are parsed by ``wire`` (no
-    copies), and SubmitOne runs on its admission's pool."""
+    copies), and the one-message submissions (SubmitOne, SubmitToStream) run on the admission's pool: however
+    many clients wait for their acknowledgements, the control calls keep the server's threads."""
     service = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
     handlers = {}
     for method in service.methods:
@@ -135,7 +138,7 @@ def clipd_handlers(servicer) -> list[grpc.GenericRpcHandler]:
             parse = wire.parse_submit_request
         parse = lenient(parse)  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
         behavior = getattr(servicer, method.name)
-        if method.name == "SubmitOne":
+        if f"/{service.full_name}/{method.name}" in ONE_MESSAGE_METHODS:
             behavior = on_pool(behavior, servicer.admission.pool)
         handlers[method.name] = HANDLER_KINDS[method.client_streaming, method.server_streaming](
             behavior,
