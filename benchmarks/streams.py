@@ -9,8 +9,8 @@ Three tables:
    accuracy, and their ratio; seeds alternated, medians.
 2. **Server CPU per contribution**: a real ``clipd serve`` process (its CPU read from /proc), ``--contributions``
    updates of 256 KiB from 8 client threads, as one-message submissions to a round (``unit="client"``,
-   SubmitOne: ``benchmarks/round.py``'s path) and as stream contributions (SubmitToStream, K = 10), alternated;
-   medians, and stream/round.
+   SubmitOne: ``benchmarks/round.py``'s path) and as stream contributions (SubmitToStream, K = 10 and 100),
+   interleaved; medians, and stream/round.
 3. **Release latency** at 2^20 float32 parameters: the time from the K-th contribution's acknowledgement to the
    release being readable by a watcher (WatchReleases), beside the noise's draw for that model alone (JAX's
    normal on the host's device, timed in this process).
@@ -97,7 +97,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_table(contributions: int, repeats: int, size: int) -> None:
+def cpu_table(contributions: int, repeats: int, sizes: list[int]) -> None:
     from clipd.client import Buffer, Client, Privacy
 
     params = 1 << 16  # 256 KiB of float32
@@ -124,7 +124,7 @@ def cpu_table(contributions: int, repeats: int, size: int) -> None:
                     admin.cancel(agg)
                 return used / contributions
 
-            def stream_once() -> float:  # the whole stream: made, every contribution, every release
+            def stream_once(size: int) -> float:  # the whole stream: made, every contribution, every release
                 with Client(target, token=TOKEN) as admin:
                     before = _cpu(server.pid)
                     sid = admin.create_stream({"w": (params,)}, l2_norm_clip=1.0, privacy=privacy(),
@@ -138,23 +138,31 @@ def cpu_table(contributions: int, repeats: int, size: int) -> None:
                     admin.stop_stream(sid)
                 return used / contributions
 
-            round_once(), stream_once()  # (compiles)
-            rounds, streams = [], []
+            round_once(), stream_once(sizes[0])  # (compiles)
+            rounds: list[float] = []
+            streams: dict[int, list[float]] = {size: [] for size in sizes}
             for k in range(repeats):
-                for name in ("round", "stream") if k % 2 else ("stream", "round"):
-                    (rounds if name == "round" else streams).append(round_once() if name == "round" else
-                                                                    stream_once())
+                order = ["round", *sizes]
+                for what in order[::-1] if k % 2 else order:
+                    if what == "round":
+                        rounds.append(round_once())
+                    else:
+                        streams[int(what)].append(stream_once(int(what)))
         finally:
             server.terminate()
             server.wait(30)
-    a, b = statistics.median(rounds), statistics.median(streams)
+    a = statistics.median(rounds)
     print()
     print(f"server CPU per contribution: {contributions} updates of 256 KiB, 8 client threads, a clipd serve"
-          f" process, medians of {repeats}; a round of them all, or a stream releasing every {size}")
-    print(f"{'path':>28} | {'ms CPU a contribution':>22}")
-    print(f"{'round (SubmitOne)':>28} | {a * 1e3:>22.3f}")
-    print(f"{'stream (SubmitToStream)':>28} | {b * 1e3:>22.3f}")
-    print(f"streams: cpu_stream_over_round={b / a:.3f}")
+          f" process, medians of {repeats} interleaved; a round of them all (created, summed, released), or a"
+          f" stream releasing every K (made, summed, every release)")
+    print(f"{'path':>32} | {'ms CPU a contribution':>22} | {'/ round':>8}")
+    print(f"{'round (SubmitOne)':>32} | {a * 1e3:>22.3f} | {1.0:>8.2f}")
+    for size, measured in streams.items():
+        b = statistics.median(measured)
+        print(f"{f'stream, K = {size} (SubmitToStream)':>32} | {b * 1e3:>22.3f} | {b / a:>8.2f}")
+    print("streams: " + " ".join(f"cpu_stream_over_round_k{size}={statistics.median(m) / a:.3f}"
+                                 for size, m in streams.items()))
 
 
 def latency_table(params: int, releases: int) -> None:
@@ -221,13 +229,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=60)
     parser.add_argument("--contributions", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--buffer", type=int, default=10, help="the stream's K in the CPU table")
+    parser.add_argument("--buffer", default="10,100", help="the streams' K in the CPU table (comma-separated)")
     parser.add_argument("--only", choices=("example", "cpu", "latency"))
     args = parser.parse_args()
     if args.only in (None, "example"):
         example_table(1 if args.quick else args.seeds, 20 if args.quick else args.clients, args.quick)
     if args.only in (None, "cpu"):
-        cpu_table(40 if args.quick else args.contributions, 1 if args.quick else args.repeats, args.buffer)
+        cpu_table(40 if args.quick else args.contributions, 1 if args.quick else args.repeats,
+                  [10] if args.quick else [int(k) for k in args.buffer.split(",")])
     if args.only in (None, "latency"):
         latency_table(1 << 14 if args.quick else 1 << 20, 3 if args.quick else 11)
 
