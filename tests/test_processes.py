@@ -359,7 +359,7 @@ def test_refusals_through_a_shard_process_are_those_of_one_process(behind_shards
     np.testing.assert_allclose(result.sums["w"], np.minimum(1, 1 / norms) @ stacked, rtol=1e-6)
     assert result.examples == 18
     assert server.servicer.payload_bytes == 0
-    assert all(p["alive"] for p in server.devices.describe_processes())
+    assert all(p["alive"] for p in server.hosts.describe_processes())
 
 
 def test_a_silent_stream_on_a_shard_process_is_closed_after_the_idle_timeout(tmp_path):
@@ -523,3 +523,35 @@ def test_the_servers_draws_hold_at_the_shard_processes(behind_shards):
             c.submit(aggregation, update, client_id=site)
         result = c.finalize(aggregation)
     np.testing.assert_allclose(result.sums["w"], 0.1 * len(drawn), rtol=1e-6)
+
+
+def test_a_buffered_stream_runs_behind_shard_processes(behind_shards):
+    """``--processes 2``: contributions to a buffered stream (K = 3, z = 0) reach the control process through
+    the shard processes, which sums them (the streams' buffers are summed where the stream decides); each
+    release is the exact sum of what was acknowledged into it, a resend counts once, and the buffer refuses a
+    direct Submit, Finalize or cancel (through a shard process too), saying to use SubmitToStream."""
+    from clipd.client import Buffer
+
+    _, target = behind_shards
+    with Client(target, token="admin-secret") as c:
+        sid = c.create_stream({"w": (8,)}, l2_norm_clip=1.0, buffer=Buffer(size=3, staleness_exponent=0.0),
+                              privacy=Privacy(f"procs-{uuid.uuid4().hex[:8]}", 1e-5, noise_multiplier=0.0,
+                                              max_participations=10, min_separation=1))
+        rng = np.random.default_rng(3)
+        updates = {f"p{i}": (rng.uniform(-0.2, 0.2, 8).astype(np.float32)) for i in range(6)}
+        for i, (client, update) in enumerate(updates.items()):
+            ack = c.submit_to_stream(sid, {"w": update}, trained_from=0, client_id=client, sequence=1)
+            assert (ack.version, ack.duplicate) == (1 + i // 3, False)
+        again = c.submit_to_stream(sid, {"w": updates["p0"]}, trained_from=0, client_id="p0", sequence=1)
+        assert (again.version, again.duplicate) == (1, True)
+        releases = [r for _, r in zip(range(2), c.watch_releases(sid, after=0, timeout=60))]
+        for release, clients in zip(releases, (["p0", "p1", "p2"], ["p3", "p4", "p5"])):
+            expected = sum(updates[k].astype(np.float64) for k in clients)
+            np.testing.assert_allclose(release.sums["w"], expected, rtol=1e-6, atol=1e-7)
+            assert release.release.contributions == 3
+        buffer = f"{sid}.v3"
+        for act in (lambda: c.submit(buffer, {"w": np.zeros((1, 8), np.float32)}, client_id="x"),
+                    lambda: c.finalize(buffer), lambda: c.cancel(buffer)):
+            with pytest.raises(FailedPreconditionError, match="go through SubmitToStream"):
+                act()
+        assert c.stream(sid).state == "open"

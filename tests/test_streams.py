@@ -226,7 +226,8 @@ def test_twenty_clients_as_fast_as_they_can_are_each_counted_exactly_once(server
 
 def test_what_a_stream_cant_be_is_refused_plainly(admin):
     """No participation limits, a buffer of 0, a negative staleness exponent: INVALID_ARGUMENT;
-    the same id with another spec: ALREADY_EXISTS."""
+    the same id with another spec: ALREADY_EXISTS; a buffer's own Submit, Finalize, cancel or draw:
+    FAILED_PRECONDITION."""
     layers = {"w": (WIDTH,)}
     for words, make in [
         ("needs participation limits", lambda: admin.create_stream(
@@ -243,6 +244,15 @@ def test_what_a_stream_cant_be_is_refused_plainly(admin):
     with pytest.raises(ClipdError) as e:
         admin.create_stream(layers, privacy=p, buffer=Buffer(3), stream_id="fixed-id-stream")
     assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    # Its buffers are the stream's: no Submit, Finalize, cancel or draw of their own (the stream goes on).
+    buffer = f"{sid}.v1"
+    for act in (lambda: admin.submit(buffer, {"w": np.zeros((1, WIDTH), np.float32)}, client_id="x"),
+                lambda: admin.finalize(buffer), lambda: admin.cancel(buffer),
+                lambda: admin.draw_clients(buffer, ["x"])):
+        with pytest.raises(FailedPreconditionError, match="buffer of version 1 of stream .* go through SubmitToStream"):
+            act()
+    assert admin.stream(sid).state == "open" and admin.submit_to_stream(sid, {"w": update(0, 1)}, trained_from=0,
+                                                                          client_id="x").version == 1
 
 
 def test_a_stream_goes_on_after_a_restart(tmp_path):

@@ -1,7 +1,8 @@
 """A buffered stream survives SIGKILL of a real ``clipd serve`` process (docs/streams.md): clients submitting as
 fast as they can while the server is killed at random moments and restarted; every acknowledged contribution
 counts in exactly one version, every version is released once, with exactly the contributions acknowledged into
-it (z = 0: the releases are exact sums, each contribution on a coordinate of its own)."""
+it (z = 0: the releases are exact sums, each contribution on a coordinate of its own); with ``--processes 2``
+too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 from service_helpers import ServerProcess, free_port
 
 from clipd.client import Buffer, Client, Privacy
@@ -26,9 +28,13 @@ def _contribution(client: int, n: int) -> np.ndarray:
     return x
 
 
-def test_sigkill_at_random_moments_loses_nothing_acknowledged_and_releases_each_version_once(tmp_path):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_sigkill_at_random_moments_loses_nothing_acknowledged_and_releases_each_version_once(tmp_path, processes):
+    """One process, or ``--processes 2`` (the control process killed, its shard processes exit with it; the
+    contributions reach it through them)."""
     server = ServerProcess(tmp_path / "data", tmp_path / "cache", free_port(),
-                           args=("--admin-port", "-1", "--admin-token", TOKEN))
+                           args=("--admin-port", "-1", "--admin-token", TOKEN,
+                                 *(("--processes", str(processes)) if processes else ())))
     server.start()
     target = f"127.0.0.1:{server.port}"
     acked: dict[tuple[int, int], int] = {}

@@ -156,6 +156,20 @@ class SpareTotals:
 SPARE_TOTALS = SpareTotals()  # this process's (one registry a process)
 
 
+def buffer_refusal(aggregation_id: str, stream: str, version: int) -> str:
+    """Why a buffered stream's buffer refuses what an aggregation's caller may do (submit, finalize, cancel,
+    draw clients): the stream does it."""
+    return (f"aggregation {aggregation_id!r} is the buffer of version {version} of stream {stream!r}: its"
+            " contributions go through SubmitToStream, and the stream releases it (StopStream stops the stream)")
+
+
+def refuse_buffer(aggregation: Aggregation) -> Aggregation:
+    """``aggregation``, unless it is a buffered stream's buffer (FAILED_PRECONDITION: :func:`buffer_refusal`)."""
+    if aggregation.spec.stream:
+        raise FailedPrecondition(buffer_refusal(aggregation.id, aggregation.spec.stream, aggregation.spec.version))
+    return aggregation
+
+
 def make_accumulator(layers: tuple[LayerSpec, ...], policy: ClipPolicy, plan) -> ClipAccumulator:
     """An aggregation's accumulator: under secure noise, in fixed point on its release's grid (``plan.grid_step``)."""
     return ClipAccumulator(layers, policy, fixed_point_step=plan.grid_step if plan is not None else 0.0)

@@ -53,26 +53,37 @@ class ClipdServer:
         self.hosts: ShardHosts | None = None
         self.launcher = self._launcher(settings) if settings.processes or settings.ray_address else None
 
-        def make_shards() -> Devices | ShardHosts:
+        # The devices of this process, where buffered streams' buffers are summed (None: no streams, on Ray).
+        self.stream_devices: Devices | None = None
+
+        def make_shards() -> Shards:
+            if self.launcher is None or settings.processes:
+                self.stream_devices = Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
+                                              settings.warmup_timeout,
+                                              busy_checkpoint_interval=settings.busy_checkpoint_interval)
             if self.launcher is None:  # every shard on a local device
-                return Devices(self.store, settings.checkpoint_interval, settings.checkpoint_max_duty,
-                               settings.warmup_timeout, busy_checkpoint_interval=settings.busy_checkpoint_interval)
+                assert self.stream_devices is not None
+                return self.stream_devices
             from clipd.server.shards.hosts import ShardHosts
 
             self.hosts = ShardHosts(settings, self.store, self.launcher)
-            return self.hosts
+            if self.stream_devices is None:
+                return self.hosts
+            from clipd.server.shards.routed import StreamsHere
+
+            return StreamsHere(self.hosts, self.stream_devices)  # (with --processes: streams' buffers here)
 
         serving = serving_process(settings, self.store, self.registry, make_shards,
                                   admin_token=settings.admin_token, handlers=clipd_handlers, role="control")
-        self.devices: Devices | ShardHosts = serving.shards  # type: ignore[assignment]  # (what make_shards made)
+        self.devices: Shards = serving.shards
         self.ledgers, self.lifecycle = serving.ledgers, serving.lifecycle
         self.serving_process = serving
         self.servicer, self.guard, self.grpc = serving.servicer, serving.guard, serving.grpc
         self.health = serving.health
         recover(self.store, self.registry, self.devices, settings, self.ledgers)
         self.streams: Streams | None = None
-        if self.hosts is None:  # this process receives the updates its devices sum
-            self.servicer.attach_devices(self.devices)
+        if self.stream_devices is not None:  # this process receives the updates its devices sum (all, or a stream's)
+            self.servicer.attach_devices(self.stream_devices)
             self.streams = self.servicer.streams = Streams(self.lifecycle)  # (their buffers are recovered above)
             self.streams.recover()
         launcher = self.launcher
@@ -237,7 +248,7 @@ def recover(store: Store, registry: Registry, shards: Shards, settings: Settings
             release = Release.from_bytes(blob) if blob is not None else None
             totals = None
         else:
-            if claims_shards(store, settings) and record.state not in (FINALIZED, FAILED):
+            if claims_shards(store, settings, spec) and record.state not in (FINALIZED, FAILED):
                 # Claim before reading: no earlier owner can commit after the checkpoints read here.
                 epochs = [store.claim_shard(record.aggregation_id, k) for k in range(shard_count)]
             totals = [store.load_checkpoint(record.aggregation_id, shard=k, newest_only=finalized)

@@ -108,10 +108,10 @@ class Shards(Protocol):
     def stop(self, timeout: float | None = None) -> None: ...
 
 
-def claims_shards(store: Store, settings: Settings) -> bool:
-    """Whether this server claims its aggregations' shards itself: a shared store, and no shard processes or Ray
-    shard hosts (they claim their own)."""
-    return store.shared and not (settings.ray_address or settings.processes)
+def claims_shards(store: Store, settings: Settings, spec: AggregationSpec) -> bool:
+    """Whether this server claims an aggregation's shards itself: a shared store, and no shard processes or Ray
+    shard hosts (they claim their own), or a buffered stream's buffer (summed here: ``shards.routed``)."""
+    return store.shared and (bool(spec.stream) or not (settings.ray_address or settings.processes))
 
 
 def fail(aggregation: Aggregation, store: Store | None, reason: str) -> bool:
@@ -231,7 +231,7 @@ class Lifecycle:
         so two servers never both acknowledge batches of one shard. Shard
         processes and Ray actors claim for themselves.
         """
-        if claims_shards(self.store, self.settings):
+        if claims_shards(self.store, self.settings, aggregation.spec):
             aggregation.claimed([self.store.claim_shard(aggregation.id, k) for k in range(aggregation.shards)])
 
     # submit -------------------------------------------------------------------------------------

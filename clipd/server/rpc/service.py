@@ -25,7 +25,7 @@ import math
 import threading
 
 from clipd import wire
-from clipd.server.aggregations import Aggregation
+from clipd.server.aggregations import Aggregation, refuse_buffer
 from clipd.server.credentials import SubmitTokens, bearer_token
 from clipd.server.errors import (
     ClipdError,
@@ -166,6 +166,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
 
     @_status_on_error
     def CancelAggregation(self, request: pb.CancelAggregationRequest, context) -> pb.Aggregation:
+        refuse_buffer(self.registry.get(request.aggregation_id))
         return self._describe(self.lifecycle.cancel(request.aggregation_id))
 
     @_status_on_error
@@ -177,6 +178,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             if isinstance(request, codec.Malformed):
                 raise InvalidArgument(f"malformed Finalize request: {request.reason}")
             limit = self.chunk_limit(request.max_chunk_bytes)
+            refuse_buffer(self.registry.get(request.aggregation_id))
             # A large model's result is written into receive buffers its round no longer needs (none beside them,
             # back in the pool once the result is freed); the others wait for the next round, as far as the result
             # leaves room.
@@ -226,6 +228,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             raise InvalidArgument(f"client_ids: at most {MAX_CANDIDATES} candidates a call, got"
                                   f" {len(request.client_ids)}")
         candidates = [check_id(c, "client_ids") for c in request.client_ids]
+        refuse_buffer(self.registry.get(request.aggregation_id))
         aggregation, release, rate, drawn = self.lifecycle.draw_clients(request.aggregation_id, candidates)
         return pb.DrawClientsResponse(aggregation_id=aggregation.id, ledger_id=aggregation.privacy.ledger_id,
                                       release=release, sampling_rate=rate, drawn_client_ids=drawn)
@@ -234,7 +237,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
     @property
     def _streams(self):
         if self.streams is None:
-            raise FailedPrecondition("this server runs no buffered streams (not with --processes or --ray yet)")
+            raise FailedPrecondition("this server runs no buffered streams (not with --ray yet)")
         return self.streams
 
     def _described(self, stream) -> pb.BufferedStream:
@@ -353,9 +356,11 @@ class ClipdServicer(pb_grpc.ClipdServicer):
                           self.auth.certified_client(context), context)
 
     def check_submitter(self, token: str | None, aggregation_id: str, action: str) -> Aggregation:
-        """The aggregation, if ``token`` may submit to it (:meth:`Authenticator.authorize`)."""
+        """The aggregation, if ``token`` may submit to it (:meth:`Authenticator.authorize`); to submit, not a
+        buffered stream's buffer (:func:`refuse_buffer`)."""
         self.auth.authorize(token, aggregation_id, action)
-        return self.registry.get(aggregation_id)  # a finalized one refuses batches there, as for the admin
+        aggregation = self.registry.get(aggregation_id)  # (a finalized one refuses batches there)
+        return refuse_buffer(aggregation) if action == "submit to" else aggregation
 
 
 def check_limits(layers, settings: Settings) -> None:

@@ -15,8 +15,8 @@ Layout (one host)::
     every other RPC (create, stats, finalize, ...) --unix socket, byte for byte--> the control process
 
 The control process (``clipd serve`` itself) holds the control plane and never
-sees a payload byte: it creates aggregations in the store, reads the shard
-processes' statistics (polled twice a second), finalizes (below), releases
+sees a payload byte (but a buffered stream's: ``shards/routed.py``): it creates
+aggregations in the store, reads the shard processes' statistics (polled twice a second), finalizes (below), releases
 with noise, keeps the ledgers, serves the admin API and supervises the shard
 processes. Each shard process opens an aggregation from the store the first
 time it needs it (a Submit, the control's ``Open`` or ``Finish``), claims an
@@ -54,7 +54,7 @@ import time
 import grpc
 
 from clipd import wire
-from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, State
+from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, State, buffer_refusal
 from clipd.server.credentials import bearer_token
 from clipd.server.errors import ClipdError, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
@@ -259,7 +259,10 @@ class ShardHost:
             raise FailedPrecondition(f"aggregation {aggregation_id} is finalized: it takes no more batches")
         if record.state == FAILED:
             raise FailedPrecondition(f"aggregation {aggregation_id} failed: {record.reason}")
-        shards = AggregationSpec.from_json(record.spec).shards
+        spec = AggregationSpec.from_json(record.spec)
+        if spec.stream:  # summed by the control process (shards/routed.py): never claimed here
+            raise FailedPrecondition(buffer_refusal(aggregation_id, spec.stream, spec.version))
+        shards = spec.shards
         mine = self.devices.owned(shards)
         # Claim before reading: no earlier owner of these shards can commit after the checkpoints read here.
         epochs = {k: self.store.claim_shard(aggregation_id, k) for k in mine}

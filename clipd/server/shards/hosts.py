@@ -216,7 +216,8 @@ class ShardHosts:
         """Reads every host's statistics of the open aggregations into the control's aggregations."""
         if self.registry is None:  # not started
             return
-        live = [a for a in self.registry.all() if a.state in (*TAKES_BATCHES, State.FINALIZING)]
+        live = [a for a in self.registry.all()  # (a buffered stream's buffers are summed by the control: routed.py)
+                if a.state in (*TAKES_BATCHES, State.FINALIZING) and not a.spec.stream]
         ids = [a.id for a in live]
         answers = {}
         for index in range(self.count):
