@@ -14,7 +14,9 @@ It reports the wall time each needs to reach the synchronous run's final accurac
 
     async: clients=<n> releases=<r> accuracy=<a> epsilon=<e> wall_s=<t> sync_accuracy=<a2> sync_epsilon=<e2> sync_wall_s=<t2>
 
-(``wall_s``: until the asynchronous run first reaches ``sync_accuracy``; ``accuracy``: where it stopped).
+(``wall_s``: until the asynchronous run first reaches ``sync_accuracy``; ``accuracy``: where it stopped). Each
+run's clock starts once its first aggregation has warmed up (the first round's, the stream's first buffer: their
+programs compiled, once a server for a layout), as a training run of hours would hardly see it.
 
 Run: ``python examples/async_digits.py --clients 60`` (an embedded server unless ``--target``, with
 ``--token`` its admin token).
@@ -116,6 +118,16 @@ class Clients:
         return update
 
 
+def wait_open(client: Client, aggregation_id: str, timeout: float = 300.0) -> None:
+    """Until the aggregation has warmed up (its programs compiled: once a server, for a layout): each run's
+    clock starts after it, as a long training run's would hardly see it."""
+    from clipd.v1 import clipd_pb2 as pb
+
+    deadline = time.monotonic() + timeout
+    while client.get_aggregation(aggregation_id).state == pb.Aggregation.WARMING_UP and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def privacy(args: argparse.Namespace, name: str) -> Privacy:
     return Privacy(f"{name}-{uuid.uuid4().hex[:8]}", 1e-5, noise_multiplier=args.noise_multiplier,
                    max_participations=args.max_participations, min_separation=1, release_mean=True)
@@ -138,6 +150,10 @@ def synchronous(args: argparse.Namespace, client: Client, clients: Clients) -> d
             taken[chosen] += 1
             if not rounds.open(number, model):
                 break
+            if number == 1:  # the clock starts once the first round is warm
+                assert rounds.open_round is not None
+                wait_open(client, rounds.open_round.aggregation_id)
+                started = time.perf_counter()
             for site, update in zip(chosen, pool.map(lambda c, m=model: clients.train(int(c), m), chosen)):
                 rounds.submit(f"client-{site}", update)  # (this round's updates, once the slowest is in)
             new, _ = rounds.release(as_update=True)
@@ -166,6 +182,7 @@ def asynchronous(args: argparse.Namespace, client: Client, clients: Clients, goa
     rng = np.random.default_rng(args.seed + 3)
     history: list[tuple[float, float]] = []
     reached: list[float] = []
+    wait_open(client, f"{stream}.v1")  # the clock starts once the first buffer is warm
     started = time.perf_counter()
 
     def worker() -> None:

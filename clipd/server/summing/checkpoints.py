@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from clipd.server.aggregations import Aggregation
+from clipd.server.aggregations import Aggregation, State
 from clipd.server.errors import Unavailable
 from clipd.server.stores.base import Store
 
@@ -105,7 +105,10 @@ class Committer:
                     self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epoch(shard))
             except Exception as e:
                 error = e
-                log.exception("checkpoint of aggregation %s failed", aggregation.id)
+                if aggregation.state is State.CANCELLED:  # cancelled (its record gone) while this one was queued
+                    log.debug("checkpoint of aggregation %s dropped: cancelled", aggregation.id)
+                else:
+                    log.exception("checkpoint of aggregation %s failed", aggregation.id)
             else:
                 aggregation.mark_durable(totals.clients)
             if final is not None:
