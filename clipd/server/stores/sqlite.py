@@ -311,15 +311,18 @@ class SQLiteStore(SQLStore):
                        position: int, finished: float, *, stream: NoiseStream | None = None,
                        participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
         """The release file durable first, then one commit: its row, the entry, FINALIZED, raw rows gone, the
-        noise stream and the participations."""
+        noise stream and the participations. The raw checkpoints' files are unlinked after it, on a thread of
+        their own (a large model's take a while; the release waits for none of it), and without the
+        directory's fsync: one a crash brings back has no row, and the sweep at the next open removes it (no
+        row points at it: it is never read)."""
         with self._files_lock:
             key, directory = self._made_state_dir(aggregation_id)
             _write_durably(directory, RELEASE_FILE, lambda f: f.write(release))
             with self._transaction() as tx:
                 raw = self._add_release(tx, key, release, ledger_id, entry, position, finished, stream,
                                         participants, audit)
-            _remove_files(directory, raw)
-            _fsync_dir(directory)
+        if raw:
+            threading.Thread(target=_remove_files, args=(directory, raw), daemon=True, name="clipd-prune").start()
 
     def _read_release(self, aggregation_id: str, key: int, row: tuple) -> bytes:
         nbytes, crc = row
