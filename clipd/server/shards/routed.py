@@ -73,8 +73,9 @@ class StreamsHere(Shards):
         return self.hosts.device_kind
 
     def describe(self) -> list[dict]:
-        """The hosts' devices, then this process's (``"process": "control"``: the streams' buffers)."""
-        return [*self.hosts.describe(), *({**d, "process": "control"} for d in self.local.describe())]
+        """The hosts' devices, then this process's once they have summed (``"process": "control"``: the streams'
+        buffers)."""
+        return [*self.hosts.describe(), *({**d, "process": "control"} for d in self.local.describe() if d["steps"])]
 
     def stop(self, timeout: float | None = None) -> None:
         self.hosts.stop(timeout)
