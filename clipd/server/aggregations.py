@@ -171,8 +171,15 @@ def refuse_buffer(aggregation: Aggregation) -> Aggregation:
 
 
 def make_accumulator(layers: tuple[LayerSpec, ...], policy: ClipPolicy, plan) -> ClipAccumulator:
-    """An aggregation's accumulator: under secure noise, in fixed point on its release's grid (``plan.grid_step``)."""
-    return ClipAccumulator(layers, policy, fixed_point_step=plan.grid_step if plan is not None else 0.0)
+    """An aggregation's accumulator: under secure noise, in fixed point on its release's grid (``plan.grid_step``).
+    One for each kind (an accumulator is its configuration: the state is the caller's), made once: a stream's
+    buffers and a job's rounds are aggregations of the same kind, one after another."""
+    return _accumulator(tuple(layers), policy, plan.grid_step if plan is not None else 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _accumulator(layers: tuple[LayerSpec, ...], policy: ClipPolicy, fixed_point_step: float) -> ClipAccumulator:
+    return ClipAccumulator(layers, policy, fixed_point_step=fixed_point_step)
 
 
 @dataclasses.dataclass(frozen=True)

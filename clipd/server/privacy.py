@@ -210,6 +210,7 @@ class Ledgers:
         self._ledger_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._reserved: dict[str, dict[str, _Reservation]] = collections.defaultdict(dict)
         self._events: dict[str, list[str]] = {}  # the committed events read so far, per ledger (see events)
+        self._configured: set[tuple[str, str]] = set()  # (ledger, config) the store has (a ledger's is fixed)
         self.participation_refusals: collections.Counter[str] = collections.Counter()  # per ledger, this process
         self.draws = Draws(store.submit_token_key)  # a server-drawn ledger's participants (server.sampling)
 
@@ -355,10 +356,13 @@ class Ledgers:
         wanted = ledger_config(policy, plan, aggregation.parameters, aggregation.unit, aggregation.client_ids,
                                aggregation.spec.stream)
         with self._locked(policy.ledger_id):
-            stored = self.store.ensure_ledger(LedgerRecord(policy.ledger_id, json.dumps(wanted), time.time()))
-            if not _same_config(json.loads(stored.config), wanted):
-                raise FailedPrecondition(f"ledger {policy.ledger_id!r} exists with another configuration:"
-                                         f" {_config_difference(json.loads(stored.config), wanted)}")
+            configured = (policy.ledger_id, json.dumps(wanted, sort_keys=True))
+            if configured not in self._configured:  # (a stream's buffers, a job's rounds: asked once)
+                stored = self.store.ensure_ledger(LedgerRecord(policy.ledger_id, json.dumps(wanted), time.time()))
+                if not _same_config(json.loads(stored.config), wanted):
+                    raise FailedPrecondition(f"ledger {policy.ledger_id!r} exists with another configuration:"
+                                             f" {_config_difference(json.loads(stored.config), wanted)}")
+                self._configured.add(configured)
             debug = [NON_PRIVATE] if policy.debug_raw_statistics else []
             reserved = [r.event for r in self._reserved[policy.ledger_id].values() if _counts(r.aggregation)]
             committed = self.events(policy.ledger_id)
