@@ -78,7 +78,8 @@ def submit(servicer: Any, streams: Streams, message: pb.StreamSubmitRequest, tok
         assert aggregation is not None
         assembler = assembler_for(aggregation, servicer.settings, servicer.budget)
         try:
-            batch = assembler.add(1, message.chunks)
+            chunks = [wire.Chunk(c.layer, c.dtype, tuple(c.shape), c.offset, c.data) for c in message.chunks]
+            batch = assembler.add(1, chunks)  # (each protobuf field read once: its bytes are copied per read)
             if batch is None:
                 raise InvalidArgument("SubmitToStream takes a whole update in one message")
         finally:
