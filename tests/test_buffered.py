@@ -39,3 +39,14 @@ def test_a_clients_epsilon_is_dp_accountings_for_its_participations(releases, b,
     entry = dp.participation_event(dp.event_to_json(dpe.GaussianDpEvent(1.5)), releases, dp.Participation(b, k))
     assert dp.epsilon_of_json([entry], 1e-5, "rdp", "add_remove_one") == pytest.approx(accountant.get_epsilon(1e-5),
                                                                                        rel=1e-9)
+
+
+def test_an_events_json_is_remembered_only_for_the_same_event_as_written():
+    """The JSON of an event is made once (dp_accounting makes a class per ``to_named_tuple``), yet an event equal
+    to another but written otherwise (1 == 1.0) keeps its own text, which a ledger's configuration compares."""
+    import json
+
+    for event in (dpe.GaussianDpEvent(1), dpe.GaussianDpEvent(1.0),
+                  dpe.SelfComposedDpEvent(dpe.GaussianDpEvent(2.0), 3)):
+        assert json.loads(dp.event_to_json(event)) == json.loads(json.dumps(dp._plain(event.to_named_tuple())))
+    assert dp.event_to_json(dpe.GaussianDpEvent(1)) != dp.event_to_json(dpe.GaussianDpEvent(1.0))

@@ -279,14 +279,12 @@ class Ledgers:
             stream = stream.optimized()
         return dataclasses.replace(policy, correlated=stream)
 
-    def check_participation(self, policy: dp.PrivacyPolicy, client_id: str, release: int | None = None,
-                            pending: Sequence[int] = ()) -> None:
+    def check_participation(self, policy: dp.PrivacyPolicy, client_id: str) -> None:
         """Refuses (FAILED_PRECONDITION) a client the ledger's rules keep out of its next release: one the
         server did not draw (its sampling drawn by the server), or, on a correlated ledger whose participation
         the server enforces, or on a ledger with participation limits, one that took part in one of the last b - 1
         releases or in k already. The release is the ledger's next (one aggregation at a time is open on such a
-        ledger), or ``release`` (0-based: a buffered stream's buffer), with the client's ``pending`` releases (its
-        contributions in buffers not released yet) beside those it took part in."""
+        ledger; a buffered stream, whose buffers are open together, decides with :meth:`check_taken`)."""
         if policy.sampling.drawn_by is dp.DrawnBy.SERVER:
             client = client_of(client_id)
             release = self.next_release(policy.ledger_id)
@@ -299,11 +297,12 @@ class Ledgers:
         if participation_limits(policy) is None:
             return
         client = client_of(client_id)
-        taken = sorted({*self.store.participations(policy.ledger_id, client), *pending})
-        if taken and release is None:
+        taken = sorted(self.store.participations(policy.ledger_id, client))
+        release = 0
+        if taken:
             with self._locked(policy.ledger_id):
                 release = len(self.events(policy.ledger_id))
-        self.check_taken(policy, client, taken, release if release is not None else 0)
+        self.check_taken(policy, client, taken, release)
 
     def check_taken(self, policy: dp.PrivacyPolicy, client: str, taken: Sequence[int], release: int) -> None:
         """Refuses (FAILED_PRECONDITION) ``client``, whose releases so far are ``taken`` (0-based, ascending), in

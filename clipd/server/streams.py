@@ -101,9 +101,6 @@ class StreamSpec:
         spec = json.loads(text)
         return cls(AggregationSpec.from_json(json.dumps(spec["aggregation"])), BufferPolicy(**spec["buffer"]))
 
-    def buffer_of(self, version: int) -> AggregationSpec:
-        return dataclasses.replace(self.aggregation, version=version)
-
 
 def buffer_id(stream_id: str, version: int) -> str:
     """The aggregation id of a stream's buffer of ``version``."""
