@@ -1,7 +1,7 @@
 // clipd dashboard. The overview (#/ or #filter=open|finalized|failed) shows the server (/api/v1/server), the
-// privacy ledgers (/api/v1/ledgers), the buffered streams (/api/v1/streams; a server older than them answers 404:
-// none shown) and a card per aggregation (/api/v1/aggregations); #/aggregations/<id> shows one aggregation in
-// detail, with its throughput as the server recorded it (/api/v1/aggregations/<id>/throughput).
+// privacy ledgers (/api/v1/ledgers), the buffered streams (/api/v1/streams) and a card per aggregation
+// (/api/v1/aggregations); #/aggregations/<id> shows one aggregation in detail, with its throughput as the server
+// recorded it (/api/v1/aggregations/<id>/throughput).
 // Plain DOM and SVG, no dependency. Every string reaches the page as text (textContent, setAttribute), never as
 // HTML: aggregation, stream, layer and ledger names come from clients. A number the API does not give shows "—".
 "use strict";
@@ -557,9 +557,7 @@ async function getJSON(path, allow404 = false) {
   // Same-origin: the session cookie set by /login goes along (the token never appears in a URL).
   const response = await fetch(path, { credentials: "same-origin" });
   if (response.status === 401 || response.status === 403) throw new SignIn();
-  if (allow404 && response.status === 404) {
-    return { notFound: (await response.json().catch(() => ({}))).detail || `${path}: not found` };
-  }
+  if (allow404 && response.status === 404) return { notFound: (await response.json()).detail };
   if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
   return response.json();
 }
@@ -587,10 +585,10 @@ async function refresh() {
         el("p", { class: "error" }, agg.notFound))] : [detail(agg, tp, data.now_unix_seconds)];
     } else {
       const [data, server, ledgers, streams] = await Promise.all([list, getJSON("/api/v1/server"),
-        getJSON("/api/v1/ledgers"), getJSON("/api/v1/streams", true)]);  // (404: a server without streams)
+        getJSON("/api/v1/ledgers"), getJSON("/api/v1/streams")]);
       if (mine !== generation) return;
       banner(data);
-      nodes = overview(data, server, ledgers, streams.notFound ? { streams: [] } : streams, r.filter);
+      nodes = overview(data, server, ledgers, streams, r.filter);
     }
     document.getElementById("view").replaceChildren(...nodes);
     status.textContent = `updated ${fmtClock(Date.now() / 1000)}`;
