@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import zlib
@@ -68,8 +69,12 @@ class FaultyProxy:
     ``max_bytes`` bytes from client to server.
     """
 
-    def __init__(self, upstream_port: int, faults: int, min_bytes: int, max_bytes: int, seed: int = 0) -> None:
+    def __init__(self, upstream_port: int, faults: int, min_bytes: int, max_bytes: int, seed: int = 0,
+                 cut_when: Callable[[], bool] | None = None) -> None:
         self.upstream_port = upstream_port
+        # Once a cut's bytes are through, the cut waits (up to 30 s) until ``cut_when()`` holds: a test that needs the
+        # server to have *read* some of them (not only its socket to hold them) says so here.
+        self.cut_when = cut_when
         self.faults_left = faults
         self.cuts = 0
         self.forwarded = 0  # bytes from clients to the server, over every connection
@@ -112,6 +117,9 @@ class FaultyProxy:
                     break
                 if cut_after is not None and sent + len(data) >= cut_after:
                     dst.sendall(data[: cut_after - sent])
+                    deadline = time.monotonic() + 30
+                    while self.cut_when is not None and not self.cut_when() and time.monotonic() < deadline:
+                        time.sleep(0.005)
                     with self._lock:
                         self.cuts += 1
                         self.forwarded += cut_after - sent
