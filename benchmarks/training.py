@@ -8,16 +8,21 @@ after ``--warmup`` (compilation), medians:
   (GradSampleModule hooks), flat clipping, Gaussian noise, the RDP accountant's step, SGD.
 - ``clipd``: per-sample gradients with ``torch.func`` in the trainer; clipping, noise and accounting
   by a real `clipd serve` process on loopback (its durable SQLite store in a temporary directory,
-  or ``--store memory``) through ``DpSgd``, pipelined (the next step's aggregation created and the
-  last one dropped while the trainer computes) and ``sequential`` (every call in turn).
+  or ``--store memory``) through ``DpSgd``: each step one call (``Step``, the default), or the
+  separate calls (create, submit, finalize, cancel) pipelined (the next step's aggregation created and
+  the last one dropped while the trainer computes) and sequential (every call in turn).
 - ``grads``: the trainer's own part of a clipd step (sampling, ``torch.func`` per-example gradients,
   SGD), measured alone: ``clipd - grads`` is what the service adds.
+- ``floor``: the trainer's part plus one round trip of a bare gRPC server (a process of its own
+  that reads the request and answers as many bytes as a step's release) carrying a step's request
+  at the expected batch (its per-example gradients: ``batch-size`` x 2,410 float32): what no
+  service on this path can go under.
 
-Then where a sequential step's time goes: the client's calls (create, submit until acknowledged,
-finalize with the release, cancel) and, inside the server, the checkpoint that the acknowledgement
-waits for, the noise, the ledger's epsilon and the ledger commit (timed by wrapping those functions
-of the embedded server). The last line:
-``training: opacus_ms=<a> clipd_ms=<b> grads_ms=<c> overhead_ms=<b-a> service_ms=<b-c>``.
+Then where a step's time goes inside the server: the same one-call steps against a server in this
+process, its store's create, checkpoint and release commits, the noise and the ledger's epsilon
+timed by wrapping those functions; and the separate calls' client-side phases. The last line:
+``training: opacus_ms=<a> clipd_ms=<b> grads_ms=<c> overhead_ms=<b-a> service_ms=<b-c> floor_ms=<f>
+vs_opacus=<b/a> vs_floor=<b/f>`` (``clipd_ms``: the default, one call).
 
 Run: ``python benchmarks/training.py`` (``--quick`` for a smoke run). Needs torch, opacus, scikit-learn.
 """
@@ -83,7 +88,8 @@ def opacus_steps(data, args) -> list[float]:
     return times
 
 
-def clipd_steps(data, args, client, pipeline: bool, grads_only: bool = False, warm=lambda: None):
+def clipd_steps(data, args, client, pipeline: bool = True, grads_only: bool = False, warm=lambda: None,
+                one_call: bool = True):
     """Seconds per step through clipd (or of the trainer's part alone), and the seconds of each call."""
     import torch
     from dpsgd_torch import Mlp, per_example_gradients
@@ -98,7 +104,7 @@ def clipd_steps(data, args, client, pipeline: bool, grads_only: bool = False, wa
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     rng, times, phases = np.random.default_rng(1), [], collections.defaultdict(list)
     with DpSgd(client, layers, l2_norm_clip=1.0, noise_multiplier=args.z, sampling_rate=args.batch_size / n,
-               dataset_size=n, delta=1e-5, pipeline=pipeline) as dp:
+               dataset_size=n, delta=1e-5, pipeline=pipeline, one_call=one_call) as dp:
         for step in range(args.warmup + args.steps):
             if step == args.warmup:
                 warm()
@@ -141,11 +147,53 @@ def clipd_serve(data_dir: str):
         stop_process(server)
 
 
+def bare_sink(answer_bytes: int) -> None:
+    """A plain gRPC server (this process): one unary method that takes any request and answers ``answer_bytes``
+    bytes; prints its port, serves until killed."""
+    from concurrent import futures
+
+    import grpc
+
+    answer = bytes(answer_bytes)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         options=[("grpc.max_receive_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bare.Sink", {
+        "Step": grpc.unary_unary_rpc_method_handler(lambda request, context: answer)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(port, flush=True)
+    server.wait_for_termination()
+
+
+def bare_round_trips(request_bytes: int, answer_bytes: int, calls: int) -> list[float]:
+    """Seconds of each of ``calls`` round trips to a bare sink in a process of its own (after 5 unmeasured)."""
+    import grpc
+
+    sink = subprocess.Popen([sys.executable, __file__, "--bare-sink", str(answer_bytes)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        port = int(sink.stdout.readline())
+        request = bytes(request_bytes)
+        with grpc.insecure_channel(f"127.0.0.1:{port}",
+                                   options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+            call = channel.unary_unary("/bare.Sink/Step")
+            times = []
+            for k in range(5 + calls):
+                started = time.perf_counter()
+                call(request, timeout=60)
+                if k >= 5:
+                    times.append(time.perf_counter() - started)
+        return times
+    finally:
+        stop_process(sink)
+
+
 @contextlib.contextmanager
 def server_timers():
     """Wraps the embedded server's checkpoint, noise, epsilon and ledger commit with timers."""
     from clipd.engine import _privacy as dp
     from clipd.server import privacy
+    from clipd.server.rpc import steps
     from clipd.server.stores import sqlite as sqlite_store
 
     timers = collections.defaultdict(list)
@@ -164,12 +212,14 @@ def server_timers():
 
         setattr(owner, name, timed)
 
-    wrap(sqlite_store.SQLiteStore, "save_checkpoint", "checkpoint (acknowledgement)")
-    wrap(sqlite_store.SQLiteStore, "create", "store the new aggregation")
+    wrap(steps, "step", "the step, whole (in the server)")
+    wrap(sqlite_store.SQLiteStore, "create", "store the new aggregation (with its reservation)")
+    wrap(sqlite_store.SQLiteStore, "save_checkpoint", "checkpoints")
     wrap(dp, "add_gaussian_noise", "noise")
     wrap(dp, "epsilon_of_json", "ledger epsilon (each create and release)")
     wrap(sqlite_store.SQLiteStore, "commit_release", "ledger commit")
     wrap(privacy.Ledgers, "release", "release (noise + epsilon + ledger commit)")
+    wrap(sqlite_store.SQLiteStore, "delete", "drop the step before (after the answer)")
     try:
         yield timers
     finally:
@@ -185,7 +235,11 @@ def main() -> None:
     parser.add_argument("--z", type=float, default=2.0)
     parser.add_argument("--store", choices=["durable", "memory"], default="durable")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--bare-sink", type=int, default=0, help=argparse.SUPPRESS)  # (the floor's server)
     args = parser.parse_args()
+    if args.bare_sink:
+        bare_sink(args.bare_sink)
+        return
     if args.quick:
         args.steps, args.warmup = 6, 2  # and no in-process breakdown of the server's part
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -211,40 +265,49 @@ def main() -> None:
             target = served()
             opacus = opacus_steps(data, args)
             with Client(target) as client:  # a server process of its own
-                grads, _ = clipd_steps(data, args, client, pipeline=False, grads_only=True)
-                pipelined, pipelined_phases = clipd_steps(data, args, client, pipeline=True)
-                sequential, phases = clipd_steps(data, args, client, pipeline=False)
+                grads, _ = clipd_steps(data, args, client, grads_only=True)
+                one_call, _ = clipd_steps(data, args, client)
+                pipelined, pipelined_phases = clipd_steps(data, args, client, one_call=False)
+                sequential, phases = clipd_steps(data, args, client, pipeline=False, one_call=False)
+        parameters = 2_410
+        request = int(args.batch_size) * parameters * 4 + 1_024  # the gradients, and the step's spec
+        rtt = bare_round_trips(request, parameters * 4 + 1_024, args.steps)
         timers: dict = {}
-        if not args.quick:  # where the time goes inside: the same sequential steps, a server in this process
+        if not args.quick:  # where the time goes inside: the same one-call steps, a server in this process
             server, port = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1,
                                                   max_device_rows=512, data_dir=store("embedded")))
             try:
                 with Client(f"127.0.0.1:{port}") as client, server_timers() as timers:
-                    _, phases = clipd_steps(data, args, client, pipeline=False, warm=timers.clear)
+                    clipd_steps(data, args, client, warm=timers.clear)
             finally:
                 server.stop(grace=1.0)
 
-    base = median_ms(opacus)
+    base, grads_ms, rtt_ms = median_ms(opacus), median_ms(grads), median_ms(rtt)
+    floor_ms = grads_ms + rtt_ms
     print()
-    print(f"{'step':<34} | {'ms/step':>8} | {'vs opacus':>9}")
-    for name, times in (("opacus (all local)", opacus), ("trainer's part alone (grads, SGD)", grads),
-                        ("clipd, pipelined (default)", pipelined), ("clipd, sequential", sequential)):
-        print(f"{name:<34} | {median_ms(times):>8.2f} | {median_ms(times) / base:>9.2f}")
-    print(f"pipelined step, median ms: waiting for the aggregation made ahead"
+    print(f"{'step':<40} | {'ms/step':>8} | {'vs opacus':>9} | {'vs floor':>8}")
+    for name, ms in (("opacus (all local)", base), ("trainer's part alone (grads, SGD)", grads_ms),
+                     ("floor: trainer's part + bare round trip", floor_ms),
+                     ("clipd, one call (default)", median_ms(one_call)),
+                     ("clipd, separate calls, pipelined", median_ms(pipelined)),
+                     ("clipd, separate calls, sequential", median_ms(sequential))):
+        print(f"{name:<40} | {ms:>8.2f} | {ms / base:>9.2f} | {ms / floor_ms:>8.2f}")
+    print(f"bare gRPC round trip of a step's bytes ({request:,} up, {parameters * 4 + 1_024:,} back): {rtt_ms:.2f} ms")
+    print(f"pipelined separate calls, median ms: waiting for the aggregation made ahead"
           f" {median_ms(pipelined_phases['create']):.2f}, submit {median_ms(pipelined_phases['submit']):.2f},"
           f" finalize {median_ms(pipelined_phases['finalize']):.2f}")
     print()
-    where = "server in-process" if timers else "the client's calls"
-    print(f"{f'where a sequential step goes ({where})':<50} | {'median ms':>9}")
+    print(f"{'where a step goes':<58} | {'median ms':>9}")
     for phase in ("create", "submit", "finalize", "cancel"):
         label = {"submit": "submit (until acknowledged)", "finalize": "finalize (with the release)"}.get(phase, phase)
-        print(f"{'client: ' + label:<50} | {median_ms(phases[phase]):>9.2f}")
+        print(f"{'separate calls, sequential, client: ' + label:<58} | {median_ms(phases[phase]):>9.2f}")
     for label, values in timers.items():
         per_step = sum(values) / args.steps
-        print(f"{'server, per step: ' + label:<50} | {per_step * 1e3:>9.2f}")
-    clipd_ms, grads_ms = median_ms(pipelined), median_ms(grads)
+        print(f"{'one call, server in-process, per step: ' + label:<58} | {per_step * 1e3:>9.2f}")
+    clipd_ms = median_ms(one_call)
     print(f"training: opacus_ms={base:.2f} clipd_ms={clipd_ms:.2f} grads_ms={grads_ms:.2f}"
-          f" overhead_ms={clipd_ms - base:.2f} service_ms={clipd_ms - grads_ms:.2f}")
+          f" overhead_ms={clipd_ms - base:.2f} service_ms={clipd_ms - grads_ms:.2f} floor_ms={floor_ms:.2f}"
+          f" vs_opacus={clipd_ms / base:.2f} vs_floor={clipd_ms / floor_ms:.2f}")
 
 
 if __name__ == "__main__":

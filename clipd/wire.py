@@ -39,6 +39,7 @@ BEARER = "Bearer "
 CLIENT_TOKEN_PREFIX = "cct1_"  # a client token: "cct1_<its fields, JSON in base64url>.<the server's MAC>"
 SUBMIT_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Clipd'].full_name}/Submit"
 SUBMIT_ONE_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Clipd'].full_name}/SubmitOne"
+STEP_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Clipd'].full_name}/Step"
 ACCEPTED_SEQUENCE_KEY = "accepted-sequence"  # SubmitOne's refusal of a sequence the client is past: where it is
 FINALIZE_MIN_CHUNK_BYTES = 64 * 1024  # Finalize's max_chunk_bytes: the least a server accepts...
 FINALIZE_DEFAULT_CHUNK_BYTES = 1 << 20  # ...and what 0 means
@@ -198,6 +199,10 @@ _LAYER, _DTYPE, _SHAPE, _OFFSET, _DATA = (
 _SUBMIT_FIELDS = {f.number for f in pb.SubmitRequest.DESCRIPTOR.fields}
 _RESUME = pb.SubmitRequest.DESCRIPTOR.fields_by_name["resume"].number
 _CHUNK_FIELDS = {f.number for f in pb.TensorChunk.DESCRIPTOR.fields}
+_STEP_AGGREGATION, _STEP_GRADIENTS, _STEP_PREVIOUS_ID, _STEP_MAX_CHUNK_BYTES = (
+    pb.StepRequest.AGGREGATION_FIELD_NUMBER, pb.StepRequest.GRADIENTS_FIELD_NUMBER,
+    pb.StepRequest.PREVIOUS_ID_FIELD_NUMBER, pb.StepRequest.MAX_CHUNK_BYTES_FIELD_NUMBER)
+_STEP_FIELDS = {f.number for f in pb.StepRequest.DESCRIPTOR.fields}
 
 
 def varint(value: int) -> bytes:
@@ -241,6 +246,11 @@ def tensor_chunk(layer: int, dtype: int, shape: Sequence[int], offset: int, data
 def submit_request(aggregation_id: str, client_id: str, sequence: int, chunks: Sequence[list],
                    writer_id: str = "", resume: bool = False) -> bytes:
     """One serialized SubmitRequest; ``chunks`` are ``tensor_chunk`` results. The data is copied once, here."""
+    return b"".join(_submit_parts(aggregation_id, client_id, sequence, chunks, writer_id, resume))
+
+
+def _submit_parts(aggregation_id: str, client_id: str, sequence: int, chunks: Sequence[list],
+                  writer_id: str = "", resume: bool = False) -> list:
     parts: list = [*_len_field(_AGGREGATION_ID, aggregation_id.encode()),
                    *_len_field(_CLIENT_ID, client_id.encode()), _uint_field(_SEQUENCE, sequence)]
     for chunk in chunks:
@@ -248,6 +258,32 @@ def submit_request(aggregation_id: str, client_id: str, sequence: int, chunks: S
     parts += _len_field(_WRITER_ID, writer_id.encode())
     if resume:
         parts.append(_uint_field(_RESUME, 1))
+    return parts
+
+
+def step_request(aggregation: pb.CreateAggregationRequest, client_id: str, batch: Sequence[np.ndarray] | None,
+                 writer_id: str = "", previous_id: str = "", max_chunk_bytes: int = 0,
+                 wire_dtype: str | None = None) -> bytes:
+    """One serialized StepRequest: the step's aggregation, and its per-example gradients (one array per layer,
+    batch axis first; None: an empty sample) as one batch of sequence 1, each layer one chunk. The gradients are
+    copied once, here (``wire_dtype`` as :func:`encode_batch`'s).
+
+    >>> request = pb.StepRequest.FromString(step_request(
+    ...     pb.CreateAggregationRequest(aggregation_id="run-7"), "trainer", [np.ones((2, 3), np.float32)]))
+    >>> request.aggregation.aggregation_id, request.gradients.sequence, len(request.gradients.chunks[0].data)
+    ('run-7', 1, 24)
+    """
+    check_wire_dtype(wire_dtype)
+    parts: list = [*_len_field(_STEP_AGGREGATION, aggregation.SerializeToString())]
+    if batch is not None:
+        chunks = []
+        for k, array in enumerate(batch):
+            code, nbytes, _, piece = _tensor_source(array, wire_name(array.dtype, wire_dtype), 1 << 62)
+            chunks.append(tensor_chunk(k, code, array.shape, 0, piece(0, nbytes)))
+        gradients = _submit_parts("", client_id, 1, chunks, writer_id)
+        parts += [varint(_STEP_GRADIENTS << 3 | _LEN), varint(sum(_size(p) for p in gradients)), *gradients]
+    parts += _len_field(_STEP_PREVIOUS_ID, previous_id.encode())
+    parts.append(_uint_field(_STEP_MAX_CHUNK_BYTES, max_chunk_bytes))
     return b"".join(parts)
 
 
@@ -508,11 +544,14 @@ def parse_submit_request(message: bytes) -> SubmitMessage:
     that is not a well-formed SubmitRequest raises ValueError (as a protobuf parse error would);
     unknown fields are skipped, as protobuf does.
     """
-    buf = memoryview(message)
+    return _submit_message(memoryview(message), 0, len(message))
+
+
+def _submit_message(buf: memoryview, start: int, end: int) -> SubmitMessage:
     texts = {_AGGREGATION_ID: "", _CLIENT_ID: "", _WRITER_ID: ""}
     sequence, resume = 0, False
     chunks = []
-    for field, wire_type, value in _fields(buf, 0, len(buf)):
+    for field, wire_type, value in _fields(buf, start, end):
         if field in texts and wire_type == _LEN:
             texts[field] = str(buf[value[0] : value[1]], "utf-8")
         elif field == _SEQUENCE and wire_type == _VARINT:
@@ -524,3 +563,33 @@ def parse_submit_request(message: bytes) -> SubmitMessage:
         elif field in _SUBMIT_FIELDS:
             raise ValueError(f"SubmitRequest field {field} has wire type {wire_type}")
     return SubmitMessage(texts[_AGGREGATION_ID], texts[_CLIENT_ID], sequence, chunks, texts[_WRITER_ID], resume)
+
+
+class StepMessage(NamedTuple):
+    aggregation: pb.CreateAggregationRequest
+    gradients: SubmitMessage | None  # None: an empty sample
+    previous_id: str = ""
+    max_chunk_bytes: int = 0
+
+
+def parse_step_request(message: bytes) -> StepMessage:
+    """The fields of a serialized StepRequest, its gradients' tensor data as memoryviews of ``message`` (as
+    :func:`parse_submit_request`); the aggregation's spec parsed by protobuf (small). ValueError if malformed."""
+    buf = memoryview(message)
+    aggregation, gradients, previous, max_chunk_bytes = b"", None, "", 0
+    for field, wire_type, value in _fields(buf, 0, len(buf)):
+        if field == _STEP_AGGREGATION and wire_type == _LEN:
+            aggregation = bytes(buf[value[0] : value[1]])
+        elif field == _STEP_GRADIENTS and wire_type == _LEN:
+            gradients = _submit_message(buf, *value)
+        elif field == _STEP_PREVIOUS_ID and wire_type == _LEN:
+            previous = str(buf[value[0] : value[1]], "utf-8")
+        elif field == _STEP_MAX_CHUNK_BYTES and wire_type == _VARINT:
+            max_chunk_bytes = value
+        elif field in _STEP_FIELDS:
+            raise ValueError(f"StepRequest field {field} has wire type {wire_type}")
+    try:
+        spec = pb.CreateAggregationRequest.FromString(aggregation)
+    except Exception as e:  # protobuf's DecodeError
+        raise ValueError(f"StepRequest.aggregation: {e}") from None
+    return StepMessage(spec, gradients, previous, max_chunk_bytes)

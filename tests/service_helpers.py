@@ -70,11 +70,15 @@ class FaultyProxy:
     """
 
     def __init__(self, upstream_port: int, faults: int, min_bytes: int, max_bytes: int, seed: int = 0,
-                 cut_when: Callable[[], bool] | None = None) -> None:
+                 cut_when: Callable[[], bool] | None = None,
+                 cut_answer_when: Callable[[], bool] | None = None) -> None:
         self.upstream_port = upstream_port
         # Once a cut's bytes are through, the cut waits (up to 30 s) until ``cut_when()`` holds: a test that needs the
         # server to have *read* some of them (not only its socket to hold them) says so here.
         self.cut_when = cut_when
+        # A faulty connection is also cut at the first bytes from the server that arrive once ``cut_answer_when()``
+        # holds (they are not forwarded): an answer lost after the server did the work.
+        self.cut_answer_when = cut_answer_when
         self.faults_left = faults
         self.cuts = 0
         self.forwarded = 0  # bytes from clients to the server, over every connection
@@ -105,15 +109,23 @@ class FaultyProxy:
                 index = len(self.connection_bytes)
                 self.connection_bytes.append(0)
             threading.Thread(target=self._pump, args=(downstream, upstream, cut_after, index), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, downstream, None), daemon=True).start()
+            answer_cut = self.cut_answer_when if cut_after is not None else None
+            threading.Thread(target=self._pump, args=(upstream, downstream, None, None, answer_cut),
+                             daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, cut_after: int | None, upstream: int | None = None) -> None:
-        """Copies ``src`` to ``dst``; ``upstream``: the index of a client-to-server direction (bytes counted)."""
+    def _pump(self, src: socket.socket, dst: socket.socket, cut_after: int | None, upstream: int | None = None,
+              cut_if: Callable[[], bool] | None = None) -> None:
+        """Copies ``src`` to ``dst``; ``upstream``: the index of a client-to-server direction (bytes counted);
+        ``cut_if``: cut (forwarding nothing more) at the first bytes that arrive while it holds."""
         sent = 0
         try:
             while not self._closed.is_set():
                 data = src.recv(65536)
                 if not data:
+                    break
+                if cut_if is not None and cut_if():
+                    with self._lock:
+                        self.cuts += 1
                     break
                 if cut_after is not None and sent + len(data) >= cut_after:
                     dst.sendall(data[: cut_after - sent])

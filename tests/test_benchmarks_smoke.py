@@ -197,12 +197,25 @@ def test_training_benchmark_quick_run(smoke_runs):
     out = smoke_runs["training"].result()
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in out.stdout.splitlines() if "|" in line}
-    for name in ("opacus (all local)", "clipd, pipelined (default)", "clipd, sequential"):
-        assert _positive(rows[name][0])
+    ms = {}
+    for name in ("opacus (all local)", "trainer's part alone (grads, SGD)", "floor: trainer's part + bare round trip",
+                 "clipd, one call (default)", "clipd, separate calls, pipelined", "clipd, separate calls, sequential"):
+        ms[name] = _positive(rows[name][0])
+        # each row's ratios are its ms over opacus' and over the floor's (printed to 0.01 ms: well within 2%)
+        assert float(rows[name][1]) == pytest.approx(ms[name] / _positive(rows["opacus (all local)"][0]), abs=0.011)
     for phase in ("create", "submit (until acknowledged)", "finalize (with the release)"):
-        assert _positive(rows[f"client: {phase}"][0])
+        assert _positive(rows[f"separate calls, sequential, client: {phase}"][0])
     last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("training: opacus_ms=") and "overhead_ms=" in last and "service_ms=" in last
+    match = re.fullmatch(r"training: opacus_ms=(\S+) clipd_ms=(\S+) grads_ms=(\S+) overhead_ms=(\S+) service_ms=(\S+)"
+                         r" floor_ms=(\S+) vs_opacus=(\S+) vs_floor=(\S+)", last)
+    assert match, out.stdout
+    opacus, clipd, grads, overhead, service, floor, vs_opacus, vs_floor = map(float, match.groups())
+    assert (opacus, clipd, grads, floor) == (ms["opacus (all local)"], ms["clipd, one call (default)"],
+                                             ms["trainer's part alone (grads, SGD)"],
+                                             ms["floor: trainer's part + bare round trip"])
+    assert overhead == pytest.approx(clipd - opacus, abs=0.011) and service == pytest.approx(clipd - grads, abs=0.011)
+    assert vs_opacus == pytest.approx(clipd / opacus, abs=0.011) and vs_floor == pytest.approx(clipd / floor, abs=0.011)
+    assert floor > grads
 
 
 def test_large_benchmark_quick_run(smoke_runs):

@@ -203,7 +203,7 @@ def test_a_spent_budget_refuses_the_next_step_before_any_of_it_is_sent(client):
 
 def test_closing_cancels_the_aggregation_made_ahead(client):
     with DpSgd(client, {"w": (2,)}, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.1, dataset_size=100,
-               delta=1e-5) as dp:
+               delta=1e-5, one_call=False) as dp:
         dp.step({"w": np.ones((3, 2), np.float32)})
         ahead = dp._next.result()
         assert client.get_aggregation(ahead).state in (1, 2)  # WARMING_UP or OPEN: its release reserved

@@ -26,7 +26,7 @@ from clipd.v1 import clipd_pb2_grpc as pb_grpc
 from .errors import ClipdError, FailedPreconditionError, UnavailableError, from_rpc_error
 from .privacy import Privacy
 from .streams import StreamCalls
-from .updates import Layer, example_nbytes, iter_updates, rebatch, sum_rows
+from .updates import Layer, as_batch, example_nbytes, iter_updates, rebatch, sum_rows
 
 MiB = 1 << 20
 
@@ -176,6 +176,10 @@ class Client(StreamCalls):
         self._stub = pb_grpc.ClipdStub(self._channel)
         self._submit = _submit_call(self._channel)
         self._submit_one = _submit_one_call(self._channel)
+        self._step = self._channel.unary_stream(wire.STEP_METHOD, request_serializer=None,
+                                                response_deserializer=pb.FinalizeResponse.FromString)
+        self.steps_in_one_call = True  # False once the server says it has no Step (older, or shard processes)
+        self.max_message_bytes = max_message_bytes
         self.one_message = one_message  # a submission of one batch in one message goes as one SubmitOne call
         self._next_sequences: dict[tuple[str, str], int] = {}  # (aggregation, client) -> its next batch, as known
         self._placements: dict[str, pb.Placement] = {}  # aggregation id -> where its shards are summed
@@ -648,29 +652,53 @@ class Client(StreamCalls):
 
     def _finalize_once(self, aggregation_id: str) -> AggregateResult:
         chunk_bytes = max(wire.FINALIZE_MIN_CHUNK_BYTES, self.message_bytes)
-        responses = self._stub.Finalize(pb.FinalizeRequest(aggregation_id=aggregation_id, max_chunk_bytes=chunk_bytes),
-                                        timeout=self.timeout, metadata=self._metadata)
-        stats: pb.AggregationStats | None = None
-        buffers: dict[int, bytearray] = {}
-        layouts: dict[int, tuple[str, tuple[int, ...]]] = {}
-        for response in responses:
-            if response.HasField("stats"):
-                stats = response.stats
-            if response.HasField("sum"):
-                chunk = response.sum
-                layouts[chunk.layer] = (wire.DTYPE_NAMES[chunk.dtype], tuple(chunk.shape))
-                buffers.setdefault(chunk.layer, bytearray()).extend(chunk.data)
-        assert stats is not None  # the server's first response carries them
-        # Views of the received bytes (no copy), writable: a trainer may update them in place.
-        sums = {layer.name: wire.as_array(buffers[k], *layouts[k]) for k, layer in enumerate(stats.layers)}
-        return AggregateResult(
-            sums=sums,
-            examples=stats.examples,
-            clip_counts={layer.name: layer.clipped for layer in stats.layers},
-            non_finite=stats.non_finite,
-            stats=stats,
-            release=stats.release if stats.HasField("release") else None,
-        )
+        return _result_of(self._stub.Finalize(pb.FinalizeRequest(aggregation_id=aggregation_id,
+                                                                 max_chunk_bytes=chunk_bytes),
+                                              timeout=self.timeout, metadata=self._metadata))
+
+    def step(self, aggregation_id: str, layers: Any, gradients: Any, *, privacy: Privacy | pb.PrivacyPolicy,
+             policy: str = "global", l2_norm_clip: float = 1.0, client_id: str = "trainer", previous_id: str = "",
+             wire_dtype: Any = _CLIENT_WIRE_DTYPE) -> AggregateResult | None:
+        """One DP-SGD step in one call (what :class:`~clipd.client.DpSgd` does each step): the server creates
+        the aggregation ``aggregation_id`` (``layers``, ``policy``, ``l2_norm_clip`` and ``privacy`` as
+        :meth:`create_aggregation` takes them), sums ``gradients`` into it (one batch, ``{layer: (B, *shape)}``,
+        checked against the layers before anything is sent; None: an empty sample, a release of noise alone),
+        finalizes it and answers with its release, as :meth:`finalize` returns it; then it drops ``previous_id``
+        (an earlier step's finalized aggregation; its release stays on the ledger).
+
+        ``aggregation_id`` names the step: a retry (this call retries a dropped connection or a restarting server
+        as every call does) sends the same request, and the server finishes the step from where it got, or
+        returns its release as recorded: the ledger counts the step once. Refused by the ledger's budget
+        (``FailedPreconditionError``) before anything is summed; a refused step leaves no aggregation.
+
+        None, with nothing done, where the step can't be one call: the request would pass ``max_message_bytes``,
+        or the server has no Step (an older server, or one that sums in shard processes). Then create, submit
+        and finalize it.
+        """
+        if not self.steps_in_one_call:
+            return None
+        if wire_dtype is _CLIENT_WIRE_DTYPE:
+            wire_dtype = self.wire_dtype
+        specs = _layer_specs(layers, "float32")
+        batch = as_batch(gradients, specs) if gradients is not None else None
+        spec = pb.CreateAggregationRequest(
+            policy=wire.clip_policy(policy, "zero_example", l2_norm_clip=l2_norm_clip),
+            layers=wire.layer_specs(specs), aggregation_id=aggregation_id)
+        spec.privacy.CopyFrom(privacy.to_proto() if isinstance(privacy, Privacy) else privacy)
+        chunk_bytes = max(wire.FINALIZE_MIN_CHUNK_BYTES, self.message_bytes)
+        request = wire.step_request(spec, client_id, batch, uuid.uuid4().hex, previous_id, chunk_bytes, wire_dtype)
+        if len(request) > self.max_message_bytes:
+            return None
+        try:
+            return self._retrying(lambda: _result_of(self._step(request, timeout=self.timeout,
+                                                                metadata=self._metadata)))
+        except ClipdError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:
+                self.steps_in_one_call = False
+                return None
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.retry_after is None:
+                return None  # larger than the server's message limit: nothing of it was read
+            raise
 
     def ledger(self, ledger_id: str) -> pb.Ledger:
         """A privacy ledger: its releases (DpEvents as JSON), epsilon so far and budget left."""
@@ -746,6 +774,31 @@ def _raising(error: Exception) -> Iterator[list[np.ndarray]]:
     """A source of batches whose next one is ``error``."""
     raise error
     yield  # (a generator)
+
+
+def _result_of(responses) -> AggregateResult:
+    """A Finalize (or Step) answer, read whole: its statistics and release, then the sums."""
+    stats: pb.AggregationStats | None = None
+    buffers: dict[int, bytearray] = {}
+    layouts: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for response in responses:
+        if response.HasField("stats"):
+            stats = response.stats
+        if response.HasField("sum"):
+            chunk = response.sum
+            layouts[chunk.layer] = (wire.DTYPE_NAMES[chunk.dtype], tuple(chunk.shape))
+            buffers.setdefault(chunk.layer, bytearray()).extend(chunk.data)
+    assert stats is not None  # the server's first response carries them
+    # Views of the received bytes (no copy), writable: a trainer may update them in place.
+    sums = {layer.name: wire.as_array(buffers[k], *layouts[k]) for k, layer in enumerate(stats.layers)}
+    return AggregateResult(
+        sums=sums,
+        examples=stats.examples,
+        clip_counts={layer.name: layer.clipped for layer in stats.layers},
+        non_finite=stats.non_finite,
+        stats=stats,
+        release=stats.release if stats.HasField("release") else None,
+    )
 
 
 def _submit_one_call(channel: grpc.Channel):

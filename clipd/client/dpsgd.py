@@ -31,6 +31,7 @@ The sampling must really be Poisson with rate ``q`` and secret randomness
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
@@ -41,10 +42,11 @@ import numpy as np
 
 from clipd.v1 import clipd_pb2 as pb
 
+from .errors import NotFoundError
 from .privacy import Audit, Privacy
 from .updates import flatten
 
-PHASES = ("create", "submit", "finalize", "cancel")
+PHASES = ("step", "create", "submit", "finalize", "cancel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,8 @@ class Step:
     examples: int  # how many per-example gradients were sent (not private: the trainer's own knowledge)
     release: pb.Release  # the noise, the bound, epsilon of this step and of the ledger so far
     aggregation_id: str
-    seconds: dict[str, float]  # wall time of each phase of the step: create, submit, finalize, cancel
+    seconds: dict[str, float]  # wall time of the step's one call (step), or of each of its calls (create, submit,
+    # finalize, cancel)
 
     @property
     def epsilon(self) -> float:
@@ -89,10 +92,14 @@ class DpSgd:
       keep: keep each step's finalized aggregation on the server (for the admin API) instead of
         cancelling it; :meth:`cancel_kept` drops them.
       seed: TEST MODE: reproducible noise (the release is then not private).
-      pipeline: create the next step's aggregation, and drop the finished one, on a thread of
-        the helper's own while the trainer computes its next gradients (default); ``False``: each
-        step does every call in turn. The next step's creation reserves its release on the ledger
-        early: a budget it can't afford is raised by the next :meth:`step`, before anything is sent.
+      one_call: each step is one call (``Client.step``, default): the server creates the step's aggregation,
+        sums the gradients, releases and answers, and drops the step before; a retried call returns the same
+        release, recorded once. A step larger than one message (the client's ``max_message_bytes``), or a
+        server without it (shard processes), goes through the separate calls below. ``False``: always those.
+      pipeline: with the separate calls (create, submit, finalize, cancel): create the next step's aggregation,
+        and drop the finished one, on a thread of the helper's own while the trainer computes its next gradients
+        (default); ``False``: each step does every call in turn. The next step's creation reserves its release
+        on the ledger early: a budget it can't afford is raised by the next :meth:`step`, before anything is sent.
       mechanism: ``independent`` (default: fresh noise each step, Poisson sampling at ``sampling_rate``),
         or ``blt`` / ``banded``: DP-FTRL, the steps' noise one correlated stream planned for ``steps``
         steps in ``epochs`` epochs (each example in one step of each epoch: the declared participation,
@@ -104,14 +111,16 @@ class DpSgd:
         examples are (Poisson at ``sampling_rate``, or one step per epoch of a stream); close it with
         ``client.close_audit(trainer.ledger_id)`` (a stream's closes with its last step).
 
-    Use it as a context manager (or call :meth:`close`): closing cancels the aggregation made ahead.
+    Use it as a context manager (or call :meth:`close`): closing drops the last step's aggregation (its release
+    stays on the ledger), or the one made ahead.
     """
 
     def __init__(self, client, layers: Any, *, l2_norm_clip: float, noise_multiplier: float, policy: str = "global",
                  sampling_rate: float, dataset_size: int, delta: float, ledger_id: str | None = None,
                  max_epsilon: float = 0.0, accountant: str = "rdp", metrics_noise_multiplier: float = 0.0,
                  keep: bool = False, seed: int | None = None, pipeline: bool = True, mechanism: str = "independent",
-                 steps: int = 0, epochs: int = 1, buffers: int = 0, audit: Audit | None = None) -> None:
+                 steps: int = 0, epochs: int = 1, buffers: int = 0, audit: Audit | None = None,
+                 one_call: bool = True) -> None:
         if not 0.0 < sampling_rate <= 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
         if dataset_size < 1:
@@ -125,6 +134,8 @@ class DpSgd:
         self.keep = keep
         self.kept: list[str] = []
         self.pipeline = pipeline
+        self.one_call = one_call
+        self._last: str | None = None  # the last one-call step's aggregation (dropped by the next step's call)
         self._next: concurrent.futures.Future | None = None  # the next step's aggregation, being created
         self._cancels: list[concurrent.futures.Future] = []
         self.steps = 0
@@ -162,6 +173,12 @@ class DpSgd:
         the release is noise alone.
         """
         seconds = dict.fromkeys(PHASES, 0.0)
+        if self.one_call:
+            step = self._one_call(per_example_gradients, seconds)
+            if step is not None:
+                return step
+            # Too large for one message, or a server without Step (then every step): the separate calls.
+            self.one_call = self.client.steps_in_one_call
         started = time.perf_counter()
         if self._next is not None:
             upcoming, self._next = self._next, None
@@ -193,8 +210,27 @@ class DpSgd:
             started = time.perf_counter()
             self.client.cancel(aggregation)  # drops the kept sums; the ledger keeps the release
             seconds["cancel"] = _lap(started)
-        if self.pipeline:
+        if self.pipeline and not self.one_call:  # (a one-call trainer makes no aggregation ahead)
             self._next = _in_background(self._create)
+        self.steps += 1
+        self.epsilon = result.release.ledger_epsilon
+        return Step(result.sums, examples, result.release, aggregation, seconds)
+
+    def _one_call(self, per_example_gradients: Any, seconds: dict[str, float]) -> Step | None:
+        """The step as one call (``Client.step``); None, with nothing done, where it can't be one."""
+        started = time.perf_counter()
+        examples = _batch_size(per_example_gradients)
+        aggregation = uuid.uuid4().hex  # this step's (a retry inside the call names the same)
+        result = self.client.step(aggregation, self.layers, per_example_gradients if examples else None,
+                                  privacy=self.privacy, policy=self.policy, l2_norm_clip=self.l2_norm_clip,
+                                  previous_id="" if self.keep else self._last or "")
+        if result is None:
+            return None
+        seconds["step"] = _lap(started)
+        if self.keep:
+            self.kept.append(aggregation)
+        else:
+            self._last = aggregation
         self.steps += 1
         self.epsilon = result.release.ledger_epsilon
         return Step(result.sums, examples, result.release, aggregation, seconds)
@@ -206,7 +242,12 @@ class DpSgd:
         return aggregation
 
     def close(self) -> None:
-        """Cancels the aggregation made ahead for a next step (its reservation on the ledger goes with it)."""
+        """Drops the last one-call step's aggregation (its release stays on the ledger), and cancels the aggregation
+        made ahead for a next step (its reservation on the ledger goes with it)."""
+        last, self._last = self._last, None
+        if last is not None:
+            with contextlib.suppress(NotFoundError):
+                self.client.cancel(last)
         upcoming, self._next = self._next, None
         concurrent.futures.wait(self._cancels)
         self._cancels = []

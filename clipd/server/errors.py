@@ -70,3 +70,9 @@ class Unauthenticated(ClipdError):
 
 class DeadlineExceeded(ClipdError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unimplemented(ClipdError):
+    """A call this server's configuration can't serve (the caller has another way: the message says which)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED

@@ -618,6 +618,18 @@ class DrawClientsResponse(_message.Message):
     drawn_client_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, aggregation_id: _Optional[str] = ..., ledger_id: _Optional[str] = ..., release: _Optional[int] = ..., sampling_rate: _Optional[float] = ..., drawn_client_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class StepRequest(_message.Message):
+    __slots__ = ("aggregation", "gradients", "previous_id", "max_chunk_bytes")
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    aggregation: CreateAggregationRequest
+    gradients: SubmitRequest
+    previous_id: str
+    max_chunk_bytes: int
+    def __init__(self, aggregation: _Optional[_Union[CreateAggregationRequest, _Mapping]] = ..., gradients: _Optional[_Union[SubmitRequest, _Mapping]] = ..., previous_id: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")
     AGGREGATION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class ClipdStub(object):
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.FinalizeRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_stream(
+                '/clipd.v1.Clipd/Step',
+                request_serializer=clipd_dot_v1_dot_clipd__pb2.StepRequest.SerializeToString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.FromString,
+                _registered_method=True)
         self.ListAggregations = channel.unary_unary(
                 '/clipd.v1.Clipd/ListAggregations',
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.ListAggregationsRequest.SerializeToString,
@@ -189,6 +194,19 @@ class ClipdServicer(object):
         """Waits for every accepted batch, closes the aggregation and streams back
         the result: the first message holds the statistics, the following ones
         the per-layer clipped sums in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """A DP-SGD step in one call (admin only): the step's aggregation is
+        created (or found: a retried step names the same aggregation and gets
+        the same release, recorded once), the step's per-example gradients are
+        summed into it, and it is finalized and answered as Finalize answers. The
+        ledger's budget refuses the step that would pass it (FAILED_PRECONDITION)
+        before anything of it is summed; a step refused for its gradients leaves
+        no aggregation and no reservation. See StepRequest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -340,6 +358,11 @@ def add_ClipdServicer_to_server(servicer, server):
             'Finalize': grpc.unary_stream_rpc_method_handler(
                     servicer.Finalize,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.FinalizeRequest.FromString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_stream_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=clipd_dot_v1_dot_clipd__pb2.StepRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.SerializeToString,
             ),
             'ListAggregations': grpc.unary_unary_rpc_method_handler(
@@ -574,6 +597,33 @@ class Clipd(object):
             target,
             '/clipd.v1.Clipd/Finalize',
             clipd_dot_v1_dot_clipd__pb2.FinalizeRequest.SerializeToString,
+            clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/clipd.v1.Clipd/Step',
+            clipd_dot_v1_dot_clipd__pb2.StepRequest.SerializeToString,
             clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.FromString,
             options,
             channel_credentials,

@@ -127,8 +127,8 @@ def _refusing(handler: grpc.RpcMethodHandler, servicer: ClipdServicer, error: Cl
 
 
 def clipd_handlers(servicer) -> list[grpc.GenericRpcHandler]:
-    """The Clipd service's handlers, made from its descriptor; Submit and SubmitOne are parsed by ``wire`` (no
-    copies), and the one-message submissions (SubmitOne, SubmitToStream) run on the admission's pool: however
+    """The Clipd service's handlers, made from its descriptor; Submit, SubmitOne and Step are parsed by ``wire``
+    (no copies), and the one-message submissions (SubmitOne, SubmitToStream) run on the admission's pool: however
     many clients wait for their acknowledgements, the control calls keep the server's threads."""
     service = clipd_pb2.DESCRIPTOR.services_by_name["Clipd"]
     handlers = {}
@@ -136,6 +136,8 @@ def clipd_handlers(servicer) -> list[grpc.GenericRpcHandler]:
         parse = getattr(clipd_pb2, method.input_type.name).FromString
         if method.name in ("Submit", "SubmitOne"):
             parse = wire.parse_submit_request
+        elif method.name == "Step":
+            parse = wire.parse_step_request
         parse = lenient(parse)  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
         behavior = getattr(servicer, method.name)
         if f"/{service.full_name}/{method.name}" in ONE_MESSAGE_METHODS:

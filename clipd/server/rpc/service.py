@@ -4,7 +4,7 @@ Who may call: :mod:`clipd.server.rpc.auth` (the guard asks it before a handler r
 aggregation a call names). A Submit stream: :mod:`clipd.server.rpc.submit` (a reader thread per stream ->
 ``BatchAssembler.add`` -> ``Lifecycle.submit`` -> the device worker's step, flush and checkpoint -> the
 durable acknowledgement; docs/ARCHITECTURE.md draws it hop by hop). A broken stream's batch kept for a resume:
-:mod:`clipd.server.rpc.resume`.
+:mod:`clipd.server.rpc.resume`. A DP-SGD step in one call (create, submit, finalize): :mod:`clipd.server.rpc.steps`.
 
 Abuse limits on that path: a stream takes one of ``max_streams`` slots (else
 RESOURCE_EXHAUSTED with a retry hint); a one-message submission (SubmitOne) waits for one of
@@ -36,7 +36,7 @@ from clipd.server.errors import (
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import Lifecycle
 from clipd.server.logs import event
-from clipd.server.rpc import codec
+from clipd.server.rpc import codec, steps
 from clipd.server.rpc import streams as stream_rpcs
 from clipd.server.rpc.auth import Authenticator, check_id
 from clipd.server.rpc.limits import Admission, StreamSlots
@@ -87,6 +87,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.parked = ParkedBatches(settings.stream_idle_timeout)  # broken streams' batches, for a resume
         self.streams: Streams | None = None  # the buffered streams, where this process runs them (ClipdServer)
         self.watch_slots = StreamSlots(WATCHERS, "WatchReleases stream")
+        self.step_drops = steps.StepDrops(lifecycle)  # earlier DP-SGD steps' aggregations, dropped after the answer
 
     def _memory_left(self) -> int:
         """The buffer for updates in flight in this process: its share of the memory budget, less the sums of
@@ -137,14 +138,18 @@ class ClipdServicer(pb_grpc.ClipdServicer):
     # Aggregations -----------------------------------------------------------------------
     @_status_on_error
     def CreateAggregation(self, request: pb.CreateAggregationRequest, context) -> pb.Aggregation:
+        return self._describe(self.create(request))
+
+    def create(self, request: pb.CreateAggregationRequest) -> Aggregation:
+        """The aggregation a CreateAggregationRequest asks for (made, or the same one again)."""
         layers = codec.layers_from_proto(request.layers)
         check_limits(layers, self.settings)
         policy, reject = codec.policy_from_proto(request.policy, len(layers))
         requested = check_id(request.aggregation_id, "aggregation_id") if request.aggregation_id else ""
         privacy = codec.privacy_from_proto(request.privacy) if request.HasField("privacy") else None
         unit = codec.unit_from_proto(request.unit)
-        return self._describe(self.lifecycle.create(requested, layers, policy, reject, privacy, unit,
-                                                    request.self_asserted_client_ids))
+        return self.lifecycle.create(requested, layers, policy, reject, privacy, unit,
+                                     request.self_asserted_client_ids)
 
     @_status_on_error
     def GetAggregation(self, request: pb.GetAggregationRequest, context) -> pb.Aggregation:
@@ -186,10 +191,19 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             self.budget.fit_pool()
         except ClipdError as e:
             self.refuse(context, e, "Finalize")
-        yield pb.FinalizeResponse(stats=codec.stats_to_proto(result.stats))
-        for k, total in enumerate(result.sums):
-            for chunk in codec.tensor_chunks(k, total, limit - CHUNK_OVERHEAD):
-                yield pb.FinalizeResponse(sum=chunk)
+        yield from _result_responses(result, limit)
+
+    def Step(self, request: wire.StepMessage, context):
+        """A DP-SGD step in one call (``rpc.steps``), answered as Finalize answers."""
+        try:
+            if isinstance(request, codec.Malformed):
+                raise InvalidArgument(f"malformed Step request: {request.reason}")
+            limit = self.chunk_limit(request.max_chunk_bytes)
+            result = steps.step(self, request, bearer_token(context.invocation_metadata()),
+                                self.auth.certified_client(context))
+        except ClipdError as e:
+            self.refuse(context, e, "Step")
+        yield from _result_responses(result, limit)
 
     def chunk_limit(self, requested: int) -> int:
         """The largest Finalize message: ``requested`` (0: 1 MiB), at least 64 KiB, at most the server's limit."""
@@ -361,6 +375,14 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.auth.authorize(token, aggregation_id, action)
         aggregation = self.registry.get(aggregation_id)  # (a finalized one refuses batches there)
         return refuse_buffer(aggregation) if action == "submit to" else aggregation
+
+
+def _result_responses(result, limit: int):
+    """A finalized aggregation's result on the wire: its statistics, then its sums in chunks of ``limit`` bytes."""
+    yield pb.FinalizeResponse(stats=codec.stats_to_proto(result.stats))
+    for k, total in enumerate(result.sums):
+        for chunk in codec.tensor_chunks(k, total, limit - CHUNK_OVERHEAD):
+            yield pb.FinalizeResponse(sum=chunk)
 
 
 def check_limits(layers, settings: Settings) -> None:
