@@ -342,6 +342,9 @@ class Aggregation:
         self.result: Result | None = None
         self.released_sums: tuple[np.ndarray, ...] = ()
         self._finalize_lock = threading.Lock()
+        # Its raw sums are never checkpointed (a DP-SGD step's, made by one Step call: the trainer holds the
+        # gradients until the release and resends them after a crash); the release is durable as ever.
+        self.unsaved = False
 
     # What it is: its spec's (fixed at creation).
     layers = property(lambda self: self.spec.layers)

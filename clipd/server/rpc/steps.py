@@ -6,15 +6,15 @@ in one call and leaves out what a step does not need:
 
 - the step's aggregation is created as CreateAggregation creates it (its reservation on the ledger and its record,
   one commit); a retried step names the same id and finds it, in whatever state it got to;
-- the gradients are taken as SubmitOne takes a batch, and not acknowledged on their own: nothing waits for a
-  checkpoint of the batch, which Finalize commits a moment later (until the answer, the trainer holds them);
-- then Finalize, as ever: the final checkpoint, then the release with its ledger entry in one commit;
+- the gradients are taken as SubmitOne takes a batch, and never checkpointed (``Aggregation.unsaved``): until
+  the answer the trainer holds them, and a retried step sends them again;
+- then Finalize, as ever: the release, with its ledger entry, in one commit;
 - the step before (``previous_id``, a finalized aggregation) is dropped after the answer, on a thread of its own.
 
 A step refused on the way (its gradients, the ledger's budget at the release) leaves nothing: its aggregation is
 cancelled, and its reservation with it. What a crash leaves (docs/durability.md): before the release commits, an
-open aggregation holding its reservation (and, past its final checkpoint, the gradients), which the retried step
-finds and finishes; after, the release, which the retried step gets back as it was recorded.
+open aggregation holding its reservation and nothing of the gradients, which the retried step finds and fills;
+after, the release, which the retried step gets back as it was recorded.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 from clipd import wire
-from clipd.server.aggregations import Aggregation, Result
+from clipd.server.aggregations import Aggregation, Result, State
 from clipd.server.errors import ClipdError, InvalidArgument, Unimplemented
 from clipd.server.rpc.submit import assembler_for, client_of_call
 
@@ -45,6 +45,8 @@ def step(servicer: Any, message: wire.StepMessage, token: str | None, certified:
         raise InvalidArgument("aggregation.privacy: a step is a private release; without one, use CreateAggregation,"
                               " Submit and Finalize")
     aggregation = servicer.create(spec)
+    if aggregation.state is not State.FINALIZED:
+        aggregation.unsaved = True  # its raw sums: the trainer holds the gradients until the answer
     try:
         if aggregation.result is None and message.gradients is not None:
             _take(servicer, aggregation, message.gradients, token, certified)

@@ -248,12 +248,11 @@ class SQLiteStore(SQLStore):
         return key, directory
 
     def _deleted(self, key: int) -> None:
-        """Best effort: what is left (an error, a crash) has no row and goes at the next open."""
+        """Best effort, and not fsynced: what is left (an error, a crash) has no row and goes at the next open."""
         directory = self._state_dir(key)
         try:
             _remove_files(directory, os.listdir(directory))
             os.rmdir(directory)
-            _fsync_dir(self._states)
         except FileNotFoundError:
             pass  # never checkpointed
         except OSError as e:
