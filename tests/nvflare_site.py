@@ -3,7 +3,8 @@ expected model with numpy.
 
 Round 0: each site's update is under the clip bound; round 1: over it, and site-3 raises instead of answering
 (its script ends there); round 2: bad input (site-1 a layer of another shape, site-2 NaN). It sends its whole
-model (FULL), so the aggregator computes ``params - global`` itself.
+model (FULL), so the aggregator computes ``params - global`` itself; numpy arrays where it received them (NVFlare's
+plain FedAvg with its initial model inline), else torch tensors.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> None:
     while flare.is_running():
         received = flare.receive()
         round_ = received.current_round
+        numpy = not any(isinstance(v, torch.Tensor) for v in received.params.values())  # (FedAvg's inline model)
         current = {k: torch.as_tensor(v).double() for k, v in received.params.items()}
         if round_ == 1 and site == 3:
             raise RuntimeError("site-3 fails in round 1 (as the test asks)")
@@ -53,7 +55,8 @@ def main() -> None:
                 new["fc.weight"] = torch.zeros(4, 3)
             else:
                 new["fc.bias"] = torch.tensor([float("nan"), 1.0, 1.0])
-        flare.send(flare.FLModel(params=new, params_type=flare.ParamsType.FULL))
+        flare.send(flare.FLModel(params={k: v.numpy() for k, v in new.items()} if numpy else new,
+                                 params_type=flare.ParamsType.FULL))
 
 
 if __name__ == "__main__":

@@ -111,6 +111,33 @@ recipe.execute(SimEnv(num_clients=3, workspace_root={str(workspace)!r}))
     return _run([sys.executable, "-c", code], workspace)
 
 
+def _inline_job(target: str, workspace: pathlib.Path, attempt: int) -> subprocess.CompletedProcess | None:
+    """NVFlare's plain FedAvg as a new user writes it: the initial model inline (a dict of arrays), no persistor,
+    FULL models from the sites (FedAvg's default), ClipdAggregator; 3 sites of tests/nvflare_site.py, round 0 only."""
+    workspace = workspace / str(attempt)
+    workspace.mkdir()
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from nvflare.app_common.workflows.fedavg import FedAvg
+from nvflare.client.config import TransferType
+from nvflare.fuel.utils.constants import FrameworkType
+from nvflare.job_config.api import FedJob
+from nvflare.job_config.script_runner import ScriptRunner
+from clipd.client.nvflare import ClipdAggregator
+import nvflare_site
+model = {{k: v.detach().numpy().tolist() for k, v in nvflare_site.TinyNet().state_dict().items()}}  # (JSON: the job config)
+job = FedJob(name="inline", min_clients=3)
+job.to_server(FedAvg(num_clients=3, num_rounds=1, model=model, persistor_id="",
+                     aggregator=ClipdAggregator({target!r}, 3, clipping_norm=1.0, timeout=60.0)))
+for site in ("site-1", "site-2", "site-3"):
+    job.to(ScriptRunner(script={str(ROOT / 'tests' / 'nvflare_site.py')!r}, framework=FrameworkType.NUMPY,
+                        params_transfer_type=TransferType.FULL), site)
+job.simulator_run({str(workspace)!r}, threads=3)
+"""
+    return _run([sys.executable, "-c", code], workspace)
+
+
 def _example(target: str, workspace: pathlib.Path, attempt: int) -> subprocess.CompletedProcess | None:
     workspace = workspace / str(attempt)
     workspace.mkdir()
@@ -128,10 +155,13 @@ def _jobs(tmp_path_factory) -> dict:
     server.start()
     background.at_session_end(server.stop)
     known, example = tmp_path_factory.mktemp("known"), tmp_path_factory.mktemp("example")
+    inline = tmp_path_factory.mktemp("inline")
     target = f"127.0.0.1:{server.port}"
     known_run = _twice(lambda attempt: _known_job(target, known, attempt))
+    inline_run = _twice(lambda attempt: _inline_job(target, inline, attempt))
     example_run = _twice(lambda attempt: _example(target, example, attempt))
     return {"known": known_run.cwd if known_run else known, "known_run": known_run,
+            "inline": inline_run.cwd if inline_run else inline, "inline_run": inline_run,
             "example": example_run.cwd if example_run else example, "example_run": example_run, "target": target,
             "server": server}
 
@@ -191,6 +221,30 @@ def test_rounds_equal_fedavg_under_the_bound_and_the_clipped_mean_over_m_above_i
     assert "clipd: round 1 released from 2 of m = 3 sites" in log
     assert re.search(r"round 2: the reply of site-1: array 'fc.weight' has shape \(4, 3\), the model \(3, 4\)", log)
     assert "clipd: round 2 released from 1 of m = 3 sites" in log  # site-2's NaN: zeroed, counted
+
+
+def test_plain_fedavg_with_an_inline_model_and_full_updates_is_fedavg_under_the_bound(jobs):
+    """NVFlare's own FedAvg(model=<dict>, persistor_id="", aggregator=ClipdAggregator(...)), sites sending FULL
+    models: the aggregator learns the global model from the training task FedAvg sends, so round 0 (every update
+    under C, z = 0) is NVFlare's own FedAvg aggregation with equal weights (its WeightedAggregationHelper), every
+    site's update in it."""
+    from nvflare.fuel.utils import fobs
+
+    start = {k: v.detach().double().numpy() for k, v in nvflare_site.TinyNet().state_dict().items()}
+    fedavg = WeightedAggregationHelper()
+    for site in (1, 2, 3):
+        fedavg.add({k: v.astype(np.float64) for k, v in nvflare_site.update(site, 0).items()}, 1.0, f"site-{site}", 0)
+    round0 = fedavg.get_result()
+    assert jobs["inline_run"] is not None, "NVFlare's simulator hung twice"
+    saved = sorted(jobs["inline"].rglob("FL_global_model.pt"), key=lambda p: p.stat().st_mtime)
+    log = _server_log(jobs["inline"])
+    assert saved, f"no model saved: {log[-3000:]}"
+    params = fobs.loadf(str(saved[-1])).params
+    assert params.keys() == start.keys(), log[-3000:]
+    for k in start:
+        np.testing.assert_allclose(np.asarray(params[k], np.float64), start[k] + round0[k], rtol=1e-6, atol=1e-7)
+    assert "clipd: round 0 released from 3 of m = 3 sites" in log, log[-3000:]
+    assert "global model is not known" not in log
 
 
 def test_the_example_reaches_its_accuracy_and_its_epsilons_are_dp_accountings(jobs):
@@ -310,3 +364,27 @@ def test_sites_clipd_does_not_draw_neither_train_nor_send(auth_server, monkeypat
     np.testing.assert_allclose(result.params["w"], 0.5 * len(drawn) / 10, rtol=1e-6)
     left_out = next(s for s in sites if s not in drawn)
     assert f"{left_out} was not drawn for this round's release: its update is not sent" in caplog.text
+
+
+def test_a_full_update_without_the_global_model_releases_the_round_from_none_of_its_updates(server, caplog):
+    """No global model in the aggregator's context (no persistor, no training task seen): after a DIFF, a FULL
+    update can't be made a difference, so the round releases nothing (said in the log), not the other updates over
+    m; its aggregation is dropped, and the next round is released as usual."""
+    caplog.set_level(logging.INFO)
+    aggregator = _aggregator(f"127.0.0.1:{server.port}")
+    good = {"w": np.array([1.0, 2.0, 3.0], np.float32)}
+    aggregator.reset_stats()
+    aggregator.accept_model(_diff("site-1", good))
+    opened = aggregator.rounds.open_round.aggregation_id
+    aggregator.accept_model(FLModel(params_type=ParamsType.FULL, params=good, meta={"client_name": "site-2"}))
+    aggregator.accept_model(_diff("site-3", good))
+    result = aggregator.aggregate_model()
+    assert result.params == {} and result.meta["clipd"]["released"] is False
+    assert "the update of site-2 is a FULL model and the global model is not known here" in caplog.text
+    assert "the update of site-3 is not sent" in caplog.text and "round 1 not released" in caplog.text
+    with Client(f"127.0.0.1:{server.port}") as client:
+        assert opened not in {a.aggregation_id for a in client.list_aggregations()}
+    aggregator.reset_stats()
+    aggregator.accept_model(_diff("site-1", good))
+    again = aggregator.aggregate_model()
+    np.testing.assert_allclose(again.params["w"], good["w"] / 3, rtol=1e-6)

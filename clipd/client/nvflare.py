@@ -28,7 +28,9 @@ Each round (:class:`~clipd.client.rounds.PrivateRounds` holds the logic it share
   them); under NVFlare's own ``FedAvg`` every sampled site trains, and the update of one not drawn is not sent
   (logged). ``num_sampled_clients``: the expected count, q times the sites.
 * ``accept_model`` streams each site's update as it arrives: its ``DIFF`` as it is, or ``params - global`` for
-  ``FULL``. Nothing of a site is kept in the NVFlare server once it is sent. A site whose update has another
+  ``FULL`` (the global model: a persistor's, from the server's context, or the one FedAvg's training task carries;
+  where neither is known, a round with a FULL update releases none of its updates). Nothing of a site is kept in
+  the NVFlare server once it is sent. A site whose update has another
   shape or misses an array contributes nothing (logged); NaN or inf is zeroed by the server and counted.
 * ``aggregate_model`` finalizes and returns the noised mean ``noised_sum / m`` as a ``DIFF`` (FedAvg adds it to
   the global model), ``m`` the public number of sampled sites (never the replies that arrived, never NVFlare's
@@ -44,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -53,6 +56,8 @@ try:
     from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
     from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
     from nvflare.app_common.app_constant import AppConstants
+    from nvflare.app_common.app_event_type import AppEventType
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
     from nvflare.app_common.workflows.fedavg import FedAvg
 except ImportError as e:  # pragma: no cover - exercised where nvflare is missing
     raise ImportError("clipd.client.nvflare needs NVIDIA FLARE: pip install '.[nvflare]' (nvflare 2.9.0)") from e
@@ -138,19 +143,43 @@ class ClipdAggregator(ModelAggregator):
         _privacy(self.privacy)  # (a policy that can't be built fails here, in the job's code, not on the server)
         self._rounds: PrivateRounds | None = None
         self._round = 0
+        self._sent: Any = None  # the task data of the round's last training task: the model the sites train from
+        self._lost: str | None = None  # why the round's release can't be made from all its updates
+        self._global_known = False  # the open round's arrays are the global model's (not zeros: see accept_model)
+        self._lock = threading.Lock()  # (tasks go out on the sites' threads, results come in on another)
+
+    def handle_event(self, event_type: str, fl_ctx) -> None:
+        """ModelAggregator's, and: the model FedAvg sends each site to train (``BEFORE_TRAIN_TASK``, as it goes out)
+        is this round's global model where the server's context holds none (FedAvg with its initial model given
+        inline and no persistor). The round's aggregation opens then, if it could not at the round's start."""
+        super().handle_event(event_type, fl_ctx)
+        if event_type != AppEventType.BEFORE_TRAIN_TASK:
+            return
+        task = fl_ctx.get_prop(AppConstants.TRAIN_SHAREABLE)
+        if task is None:
+            return
+        with self._lock:
+            self._sent = task
+            rounds = self.rounds
+            if rounds.open_round is None and rounds.stopped is None and self._lost is None:
+                current = self._global_model()
+                if current is not None:
+                    self._open(current)
 
     # NVFlare's calls ------------------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """A round starts: its clipd aggregation opens now (before any site trains) when the global model is known
         here, else with the first update."""
         rounds = self.rounds
-        rounds.cancel_open()
-        self._round = self._current_round()
-        current = self._global_model()
-        if rounds.stopped is not None:
-            self.warning(f"clipd: round {self._round} is not aggregated: {rounds.stopped}")
-        elif current is not None:
-            self._open(current)
+        with self._lock:
+            rounds.cancel_open()
+            self._round = self._current_round()
+            self._lost = None
+            current = self._global_model()
+            if rounds.stopped is not None:
+                self.warning(f"clipd: round {self._round} is not aggregated: {rounds.stopped}")
+            elif current is not None:
+                self._open(current)
 
     def accept_model(self, model: FLModel) -> None:
         """Streams one site's update into the round's aggregation (nothing of it is kept here)."""
@@ -161,14 +190,27 @@ class ClipdAggregator(ModelAggregator):
             return
         params = {name: _numpy(value) for name, value in (model.params or {}).items()}
         diff = model.params_type == ParamsType.DIFF
-        if rounds.open_round is None:
-            current = self._global_model()
-            if current is None and not diff:
-                self.error(f"clipd: the update of {site} is a FULL model and the global model is not known here:"
-                           " nothing sent (send DIFF: params_transfer_type=TransferType.DIFF)")
+        with self._lock:
+            if self._lost is not None:
+                self.error(f"clipd: the update of {site} is not sent: {self._lost}")
                 return
-            if not self._open(current if current is not None else {k: np.zeros_like(v) for k, v in params.items()}):
-                return
+            if rounds.open_round is None or (not diff and not self._global_known):
+                current = self._global_model()
+                if current is None and not diff:
+                    # Released from the other sites' updates alone, the round would move the model by a share of
+                    # what it should: it is released from all of them or none.
+                    self._lost = (f"the update of {site} is a FULL model and the global model is not known here, so"
+                                  f" round {self._round} releases nothing (send DIFF:"
+                                  " params_transfer_type=TransferType.DIFF)")
+                    self.error(f"clipd: {self._lost}")
+                    rounds.cancel_open()
+                    return
+                if rounds.open_round is not None and current is not None:  # (opened by a DIFF, the model unknown)
+                    rounds.open_round.current = {**rounds.open_round.current, **current}
+                    self._global_known = True
+                elif not self._open(current if current is not None else {k: np.zeros_like(v) for k, v in
+                                                                           params.items()}, known=current is not None):
+                    return
         update = rounds.update_from(site, params, diff=diff)
         del params
         if update is not None:
@@ -178,6 +220,10 @@ class ClipdAggregator(ModelAggregator):
         """Finalizes the round: the noised mean ``noised_sum / m`` as a DIFF, with the privatised metrics; an
         empty DIFF (the model unchanged) when nothing is released."""
         rounds = self.rounds
+        if self._lost is not None:
+            self.error(f"clipd: round {self._round} not released: {self._lost}; the global model is unchanged")
+            return FLModel(params_type=ParamsType.DIFF, params={}, metrics={"clipd_released": 0.0},
+                           meta={"clipd": {"released": False, "stopped": rounds.stopped, "lost": self._lost}})
         sent = rounds.open_round.submitted if rounds.open_round is not None else 0
         arrays, metrics = rounds.release(as_update=True)
         if arrays is None:
@@ -219,7 +265,10 @@ class ClipdAggregator(ModelAggregator):
         """Why training stopped (the ledger refused a round's release), or None."""
         return self._rounds.stopped if self._rounds is not None else None
 
-    def _open(self, current: dict[str, np.ndarray]) -> bool:
+    def _open(self, current: dict[str, np.ndarray], known: bool = True) -> bool:
+        """Opens the round's aggregation; ``known``: ``current`` is the global model (else zeros of its shapes: a DIFF
+        needs none of it)."""
+        self._global_known = known
         try:
             return self.rounds.open(self._round, current)
         except ClipdError as e:  # the server is down or refuses the round for another reason
@@ -239,7 +288,13 @@ class ClipdAggregator(ModelAggregator):
         context = engine.new_context() if engine is not None else self.fl_ctx
         learnable = context.get_prop(AppConstants.GLOBAL_MODEL)
         weights = learnable.get("weights") if isinstance(learnable, dict) else None
-        return {name: _numpy(value) for name, value in weights.items()} if weights else None
+        if weights:
+            return {name: _numpy(value) for name, value in weights.items()}
+        if self._sent is not None:  # the model this round's training tasks carry (FedAvg without a persistor)
+            sent = FLModelUtils.from_shareable(self._sent)
+            if sent.current_round in (None, self._round) and sent.params and sent.params_type != ParamsType.DIFF:
+                return {name: _numpy(value) for name, value in sent.params.items()}
+        return None
 
 
 class ClipdFedAvg(FedAvg):
