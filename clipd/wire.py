@@ -199,9 +199,9 @@ _LAYER, _DTYPE, _SHAPE, _OFFSET, _DATA = (
 _SUBMIT_FIELDS = {f.number for f in pb.SubmitRequest.DESCRIPTOR.fields}
 _RESUME = pb.SubmitRequest.DESCRIPTOR.fields_by_name["resume"].number
 _CHUNK_FIELDS = {f.number for f in pb.TensorChunk.DESCRIPTOR.fields}
-_STEP_AGGREGATION, _STEP_GRADIENTS, _STEP_PREVIOUS_ID, _STEP_MAX_CHUNK_BYTES = (
+_STEP_AGGREGATION, _STEP_GRADIENTS, _STEP_PREVIOUS_ID = (
     pb.StepRequest.AGGREGATION_FIELD_NUMBER, pb.StepRequest.GRADIENTS_FIELD_NUMBER,
-    pb.StepRequest.PREVIOUS_ID_FIELD_NUMBER, pb.StepRequest.MAX_CHUNK_BYTES_FIELD_NUMBER)
+    pb.StepRequest.PREVIOUS_ID_FIELD_NUMBER)
 _STEP_FIELDS = {f.number for f in pb.StepRequest.DESCRIPTOR.fields}
 
 
@@ -262,8 +262,7 @@ def _submit_parts(aggregation_id: str, client_id: str, sequence: int, chunks: Se
 
 
 def step_request(aggregation: pb.CreateAggregationRequest, client_id: str, batch: Sequence[np.ndarray] | None,
-                 writer_id: str = "", previous_id: str = "", max_chunk_bytes: int = 0,
-                 wire_dtype: str | None = None) -> bytes:
+                 writer_id: str = "", previous_id: str = "", wire_dtype: str | None = None) -> bytes:
     """One serialized StepRequest: the step's aggregation, and its per-example gradients (one array per layer,
     batch axis first; None: an empty sample) as one batch of sequence 1, each layer one chunk. The gradients are
     copied once, here (``wire_dtype`` as :func:`encode_batch`'s).
@@ -283,7 +282,6 @@ def step_request(aggregation: pb.CreateAggregationRequest, client_id: str, batch
         gradients = _submit_parts("", client_id, 1, chunks, writer_id)
         parts += [varint(_STEP_GRADIENTS << 3 | _LEN), varint(sum(_size(p) for p in gradients)), *gradients]
     parts += _len_field(_STEP_PREVIOUS_ID, previous_id.encode())
-    parts.append(_uint_field(_STEP_MAX_CHUNK_BYTES, max_chunk_bytes))
     return b"".join(parts)
 
 
@@ -569,14 +567,13 @@ class StepMessage(NamedTuple):
     aggregation: pb.CreateAggregationRequest
     gradients: SubmitMessage | None  # None: an empty sample
     previous_id: str = ""
-    max_chunk_bytes: int = 0
 
 
 def parse_step_request(message: bytes) -> StepMessage:
     """The fields of a serialized StepRequest, its gradients' tensor data as memoryviews of ``message`` (as
     :func:`parse_submit_request`); the aggregation's spec parsed by protobuf (small). ValueError if malformed."""
     buf = memoryview(message)
-    aggregation, gradients, previous, max_chunk_bytes = b"", None, "", 0
+    aggregation, gradients, previous = b"", None, ""
     for field, wire_type, value in _fields(buf, 0, len(buf)):
         if field == _STEP_AGGREGATION and wire_type == _LEN:
             aggregation = bytes(buf[value[0] : value[1]])
@@ -584,12 +581,10 @@ def parse_step_request(message: bytes) -> StepMessage:
             gradients = _submit_message(buf, *value)
         elif field == _STEP_PREVIOUS_ID and wire_type == _LEN:
             previous = str(buf[value[0] : value[1]], "utf-8")
-        elif field == _STEP_MAX_CHUNK_BYTES and wire_type == _VARINT:
-            max_chunk_bytes = value
         elif field in _STEP_FIELDS:
             raise ValueError(f"StepRequest field {field} has wire type {wire_type}")
     try:
         spec = pb.CreateAggregationRequest.FromString(aggregation)
     except Exception as e:  # protobuf's DecodeError
         raise ValueError(f"StepRequest.aggregation: {e}") from None
-    return StepMessage(spec, gradients, previous, max_chunk_bytes)
+    return StepMessage(spec, gradients, previous)

@@ -152,6 +152,21 @@ def test_the_control_process_killed_mid_stream_clients_follow_the_new_placement(
         _check_exact(c.finalize(aggregation), clients)
 
 
+def test_a_dp_sgd_step_goes_through_the_separate_calls_where_shard_processes_sum(processes_server):
+    """Step is the control process's, and it sums nothing: it answers UNIMPLEMENTED (forwarded from the shard
+    process that took the call), and the trainer's steps go through create, submit and finalize, exact."""
+    from clipd.client.dpsgd import DpSgd
+
+    with Client(f"127.0.0.1:{processes_server.port}") as client, \
+            DpSgd(client, {"w": (8,)}, l2_norm_clip=1.0, noise_multiplier=0.0, sampling_rate=0.5, dataset_size=4,
+                  delta=1e-5) as dp:
+        for _ in range(2):
+            step = dp.step({"w": np.full((3, 8), 0.25, np.float32)})  # norms 0.71: not clipped
+            np.testing.assert_allclose(step.gradient["w"], 3 * 0.25 / 2, rtol=1e-6)
+            assert step.seconds["step"] == 0 and step.seconds["finalize"] > 0
+        assert not client.steps_in_one_call and len(client.ledger(dp.ledger_id).entries) == 2
+
+
 def test_a_shard_process_killed_during_start_up(two_shard_processes):
     """... the server comes up all the same, and counts the retry as a restart; then clients that go away on the
     forwarded path (plain streams cancelled after an acknowledgement) each log one INFO line, no traceback."""

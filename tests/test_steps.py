@@ -152,11 +152,11 @@ def test_bad_steps_are_invalid_argument_and_leave_no_aggregation_and_no_reservat
         "malformed Step request": b"\x0a\xff\xff",
     }
     with grpc.insecure_channel(target) as channel, Client(target) as client:
-        step = channel.unary_stream(wire.STEP_METHOD, request_serializer=None,
-                                    response_deserializer=pb.FinalizeResponse.FromString)
+        step = channel.unary_unary(wire.STEP_METHOD, request_serializer=None,
+                                   response_deserializer=pb.StepResponse.FromString)
         for words, request in cases.items():
             with pytest.raises(grpc.RpcError) as refused:
-                list(step(request, timeout=30))
+                step(request, timeout=30)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.details(), \
                 (words, refused.value.details())
         assert not {"bad-1", "bad-2", "bad-3"} & {a.aggregation_id for a in client.list_aggregations()}
@@ -222,3 +222,25 @@ def test_sigkill_at_random_points_of_steps_leaves_each_step_released_once_as_the
     # What a kill may leave: the step before's aggregation (its drop queued in the killed process), finalized.
     assert all(a.state == pb.Aggregation.FINALIZED for a in left), left
     assert {a.aggregation_id for a in left} <= {step.aggregation_id for _, step in taken}
+
+
+def test_a_step_larger_than_a_message_goes_through_the_separate_calls_and_the_next_one_does_not():
+    """The server takes messages of 1 MiB: a step of 2 MiB of gradients is refused by gRPC before anything of it is
+    read (RESOURCE_EXHAUSTED, no retry hint) and goes through create, submit and finalize; the next, small step is
+    one call again. Both are the exact noiseless mean."""
+    server, port = create_server(Settings(**{**TEST_SETTINGS, "max_message_bytes": 1 << 20}))
+    try:
+        with Client(f"127.0.0.1:{port}", message_bytes=256 << 10) as client, \
+                DpSgd(client, {"w": (1024,)}, l2_norm_clip=1.0, noise_multiplier=0.0, sampling_rate=0.5,
+                      dataset_size=1024, delta=1e-5) as dp:
+            steps = {}
+            for rows in (64, 512, 64):  # 256 KiB, 2 MiB, 256 KiB of gradients
+                x = np.full((rows, 1024), 0.5 / 32, np.float32)  # each row's norm 0.5: not clipped
+                step = dp.step({"w": x})
+                np.testing.assert_allclose(step.gradient["w"], rows * 0.5 / 32 / 512, rtol=1e-6)
+                steps[len(steps)] = step
+            assert [s.seconds["step"] > 0 for s in steps.values()] == [True, False, True]
+            assert steps[1].seconds["finalize"] > 0 and client.steps_in_one_call
+            assert len(client.ledger(dp.ledger_id).entries) == 3
+    finally:
+        server.stop(grace=1.0)

@@ -176,8 +176,8 @@ class Client(StreamCalls):
         self._stub = pb_grpc.ClipdStub(self._channel)
         self._submit = _submit_call(self._channel)
         self._submit_one = _submit_one_call(self._channel)
-        self._step = self._channel.unary_stream(wire.STEP_METHOD, request_serializer=None,
-                                                response_deserializer=pb.FinalizeResponse.FromString)
+        self._step = self._channel.unary_unary(wire.STEP_METHOD, request_serializer=None,
+                                               response_deserializer=pb.StepResponse.FromString)
         self.steps_in_one_call = True  # False once the server says it has no Step (older, or shard processes)
         self.max_message_bytes = max_message_bytes
         self.one_message = one_message  # a submission of one batch in one message goes as one SubmitOne call
@@ -671,9 +671,9 @@ class Client(StreamCalls):
         returns its release as recorded: the ledger counts the step once. Refused by the ledger's budget
         (``FailedPreconditionError``) before anything is summed; a refused step leaves no aggregation.
 
-        None, with nothing done, where the step can't be one call: the request would pass ``max_message_bytes``,
-        or the server has no Step (an older server, or one that sums in shard processes). Then create, submit
-        and finalize it.
+        None, with nothing done, where the step can't be one call: its request or its answer would pass
+        ``max_message_bytes`` (or the server's limit), or the server has no Step (an older server, or one that sums
+        in shard processes). Then create, submit and finalize it.
         """
         if not self.steps_in_one_call:
             return None
@@ -685,13 +685,15 @@ class Client(StreamCalls):
             policy=wire.clip_policy(policy, "zero_example", l2_norm_clip=l2_norm_clip),
             layers=wire.layer_specs(specs), aggregation_id=aggregation_id)
         spec.privacy.CopyFrom(privacy.to_proto() if isinstance(privacy, Privacy) else privacy)
-        chunk_bytes = max(wire.FINALIZE_MIN_CHUNK_BYTES, self.message_bytes)
-        request = wire.step_request(spec, client_id, batch, uuid.uuid4().hex, previous_id, chunk_bytes, wire_dtype)
+        answer = sum(math.prod(layer.shape) * max(4, wire.numpy_dtype(layer.dtype).itemsize) for layer in specs)
+        if answer + (64 << 10) > self.max_message_bytes:
+            return None
+        request = wire.step_request(spec, client_id, batch, uuid.uuid4().hex, previous_id, wire_dtype)
         if len(request) > self.max_message_bytes:
             return None
         try:
-            return self._retrying(lambda: _result_of(self._step(request, timeout=self.timeout,
-                                                                metadata=self._metadata)))
+            response = self._retrying(lambda: self._step(request, timeout=self.timeout, metadata=self._metadata))
+            return _result_from(response.stats, response.sums)
         except ClipdError as e:
             if e.code == grpc.StatusCode.UNIMPLEMENTED:
                 self.steps_in_one_call = False
@@ -777,18 +779,25 @@ def _raising(error: Exception) -> Iterator[list[np.ndarray]]:
 
 
 def _result_of(responses) -> AggregateResult:
-    """A Finalize (or Step) answer, read whole: its statistics and release, then the sums."""
+    """A Finalize answer, read whole: its statistics and release, then the sums in chunks."""
     stats: pb.AggregationStats | None = None
-    buffers: dict[int, bytearray] = {}
-    layouts: dict[int, tuple[str, tuple[int, ...]]] = {}
+    chunks = []
     for response in responses:
         if response.HasField("stats"):
             stats = response.stats
         if response.HasField("sum"):
-            chunk = response.sum
-            layouts[chunk.layer] = (wire.DTYPE_NAMES[chunk.dtype], tuple(chunk.shape))
-            buffers.setdefault(chunk.layer, bytearray()).extend(chunk.data)
+            chunks.append(response.sum)
     assert stats is not None  # the server's first response carries them
+    return _result_from(stats, chunks)
+
+
+def _result_from(stats: pb.AggregationStats, chunks) -> AggregateResult:
+    """A finalized aggregation's result from its statistics and its sums' chunks (in order)."""
+    buffers: dict[int, bytearray] = {}
+    layouts: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for chunk in chunks:
+        layouts[chunk.layer] = (wire.DTYPE_NAMES[chunk.dtype], tuple(chunk.shape))
+        buffers.setdefault(chunk.layer, bytearray()).extend(chunk.data)
     # Views of the received bytes (no copy), writable: a trainer may update them in place.
     sums = {layer.name: wire.as_array(buffers[k], *layouts[k]) for k, layer in enumerate(stats.layers)}
     return AggregateResult(

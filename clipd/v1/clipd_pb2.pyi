@@ -619,16 +619,22 @@ class DrawClientsResponse(_message.Message):
     def __init__(self, aggregation_id: _Optional[str] = ..., ledger_id: _Optional[str] = ..., release: _Optional[int] = ..., sampling_rate: _Optional[float] = ..., drawn_client_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("aggregation", "gradients", "previous_id", "max_chunk_bytes")
+    __slots__ = ("aggregation", "gradients", "previous_id")
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ID_FIELD_NUMBER: _ClassVar[int]
-    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     aggregation: CreateAggregationRequest
     gradients: SubmitRequest
     previous_id: str
-    max_chunk_bytes: int
-    def __init__(self, aggregation: _Optional[_Union[CreateAggregationRequest, _Mapping]] = ..., gradients: _Optional[_Union[SubmitRequest, _Mapping]] = ..., previous_id: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, aggregation: _Optional[_Union[CreateAggregationRequest, _Mapping]] = ..., gradients: _Optional[_Union[SubmitRequest, _Mapping]] = ..., previous_id: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("stats", "sums")
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    stats: AggregationStats
+    sums: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, stats: _Optional[_Union[AggregationStats, _Mapping]] = ..., sums: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ("aggregation_id", "max_chunk_bytes")

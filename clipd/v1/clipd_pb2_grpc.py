@@ -64,10 +64,10 @@ class ClipdStub(object):
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.FinalizeRequest.SerializeToString,
                 response_deserializer=clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.FromString,
                 _registered_method=True)
-        self.Step = channel.unary_stream(
+        self.Step = channel.unary_unary(
                 '/clipd.v1.Clipd/Step',
                 request_serializer=clipd_dot_v1_dot_clipd__pb2.StepRequest.SerializeToString,
-                response_deserializer=clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.FromString,
+                response_deserializer=clipd_dot_v1_dot_clipd__pb2.StepResponse.FromString,
                 _registered_method=True)
         self.ListAggregations = channel.unary_unary(
                 '/clipd.v1.Clipd/ListAggregations',
@@ -203,10 +203,13 @@ class ClipdServicer(object):
         """A DP-SGD step in one call (admin only): the step's aggregation is
         created (or found: a retried step names the same aggregation and gets
         the same release, recorded once), the step's per-example gradients are
-        summed into it, and it is finalized and answered as Finalize answers. The
-        ledger's budget refuses the step that would pass it (FAILED_PRECONDITION)
-        before anything of it is summed; a step refused for its gradients leaves
-        no aggregation and no reservation. See StepRequest.
+        summed into it, and it is finalized and answered with its statistics
+        and release and its sums. The ledger's budget refuses the step that
+        would pass it (FAILED_PRECONDITION) before anything of it is summed; a
+        step refused for its gradients leaves no aggregation and no reservation.
+        A step whose request or answer would pass the server's message limit is
+        RESOURCE_EXHAUSTED, nothing done (use CreateAggregation, Submit and
+        Finalize). See StepRequest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -360,10 +363,10 @@ def add_ClipdServicer_to_server(servicer, server):
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.FinalizeRequest.FromString,
                     response_serializer=clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.SerializeToString,
             ),
-            'Step': grpc.unary_stream_rpc_method_handler(
+            'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=clipd_dot_v1_dot_clipd__pb2.StepRequest.FromString,
-                    response_serializer=clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.SerializeToString,
+                    response_serializer=clipd_dot_v1_dot_clipd__pb2.StepResponse.SerializeToString,
             ),
             'ListAggregations': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAggregations,
@@ -619,12 +622,12 @@ class Clipd(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
             '/clipd.v1.Clipd/Step',
             clipd_dot_v1_dot_clipd__pb2.StepRequest.SerializeToString,
-            clipd_dot_v1_dot_clipd__pb2.FinalizeResponse.FromString,
+            clipd_dot_v1_dot_clipd__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

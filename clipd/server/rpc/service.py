@@ -193,17 +193,13 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             self.refuse(context, e, "Finalize")
         yield from _result_responses(result, limit)
 
-    def Step(self, request: wire.StepMessage, context):
-        """A DP-SGD step in one call (``rpc.steps``), answered as Finalize answers."""
-        try:
-            if isinstance(request, codec.Malformed):
-                raise InvalidArgument(f"malformed Step request: {request.reason}")
-            limit = self.chunk_limit(request.max_chunk_bytes)
-            result = steps.step(self, request, bearer_token(context.invocation_metadata()),
-                                self.auth.certified_client(context))
-        except ClipdError as e:
-            self.refuse(context, e, "Step")
-        yield from _result_responses(result, limit)
+    @_status_on_error
+    def Step(self, request: wire.StepMessage, context) -> pb.StepResponse:
+        """A DP-SGD step in one call (``rpc.steps``): its statistics, release and sums in one message."""
+        result = steps.step(self, request, bearer_token(context.invocation_metadata()),
+                            self.auth.certified_client(context))
+        return pb.StepResponse(stats=codec.stats_to_proto(result.stats),
+                               sums=[codec.tensor_chunk(k, total) for k, total in enumerate(result.sums)])
 
     def chunk_limit(self, requested: int) -> int:
         """The largest Finalize message: ``requested`` (0: 1 MiB), at least 64 KiB, at most the server's limit."""
