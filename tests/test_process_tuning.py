@@ -10,7 +10,7 @@ import sys
 
 from service_helpers import ServerProcess, free_port, get_json
 
-VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "OPENBLAS_NUM_THREADS")
+VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "OPENBLAS_NUM_THREADS")
 
 # Where glibc puts an 8 MiB malloc: mallinfo2's hblkhd counts the bytes in mmapped chunks. By default (an mmap
 # threshold of 128 KiB at first) it is mapped; under clipd's 32 MiB threshold it comes from the heap.
@@ -24,6 +24,7 @@ libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = Info
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
 applied = {}
 if sys.argv[1] == "tuned":
     from clipd import _process
@@ -32,8 +33,12 @@ if sys.argv[1] == "tuned":
 before = libc.mallinfo2().hblkhd
 block = libc.malloc(8 << 20)
 mapped = libc.mallinfo2().hblkhd - before
-names = ("MALLOC_MMAP_THRESHOLD_", "OPENBLAS_NUM_THREADS")
-print(json.dumps({"mapped": mapped, "applied": applied, "env": {k: os.environ.get(k) for k in names}}))
+step = libc.malloc(3 << 20)  # a DP-SGD step's request, freed: kept at the top of the heap for the next, or not
+libc.free(step)
+kept = libc.mallinfo2().keepcost
+names = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "OPENBLAS_NUM_THREADS")
+print(json.dumps({"mapped": mapped, "kept": kept, "applied": applied,
+                  "env": {k: os.environ.get(k) for k in names}}))
 """
 
 
@@ -51,8 +56,10 @@ def test_tune_moves_large_mallocs_to_the_heap_and_passes_the_settings_to_childre
     plain, tuned = _probe("plain"), _probe("tuned")
     assert plain["mapped"] >= 8 << 20  # glibc's default: mapped, its pages faulted in again on each reuse
     assert tuned["mapped"] == 0  # below the 32 MiB threshold: from the heap
+    assert plain["kept"] < 1 << 20 and tuned["kept"] >= 3 << 20  # a freed 3 MiB: given back, or kept for reuse
     assert tuned["applied"] == {
         "MALLOC_MMAP_THRESHOLD_": {"value": str(32 << 20), "source": "mallopt"},
+        "MALLOC_TRIM_THRESHOLD_": {"value": str(8 << 20), "source": "mallopt"},
         "OPENBLAS_NUM_THREADS": {"value": "1", "source": "environment"},
     }
     assert tuned["env"] == {k: v["value"] for k, v in tuned["applied"].items()}  # what child processes read
@@ -87,8 +94,9 @@ def test_clipd_serve_tunes_itself_without_any_variable(tmp_path, monkeypatch):
     assert {"clipd-admin", "clipd-janitor"} <= names and any(n.startswith("clipd-device-wo") for n in names), names
     gc_tuning = tuning.pop("python_gc")
     assert {k: v["source"] for k, v in tuning.items()} == {
-        "MALLOC_MMAP_THRESHOLD_": "mallopt", "OPENBLAS_NUM_THREADS": "environment"}
+        "MALLOC_MMAP_THRESHOLD_": "mallopt", "MALLOC_TRIM_THRESHOLD_": "mallopt", "OPENBLAS_NUM_THREADS": "environment"}
     assert tuning["MALLOC_MMAP_THRESHOLD_"]["value"] == str(32 << 20)
+    assert tuning["MALLOC_TRIM_THRESHOLD_"]["value"] == str(8 << 20)
     # Once serving, the start-up's objects (numpy's, JAX's, gRPC's: about 150,000) are out of the
     # collector's scans, and a young generation waits for 20,000 new objects (Python's default: 700).
     assert gc_tuning["value"] == "20000,20,20"
