@@ -469,6 +469,41 @@ class TestSQLiteStore(DurableStoreContract):
         finally:
             store.close()
 
+    def test_a_small_release_is_kept_in_its_row_a_large_one_in_a_file_and_older_ones_stay_readable(
+            self, tmp_path, monkeypatch):
+        """A release of up to 1 MiB (a DP-SGD step's) commits in its row: no file, no fsync of one; a larger one is
+        a file made durable before its row. A release a store of schema 6 wrote (a file, the row without its
+        blob) reads back after the upgrade."""
+        from clipd.server.stores import sqlite as sqlite_store
+
+        data = tmp_path / "data"
+        store = SQLiteStore(str(data))
+        large = bytes(range(256)) * ((1 << 20) // 256 + 1)
+        store.ensure_ledger(LedgerRecord("L", "{}"))
+        for position, (aggregation_id, release) in enumerate((("small", b"noised"), ("large", large))):
+            store.create(AggregationRecord(aggregation_id, "{}"))
+            store.commit_release(aggregation_id, release, "L", LedgerEntry(aggregation_id, "{}", 0.0, 1.0), position,
+                                 finished=1.0)
+        monkeypatch.setattr(sqlite_store, "INLINE_RELEASE_BYTES", 0)  # as schema 6 wrote every release
+        store.create(AggregationRecord("older", "{}"))
+        store.commit_release("older", b"as before", "L", LedgerEntry("older", "{}", 0.0, 1.0), 2, finished=1.0)
+        files = {aggregation_id: sorted(p.name for p in (data / "states").rglob("release")
+                                        if p.parent.name == _only_dir_name(store, aggregation_id))
+                 for aggregation_id in ("large", "older")}
+        assert not (data / "states" / _only_dir_name(store, "small")).exists()  # not even its directory
+        store.close()
+        store = SQLiteStore(str(data))  # (the sweep at open keeps the files their rows point at)
+        try:
+            assert files == {"large": ["release"], "older": ["release"]}
+            assert store.load_release("small") == b"noised" and store.load_release("large") == large
+            assert store.load_release("older") == b"as before"
+            with sqlite3.connect(data / "clipd.sqlite3") as conn:
+                inline = dict(conn.execute("SELECT a.id, r.blob IS NOT NULL FROM releases r JOIN aggregations a"
+                                           " ON a.key = r.aggregation").fetchall())
+            assert inline == {"small": 1, "large": 0, "older": 0}
+        finally:
+            store.close()
+
     def test_layout_and_settings(self, tmp_path):
         data = tmp_path / "new" / "data"
         store = SQLiteStore(str(data))
@@ -504,7 +539,7 @@ class TestSQLiteStore(DurableStoreContract):
         finally:
             store.close()
         with sqlite3.connect(data / "clipd.sqlite3") as conn:
-            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+            assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
 
     def test_only_two_generations_are_kept(self, tmp_path):
         data = tmp_path / "data"

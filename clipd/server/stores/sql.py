@@ -457,10 +457,11 @@ class SQLStore(Store):
 
     def _add_release(self, tx: Tx, key: int, release: bytes, ledger_id: str, entry: LedgerEntry,
                      position: int, finished: float, stream: NoiseStream | None = None,
-                     participants: Sequence[str] = (), audit: AuditRecord | None = None) -> list:
-        """In ``tx``: the entry at ``position``, the release's row, FINALIZED, every checkpoint row dropped
-        (returns :meth:`_drop_checkpoints`); the ledger's noise stream and audit replaced, the participants
-        recorded."""
+                     participants: Sequence[str] = (), audit: AuditRecord | None = None,
+                     inline: bool = True) -> list:
+        """In ``tx``: the entry at ``position``, the release's row (its blob in it, or NULL: ``inline`` False, the
+        store keeps it elsewhere), FINALIZED, every checkpoint row dropped (returns :meth:`_drop_checkpoints`); the
+        ledger's noise stream and audit replaced, the participants recorded."""
         self._append_entry(tx, ledger_id, entry, position)
         if audit is not None:
             state = bytes(audit.state)
@@ -478,7 +479,7 @@ class SQLStore(Store):
         upsert = (f"INSERT INTO releases (aggregation, {', '.join(columns)}) VALUES (?{', ?' * len(columns)})"
                   " ON CONFLICT (aggregation) DO UPDATE SET "
                   + ", ".join(f"{c} = excluded.{c}" for c in columns))
-        values = {"nbytes": len(release), "crc32": zlib.crc32(release), "blob": release}
+        values = {"nbytes": len(release), "crc32": zlib.crc32(release), "blob": release if inline else None}
         tx.execute(upsert, (key, *(values[c] for c in columns)))
         tx.execute("UPDATE aggregations SET state = ?, finished = ? WHERE key = ?",
                    (FINALIZED, finished, key))

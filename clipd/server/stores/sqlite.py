@@ -63,12 +63,13 @@ from clipd.server.stores.sql import (
     stream_tables,
 )
 
-SCHEMA_VERSION = 6  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards; 3 no noise
-# streams; 4 no audits; 5 no buffered streams
+SCHEMA_VERSION = 7  # PRAGMA user_version; 0 is an empty database; 1 had no ledgers; 2 no shards; 3 no noise
+# streams; 4 no audits; 5 no buffered streams; 6 no releases in their rows
 DB_NAME = "clipd.sqlite3"
 RELEASE_FILE = "release"
 STATES_DIR = "states"
 DIRECT_MIN_BYTES = 64 << 20  # a checkpoint this large is written with O_DIRECT, where its file system takes it
+INLINE_RELEASE_BYTES = 1 << 20  # a release up to this size is kept in its row (one commit), a larger one in a file
 SWEEP_WAIT = 10.0  # seconds an opening owner waits for an earlier owner's shard processes to exit
 
 _SCHEMA = (
@@ -109,6 +110,8 @@ _SCHEMA_V3 = (
     )""",
 )
 
+_SCHEMA_V7 = ("ALTER TABLE releases ADD COLUMN blob BLOB",)  # NULL: the release is in states/<key>/release
+
 _KEY_DIR = re.compile(r"[1-9][0-9]*")
 
 
@@ -128,11 +131,12 @@ class SQLiteStore(SQLStore):
     SCHEMA_VERSION = SCHEMA_VERSION
     MIGRATIONS = (_SCHEMA, _SCHEMA_V2, _SCHEMA_V3, stream_tables(text="TEXT", integer="INTEGER", blob="BLOB"),
                   audit_tables(text="TEXT", integer="INTEGER", blob="BLOB"), buffered_stream_tables(text="TEXT",
-                                                                                                     real="REAL"))
+                                                                                                     real="REAL"),
+                  _SCHEMA_V7)
     PLACE = "data dir"
     LEDGER_ORDER = "created"
     CHECKPOINT_PAYLOAD = "file"  # the blob is in states/<key>/<file>
-    RELEASE_COLUMNS = ("nbytes", "crc32")  # the blob is in states/<key>/release
+    RELEASE_COLUMNS = ("nbytes", "crc32", "blob")  # blob NULL: the release is in states/<key>/release
     UNREADABLE = (OSError, CorruptStateError)
     FENCED = "shard {shard}: epoch {epoch} was replaced by {current}"
 
@@ -214,7 +218,7 @@ class SQLiteStore(SQLStore):
     def _sweep(self) -> None:
         """Removes what a crash leaves under ``states/``: ``*.tmp`` files and files with no checkpoint row."""
         rows = {(key, name) for key, name in self._query("SELECT aggregation, file FROM checkpoints")}
-        rows |= {(key, RELEASE_FILE) for (key,) in self._query("SELECT aggregation FROM releases")}
+        rows |= {(key, RELEASE_FILE) for (key,) in self._query("SELECT aggregation FROM releases WHERE blob IS NULL")}
         keys = {key for (key,) in self._query("SELECT key FROM aggregations")}
         removed_dirs = False
         for entry in os.scandir(self._states):
@@ -309,25 +313,33 @@ class SQLiteStore(SQLStore):
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
                        participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
-        """The release file durable first, then one commit: its row, the entry, FINALIZED, raw rows gone, the
-        noise stream and the participations. The raw checkpoints' files are unlinked after it, on a thread of
-        their own (a large model's take a while; the release waits for none of it), and without the
-        directory's fsync: one a crash brings back has no row, and the sweep at the next open removes it (no
-        row points at it: it is never read)."""
+        """One commit: the release's row (holding a release of up to ``INLINE_RELEASE_BYTES``, as a DP-SGD step's;
+        a larger one's file is made durable first), the entry, FINALIZED, raw rows gone, the noise stream and the
+        participations. The raw checkpoints' files are unlinked after it, on a thread of their own (a large
+        model's take a while; the release waits for none of it), and without the directory's fsync: one a crash
+        brings back has no row, and the sweep at the next open removes it (no row points at it: it is never
+        read)."""
+        inline = len(release) <= INLINE_RELEASE_BYTES
         with self._files_lock:
-            key, directory = self._made_state_dir(aggregation_id)
-            _write_durably(directory, RELEASE_FILE, lambda f: f.write(release))
+            if inline:
+                with self._reading() as tx:
+                    key = self._key(tx, aggregation_id)
+                directory = self._state_dir(key)
+            else:
+                key, directory = self._made_state_dir(aggregation_id)
+                _write_durably(directory, RELEASE_FILE, lambda f: f.write(release))
             with self._transaction() as tx:
                 raw = self._add_release(tx, key, release, ledger_id, entry, position, finished, stream,
-                                        participants, audit)
+                                        participants, audit, inline=inline)
         if raw:
             threading.Thread(target=_remove_files, args=(directory, raw), daemon=True, name="clipd-prune").start()
 
     def _read_release(self, aggregation_id: str, key: int, row: tuple) -> bytes:
-        nbytes, crc = row
-        with open(os.path.join(self._state_dir(key), RELEASE_FILE), "rb") as f:
-            blob = f.read()
-        return checked(blob, nbytes, crc, f"the release of aggregation {aggregation_id!r}")
+        nbytes, crc, blob = row
+        if blob is None:
+            with open(os.path.join(self._state_dir(key), RELEASE_FILE), "rb") as f:
+                blob = f.read()
+        return checked(bytes(blob), nbytes, crc, f"the release of aggregation {aggregation_id!r}")
 
     def close(self) -> None:
         """Closes the SQLite connection (a second call does nothing)."""
