@@ -551,15 +551,30 @@ class DeviceWorker:
 
     def _compile(self, aggregation: Aggregation, then: Callable[[Aggregation], Any] | None = None) -> None:
         """The warm-up thread: runs ``then`` (a large model's receive buffers prepared: its first updates
-        stream in meanwhile), compiles (and runs once, on zeros) every step program not compiled yet and writes
-        the zeros of new totals (see :func:`_prefault`); then the aggregation opens."""
+        stream in meanwhile), then compiles (and runs once, on zeros) every step program not compiled yet while
+        a thread of its own writes the zeros of new totals (``Aggregation.prefault``: for a large model,
+        gigabytes of first touches, as long as the compile or longer; neither holds the GIL long); then the
+        aggregation opens."""
         try:
             if then is not None:
                 then(aggregation)
-            if not compile_programs(aggregation, self.device, lambda: aggregation in self._warming):
+            failed: list[BaseException] = []
+
+            def prefault_totals() -> None:
+                try:
+                    for shard in self._shards.get(aggregation, ()):
+                        aggregation.prefault(shard)
+                except BaseException as e:  # raised again on the warm-up thread, below
+                    failed.append(e)
+
+            prefault = threading.Thread(target=prefault_totals, name=f"clipd-prefault-{aggregation.id}", daemon=True)
+            prefault.start()
+            compiled = compile_programs(aggregation, self.device, lambda: aggregation in self._warming)
+            prefault.join()
+            if failed:
+                raise failed[0]
+            if not compiled:
                 return
-            for shard in self._shards.get(aggregation, ()):
-                aggregation.prefault(shard)
         except Exception as e:
             reason = f"warm-up failed: {type(e).__name__}: {e}"
             self.call_soon(lambda: self._fail(aggregation, reason))
@@ -584,3 +599,4 @@ class DeviceWorker:
             self._queued_bytes += sum(w.batch.nbytes for w in parked)
             self._cond.notify_all()
         aggregation.mark_open()
+
