@@ -25,8 +25,9 @@ as proto3 leaves out defaults); field 5 (writer_id) "w". ``parse_submit_request`
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -389,6 +390,21 @@ def accepts_wire_dtype(layer_dtype: str, name: str) -> bool:
     (True, False)
     """
     return name == layer_dtype or (layer_dtype == "float32" and name in NARROW_DTYPES)
+
+
+STEP_ANSWER_OVERHEAD = 64 << 10  # bytes of a StepResponse besides its sums (statistics, release, histograms), at most
+
+
+def step_answer_nbytes(layers: Iterable[tuple[Sequence[int], str]]) -> int:
+    """The most bytes a Step's answer takes for layers of these ``(shape, dtype name)``: each layer's sum (in its
+    dtype, at least float32's 4 bytes a value) and the rest of the message. Client and server both check it
+    against their message limits before anything of the step is done.
+
+    >>> step_answer_nbytes([((10, 3), "float32"), ((3,), "bfloat16")]) - STEP_ANSWER_OVERHEAD
+    132
+    """
+    return STEP_ANSWER_OVERHEAD + sum(math.prod(shape) * max(4, numpy_dtype(dtype).itemsize)
+                                      for shape, dtype in layers)
 
 
 def wire_nbytes(batch: Sequence[np.ndarray], wire_dtype: str | None = None) -> int:

@@ -388,3 +388,30 @@ def test_a_full_update_without_the_global_model_releases_the_round_from_none_of_
     aggregator.accept_model(_diff("site-1", good))
     again = aggregator.aggregate_model()
     np.testing.assert_allclose(again.params["w"], good["w"] / 3, rtol=1e-6)
+
+
+def test_the_training_task_makes_the_global_model_known_for_full_updates_after_a_diff(server, caplog):
+    """No global model in the context. A DIFF opens the round (the model unknown: nothing of it needed); then the
+    training task FedAvg sends goes out (``BEFORE_TRAIN_TASK``, the model in it), and a FULL update is made its
+    difference from that model: the round is the mean of both updates over m = 3."""
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.app_constant import AppConstants
+    from nvflare.app_common.app_event_type import AppEventType
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+    caplog.set_level(logging.INFO)
+    aggregator = _aggregator(f"127.0.0.1:{server.port}")
+    current = {"w": np.array([10.0, 20.0, 30.0], np.float32)}
+    u1, u2 = np.array([1.0, 2.0, 3.0], np.float32), np.array([0.5, -1.0, 0.25], np.float32)
+    aggregator.reset_stats()  # (round 1: no context says otherwise)
+    aggregator.accept_model(_diff("site-1", {"w": u1}))
+    task = FLContext()
+    task.set_prop(AppConstants.TRAIN_SHAREABLE,
+                  FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=current, current_round=1)))
+    aggregator.handle_event(AppEventType.BEFORE_TRAIN_TASK, task)
+    aggregator.accept_model(FLModel(params_type=ParamsType.FULL, params={"w": current["w"] + u2},
+                                    meta={"client_name": "site-2"}))
+    result = aggregator.aggregate_model()
+    assert result.meta["clipd"]["released"] is True
+    np.testing.assert_allclose(result.params["w"], (u1 + u2) / 3, rtol=1e-6)
+    assert "global model is not known" not in caplog.text

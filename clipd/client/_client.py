@@ -685,8 +685,7 @@ class Client(StreamCalls):
             policy=wire.clip_policy(policy, "zero_example", l2_norm_clip=l2_norm_clip),
             layers=wire.layer_specs(specs), aggregation_id=aggregation_id)
         spec.privacy.CopyFrom(privacy.to_proto() if isinstance(privacy, Privacy) else privacy)
-        answer = sum(math.prod(layer.shape) * max(4, wire.numpy_dtype(layer.dtype).itemsize) for layer in specs)
-        if answer + (64 << 10) > self.max_message_bytes:
+        if wire.step_answer_nbytes((layer.shape, layer.dtype) for layer in specs) > self.max_message_bytes:
             return None
         request = wire.step_request(spec, client_id, batch, uuid.uuid4().hex, previous_id, wire_dtype)
         if len(request) > self.max_message_bytes:

@@ -280,16 +280,16 @@ class ClipdAggregator(ModelAggregator):
         return int(round_) if round_ is not None else self._round + 1
 
     def _global_model(self) -> dict[str, np.ndarray] | None:
-        """The global model's arrays as the server holds them this round (FedAvg keeps them in a new context's
-        sticky ``GLOBAL_MODEL``), or None where they are not known."""
-        if self.fl_ctx is None:
-            return None
-        engine = self.fl_ctx.get_engine()
-        context = engine.new_context() if engine is not None else self.fl_ctx
-        learnable = context.get_prop(AppConstants.GLOBAL_MODEL)
-        weights = learnable.get("weights") if isinstance(learnable, dict) else None
-        if weights:
-            return {name: _numpy(value) for name, value in weights.items()}
+        """The global model's arrays as the server holds them this round (FedAvg with a persistor keeps them in a
+        new context's sticky ``GLOBAL_MODEL``), else as this round's training tasks carry them (``handle_event``),
+        or None where neither is known."""
+        if self.fl_ctx is not None:
+            engine = self.fl_ctx.get_engine()
+            context = engine.new_context() if engine is not None else self.fl_ctx
+            learnable = context.get_prop(AppConstants.GLOBAL_MODEL)
+            weights = learnable.get("weights") if isinstance(learnable, dict) else None
+            if weights:
+                return {name: _numpy(value) for name, value in weights.items()}
         if self._sent is not None:  # the model this round's training tasks carry (FedAvg without a persistor)
             sent = FLModelUtils.from_shareable(self._sent)
             if sent.current_round in (None, self._round) and sent.params and sent.params_type != ParamsType.DIFF:

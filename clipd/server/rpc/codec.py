@@ -237,12 +237,6 @@ def policy_to_proto(policy: ClipPolicy, reject_non_finite: bool) -> pb.ClipPolic
                             rescale_to_unit_norm=policy.rescale_to_unit_norm)
 
 
-def tensor_chunk(layer: int, array: np.ndarray) -> pb.TensorChunk:
-    """One tensor (a sum), whole, as one TensorChunk."""
-    return pb.TensorChunk(layer=layer, dtype=wire.dtype_code(array.dtype), shape=array.shape, offset=0,
-                          data=wire.tensor_bytes(array).tobytes())
-
-
 def tensor_chunks(layer: int, array: np.ndarray, max_bytes: int):
     """One tensor (a sum) as TensorChunk messages of at most ``max_bytes`` of data each."""
     data, code, step = wire.tensor_bytes(array), wire.dtype_code(array.dtype), max(1, max_bytes)

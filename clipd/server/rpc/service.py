@@ -191,15 +191,19 @@ class ClipdServicer(pb_grpc.ClipdServicer):
             self.budget.fit_pool()
         except ClipdError as e:
             self.refuse(context, e, "Finalize")
-        yield from _result_responses(result, limit)
+        yield pb.FinalizeResponse(stats=codec.stats_to_proto(result.stats))
+        for k, total in enumerate(result.sums):
+            for chunk in codec.tensor_chunks(k, total, limit - CHUNK_OVERHEAD):
+                yield pb.FinalizeResponse(sum=chunk)
 
     @_status_on_error
     def Step(self, request: wire.StepMessage, context) -> pb.StepResponse:
         """A DP-SGD step in one call (``rpc.steps``): its statistics, release and sums in one message."""
         result = steps.step(self, request, bearer_token(context.invocation_metadata()),
                             self.auth.certified_client(context))
-        return pb.StepResponse(stats=codec.stats_to_proto(result.stats),
-                               sums=[codec.tensor_chunk(k, total) for k, total in enumerate(result.sums)])
+        return pb.StepResponse(stats=codec.stats_to_proto(result.stats),  # (each sum whole: one chunk)
+                               sums=[chunk for k, total in enumerate(result.sums)
+                                     for chunk in codec.tensor_chunks(k, total, total.nbytes)])
 
     def chunk_limit(self, requested: int) -> int:
         """The largest Finalize message: ``requested`` (0: 1 MiB), at least 64 KiB, at most the server's limit."""
@@ -371,14 +375,6 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         self.auth.authorize(token, aggregation_id, action)
         aggregation = self.registry.get(aggregation_id)  # (a finalized one refuses batches there)
         return refuse_buffer(aggregation) if action == "submit to" else aggregation
-
-
-def _result_responses(result, limit: int):
-    """A finalized aggregation's result on the wire: its statistics, then its sums in chunks of ``limit`` bytes."""
-    yield pb.FinalizeResponse(stats=codec.stats_to_proto(result.stats))
-    for k, total in enumerate(result.sums):
-        for chunk in codec.tensor_chunks(k, total, limit - CHUNK_OVERHEAD):
-            yield pb.FinalizeResponse(sum=chunk)
 
 
 def check_limits(layers, settings: Settings) -> None:

@@ -20,7 +20,6 @@ after, the release, which the retried step gets back as it was recorded.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 from typing import Any
@@ -32,7 +31,6 @@ from clipd.server.rpc.submit import assembler_for, client_of_call
 
 log = logging.getLogger(__name__)
 TRAINER = "trainer"  # the client id of a step's gradients that name none
-ANSWER_OVERHEAD = 64 << 10  # bytes of a StepResponse besides its sums (statistics, release, histograms) at most
 
 
 def step(servicer: Any, message: wire.StepMessage, token: str | None, certified: str | None) -> Result:
@@ -41,8 +39,8 @@ def step(servicer: Any, message: wire.StepMessage, token: str | None, certified:
         raise Unimplemented("Step: this server sums in its shard processes (--processes, Ray), which take a step's"
                             " gradients themselves: use CreateAggregation, Submit and Finalize")
     spec = message.aggregation
-    answer = sum(math.prod(layer.shape) * max(4, wire.numpy_dtype(wire.DTYPE_NAMES.get(layer.dtype, "float32"))
-                                               .itemsize) for layer in spec.layers) + ANSWER_OVERHEAD
+    answer = wire.step_answer_nbytes((layer.shape, wire.DTYPE_NAMES.get(layer.dtype, "float32"))
+                                     for layer in spec.layers)
     if answer > servicer.settings.max_message_bytes:
         raise ResourceExhausted(f"Step: the step's answer ({answer} bytes) would pass the server's message limit"
                                 f" ({servicer.settings.max_message_bytes}): use CreateAggregation, Submit and Finalize")

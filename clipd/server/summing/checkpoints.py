@@ -102,9 +102,8 @@ class Committer:
             try:
                 if queued is CHECKPOINT_FAILED:  # the checkpoint this final commit relies on
                     raise Unavailable(f"the last checkpoint of aggregation {aggregation.id} failed")
-                if aggregation.unsaved:
-                    pass
-                elif queued is not totals:  # else: nothing summed since that checkpoint, which holds these totals
+                # Else nothing summed since that checkpoint, which holds these totals (or nothing of it is saved).
+                if queued is not totals and not aggregation.unsaved:
                     self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epoch(shard))
             except Exception as e:
                 error = e
