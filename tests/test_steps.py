@@ -248,3 +248,24 @@ def test_a_step_larger_than_a_message_goes_through_the_separate_calls_and_the_ne
             assert len(client.ledger(dp.ledger_id).entries) == 3
     finally:
         server.stop(grace=1.0)
+
+
+def test_a_one_call_step_writes_no_checkpoint_and_the_separate_calls_do(served, monkeypatch):
+    """A step's raw sums are never checkpointed (the trainer holds its gradients until the answer): three one-call
+    steps write none; the same steps through the separate calls write theirs (the acknowledgement waits for one)."""
+    server, target = served
+    store = server.servicer.lifecycle.store
+    written = []
+    save = store.save_checkpoint
+    monkeypatch.setattr(store, "save_checkpoint", lambda aggregation_id, *a, **k: (written.append(aggregation_id),
+                                                                                    save(aggregation_id, *a, **k)))
+    rng = np.random.default_rng(2)
+    counts = {}
+    with Client(target) as client:
+        for one_call in (True, False):
+            written.clear()
+            with DpSgd(client, LAYERS, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.1, dataset_size=50,
+                       delta=1e-5, one_call=one_call, pipeline=False) as dp:
+                steps = {dp.step(gradients(rng, 4)).aggregation_id for _ in range(3)}
+            counts[one_call] = len(set(written) & steps)
+    assert counts == {True: 0, False: 3}
