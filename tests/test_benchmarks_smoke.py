@@ -56,6 +56,14 @@ def smoke_runs(request):
     return jobs
 
 
+def _ratio_of_printed(ratio: float, numerator: float, denominator: float, step: float = 0.01) -> bool:
+    """Whether ``ratio`` (printed to 0.01) can be ``numerator / denominator`` before both were rounded to ``step``:
+    the bound is the rounding carried through the division, so a ratio of 25 over a 1.5 ms base is allowed 0.17."""
+    exact = numerator / denominator
+    carried = exact * (step / 2 / numerator + step / 2 / denominator) + 0.0051
+    return abs(ratio - exact) <= carried
+
+
 def _positive(text: str) -> float:
     value = float(text.replace(",", ""))
     assert value > 0 and value != float("inf"), text
@@ -201,8 +209,8 @@ def test_training_benchmark_quick_run(smoke_runs):
     for name in ("opacus (all local)", "trainer's part alone (grads, SGD)", "floor: trainer's part + bare round trip",
                  "clipd, one call (default)", "clipd, separate calls, pipelined", "clipd, separate calls, sequential"):
         ms[name] = _positive(rows[name][0])
-        # each row's ratios are its ms over opacus' and over the floor's (printed to 0.01 ms: well within 2%)
-        assert float(rows[name][1]) == pytest.approx(ms[name] / _positive(rows["opacus (all local)"][0]), abs=0.011)
+        # each row's ratio is its ms over opacus' (both printed to 0.01 ms)
+        assert _ratio_of_printed(float(rows[name][1]), ms[name], _positive(rows["opacus (all local)"][0])), rows[name]
     for phase in ("create", "submit (until acknowledged)", "finalize (with the release)"):
         assert _positive(rows[f"separate calls, sequential, client: {phase}"][0])
     last = out.stdout.strip().splitlines()[-1]
@@ -214,7 +222,7 @@ def test_training_benchmark_quick_run(smoke_runs):
                                              ms["trainer's part alone (grads, SGD)"],
                                              ms["floor: trainer's part + bare round trip"])
     assert overhead == pytest.approx(clipd - opacus, abs=0.011) and service == pytest.approx(clipd - grads, abs=0.011)
-    assert vs_opacus == pytest.approx(clipd / opacus, abs=0.011) and vs_floor == pytest.approx(clipd / floor, abs=0.011)
+    assert _ratio_of_printed(vs_opacus, clipd, opacus) and _ratio_of_printed(vs_floor, clipd, floor), last
     assert floor > grads
 
 
