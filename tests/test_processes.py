@@ -152,9 +152,10 @@ def test_the_control_process_killed_mid_stream_clients_follow_the_new_placement(
         _check_exact(c.finalize(aggregation), clients)
 
 
-def test_a_dp_sgd_step_goes_through_the_separate_calls_where_shard_processes_sum(processes_server):
-    """Step is the control process's, and it sums nothing: it answers UNIMPLEMENTED (forwarded from the shard
-    process that took the call), and the trainer's steps go through create, submit and finalize, exact."""
+def test_a_dp_sgd_step_is_one_call_where_shard_processes_sum(processes_server):
+    """Step is the control process's (forwarded by the shard process that took the call), and the control sums a
+    step's one batch itself, in line, as it sums a buffered stream's: a trainer's steps are one call each, exact,
+    with no aggregation left on any process."""
     from clipd.client.dpsgd import DpSgd
 
     with Client(f"127.0.0.1:{processes_server.port}") as client, \
@@ -163,8 +164,14 @@ def test_a_dp_sgd_step_goes_through_the_separate_calls_where_shard_processes_sum
         for _ in range(2):
             step = dp.step({"w": np.full((3, 8), 0.25, np.float32)})  # norms 0.71: not clipped
             np.testing.assert_allclose(step.gradient["w"], 3 * 0.25 / 2, rtol=1e-6)
-            assert step.seconds["step"] == 0 and step.seconds["finalize"] > 0
-        assert not client.steps_in_one_call and len(client.ledger(dp.ledger_id).entries) == 2
+            assert step.seconds["step"] > 0 and step.seconds["finalize"] == 0
+        assert client.steps_in_one_call and len(client.ledger(dp.ledger_id).entries) == 2
+        assert [a.aggregation_id for a in client.list_aggregations()] == [dp._last]  # the step before went
+    with Client(f"127.0.0.1:{processes_server.port}") as client:
+        deadline = time.monotonic() + 10
+        while client.list_aggregations() and time.monotonic() < deadline:  # (closing drops the last)
+            time.sleep(0.05)
+        assert client.list_aggregations() == []
 
 
 def test_a_shard_process_killed_during_start_up(two_shard_processes):

@@ -250,22 +250,36 @@ def test_a_step_larger_than_a_message_goes_through_the_separate_calls_and_the_ne
         server.stop(grace=1.0)
 
 
-def test_a_one_call_step_writes_no_checkpoint_and_the_separate_calls_do(served, monkeypatch):
-    """A step's raw sums are never checkpointed (the trainer holds its gradients until the answer): three one-call
-    steps write none; the same steps through the separate calls write theirs (the acknowledgement waits for one)."""
+def test_a_one_call_step_commits_once_and_writes_no_checkpoint_and_the_separate_calls_do(served, monkeypatch):
+    """A step's raw sums are never checkpointed (the trainer holds its gradients until the answer), and a step is
+    one commit (SQLite's own trace of the store's connection): its record, its release, the ledger entry and the
+    deletion of the step before. Three one-call steps after a first: 3 COMMITs, no checkpoint, and of its steps
+    the store holds the last alone; the same steps through the separate calls write their checkpoints and commit more."""
     server, target = served
     store = server.servicer.lifecycle.store
-    written = []
+    written, statements = [], []
     save = store.save_checkpoint
     monkeypatch.setattr(store, "save_checkpoint", lambda aggregation_id, *a, **k: (written.append(aggregation_id),
                                                                                     save(aggregation_id, *a, **k)))
+    store._conn.set_trace_callback(statements.append)
     rng = np.random.default_rng(2)
-    counts = {}
-    with Client(target) as client:
-        for one_call in (True, False):
-            written.clear()
-            with DpSgd(client, LAYERS, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.1, dataset_size=50,
-                       delta=1e-5, one_call=one_call, pipeline=False) as dp:
-                steps = {dp.step(gradients(rng, 4)).aggregation_id for _ in range(3)}
-            counts[one_call] = len(set(written) & steps)
+    counts, commits = {}, {}
+    try:
+        with Client(target) as client:
+            for one_call in (True, False):
+                with DpSgd(client, LAYERS, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.1,
+                           dataset_size=50, delta=1e-5, one_call=one_call, pipeline=False) as dp:
+                    dp.step(gradients(rng, 4))
+                    written.clear()
+                    statements.clear()
+                    steps = {dp.step(gradients(rng, 4)).aggregation_id for _ in range(3)}
+                    commits[one_call] = sum(sql.strip().upper() == "COMMIT" for sql in statements)
+                    counts[one_call] = len(set(written) & steps)
+                    if one_call:
+                        kept = {r.aggregation_id for r in store.records()}
+                        assert dp._last in kept and not (steps - {dp._last}) & kept
+                        assert len(client.ledger(dp.ledger_id).entries) == 4
+    finally:
+        store._conn.set_trace_callback(None)
     assert counts == {True: 0, False: 3}
+    assert commits[True] == 3 and commits[False] >= 3 * 4, commits  # (create, checkpoint, release, delete)

@@ -32,6 +32,7 @@ from clipd.server.errors import FailedPrecondition, NotFound, ResourceExhausted
 from clipd.server.progress import Counts, Progress
 from clipd.server.sequences import ClientSequences
 from clipd.server.settings import DELTA_BYTES_PER_PARAMETER, TOTALS_BYTES_PER_PARAMETER
+from clipd.server.stores.base import AggregationRecord
 from clipd.wire import shard_of
 
 CREDENTIAL = "credential"  # client ids come from credentials: client tokens, client certificates, trusted submitters
@@ -342,9 +343,11 @@ class Aggregation:
         self.result: Result | None = None
         self.released_sums: tuple[np.ndarray, ...] = ()
         self._finalize_lock = threading.Lock()
-        # Its raw sums are never checkpointed (a DP-SGD step's, made by one Step call: the trainer holds the
-        # gradients until the release and resends them after a crash); the release is durable as ever.
-        self.unsaved = False
+        # A DP-SGD step's, made and released by one Step call (Lifecycle.create's in_line): its one batch summed
+        # on that call's thread, its raw sums never checkpointed (the trainer holds the gradients until the release
+        # and resends them after a crash), and until its release its record (``unrecorded``) is not in the store.
+        self.in_line = False
+        self.unrecorded: AggregationRecord | None = None
 
     # What it is: its spec's (fixed at creation).
     layers = property(lambda self: self.spec.layers)

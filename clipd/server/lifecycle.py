@@ -41,6 +41,7 @@ from clipd.server.aggregations import (
     AggregationSpec,
     Registry,
     Result,
+    State,
     Stats,
 )
 from clipd.server.errors import AlreadyExists, ClipdError, DeadlineExceeded, FailedPrecondition, InvalidArgument
@@ -70,6 +71,10 @@ class Shards(Protocol):
 
     def submit(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
         """Queues an accepted batch on its client's shard; it becomes durable at a later checkpoint."""
+
+    def sum_in_line(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
+        """Sums an accepted whole batch now, on the caller's thread (a DP-SGD step's); ``Unimplemented`` where
+        this process does not sum."""
 
     def warm_up(self, aggregation: Aggregation) -> None:
         """Opens the aggregation's shards (compiles their programs) before it takes batches."""
@@ -145,14 +150,18 @@ class Lifecycle:
 
     # create -------------------------------------------------------------------------------------
     def create(self, requested_id: str, layers, policy, reject: bool, privacy=None, unit: Unit = Unit.EXAMPLE,
-               self_asserted_client_ids: bool = False, stream: str = "", version: int = 0) -> Aggregation:
+               self_asserted_client_ids: bool = False, stream: str = "", version: int = 0,
+               in_line: bool = False) -> Aggregation:
         """The aggregation ``requested_id`` (a new id if empty), created and durable; the same one again
         for a request that repeats it; ``AlreadyExists`` for another spec under that id.
 
         ``unit``: the privacy unit (an example, or a client that contributes once). Where identities count
         (unit CLIENT, or a correlated stream's enforced participation), its client ids come from credentials,
         unless ``self_asserted_client_ids`` (or the server has no admin token: it authenticates no one).
-        ``stream``, ``version``: a buffered stream's buffer, released as that version (``server.streams``)."""
+        ``stream``, ``version``: a buffered stream's buffer, released as that version (``server.streams``).
+        ``in_line``: a DP-SGD step's (``rpc.steps``), released by the call that made it: its one batch is summed on
+        that call's thread (:meth:`submit`), and its record waits for its release, written in the release's commit
+        (unless its ledger's admission writes an entry with it); no warm-up, no shard claims: it is OPEN at once."""
         plan = None
         if privacy is not None:
             privacy = self.ledgers.with_strategy(privacy)  # a correlated stream's, from its ledger (or made)
@@ -170,14 +179,18 @@ class Lifecycle:
                                                                     " client's participation by its id")
 
         def make(aggregation_id: str) -> Aggregation:
-            return Aggregation(aggregation_id, spec, self.settings.max_device_rows, self.settings.staging_bytes,
-                               max_clients=self.settings.max_clients, plan=plan)
+            aggregation = Aggregation(aggregation_id, spec, self.settings.max_device_rows,
+                                      self.settings.staging_bytes, max_clients=self.settings.max_clients, plan=plan)
+            aggregation.in_line = in_line
+            return aggregation
 
-        def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it
+        def publish(aggregation: Aggregation) -> None:  # durable before anyone can see it (a step's: see above)
             record = AggregationRecord(aggregation.id, spec.to_json(), created=aggregation.created)
 
             def create_record(ledger_entry=None) -> None:
-                if not self.store.create(record, ledger_entry=ledger_entry):
+                if in_line and ledger_entry is None:
+                    aggregation.unrecorded = record  # written with its release (Ledgers.release)
+                elif not self.store.create(record, ledger_entry=ledger_entry):
                     raise AlreadyExists(f"aggregation {aggregation.id!r} exists in the store")
 
             if privacy is None:
@@ -185,6 +198,9 @@ class Lifecycle:
             else:
                 assert plan is not None  # (a private spec has its release plan)
                 aggregation.admitted(self.ledgers.admit(aggregation, privacy, plan, create_record))
+            if in_line:
+                aggregation.mark_open()
+                return
             self._claim_shards(aggregation)
             self.shards.warm_up(aggregation)
 
@@ -247,7 +263,8 @@ class Lifecycle:
         return (aggregation, *self.ledgers.draw_clients(aggregation, candidates))
 
     def submit(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
-        """Hands a whole batch to its shard, or lets go of it (a duplicate, or refused)."""
+        """Hands a whole batch to its shard (an in-line aggregation's: sums it now, on this thread), or lets go of it
+        (a duplicate, or refused)."""
         try:
             if aggregation.reject_non_finite:
                 check_finite(batch, aggregation)
@@ -258,7 +275,8 @@ class Lifecycle:
                 layers = contribution_rows(aggregation.unit, batch.layers)
                 batch = batch._replace(rows=layers[0].shape[0], layers=layers)
             try:
-                self.shards.submit(aggregation, client, writer, batch)
+                (self.shards.sum_in_line if aggregation.in_line else self.shards.submit)(aggregation, client,
+                                                                                           writer, batch)
             except ClipdError:
                 aggregation.drop(1)
                 raise
@@ -267,11 +285,13 @@ class Lifecycle:
             raise
 
     # finalize and release --------------------------------------------------------------------------
-    def finalize(self, aggregation_id: str, result_buffers=None) -> Result:
+    def finalize(self, aggregation_id: str, result_buffers=None, drop: Aggregation | None = None) -> Result:
         """Closes the aggregation, waits for its last batch, commits and keeps the result (idempotent): close,
-        drain, commit every shard's final checkpoint, release (under a privacy policy: noise, ledger and FINALIZED
-        in one commit; a release the ledger refuses fails the aggregation), finish (FINALIZED, the result kept).
-        ``result_buffers``: see :meth:`Aggregation.finish`."""
+        drain, commit every shard's final checkpoint (an in-line aggregation's totals are final as they are),
+        release (under a privacy policy: noise, ledger and FINALIZED in one commit; a release the ledger refuses
+        fails the aggregation), finish (FINALIZED, the result kept).
+        ``result_buffers``: see :meth:`Aggregation.finish`. ``drop``: a finalized in-line aggregation whose rows
+        the release's commit deletes (a trainer's step before: :meth:`forget` then drops it here)."""
         aggregation = self.registry.get(aggregation_id)
         timeout = self.settings.finalize_timeout
         with aggregation.finalize_lock:
@@ -282,20 +302,24 @@ class Lifecycle:
                 raise DeadlineExceeded(f"aggregation {aggregation.id}: {aggregation.pending} accepted batches not"
                                        f" summed after {timeout:g} s")
             aggregation.check_not_ended()
-            shard_totals = self.shards.commit_final(aggregation, timeout)
+            if aggregation.in_line:
+                shard_totals = [aggregation.shard_state(k) for k in range(aggregation.shards)]
+            else:
+                shard_totals = self.shards.commit_final(aggregation, timeout)
             released = None
             if aggregation.privacy is None:
                 self.store.set_state(aggregation.id, FINALIZED, finished=time.time())
             else:
                 try:
                     released = self.ledgers.release(aggregation, PartialState.merge_all(shard_totals),
-                                                    aggregation.accumulator.sum_dtypes)
+                                                    aggregation.accumulator.sum_dtypes, drop=drop)
                 except FailedPrecondition as e:
                     aggregation.fail(str(e))
                     raise
             result = aggregation.finish(shard_totals, released, result_buffers)
         event(log, "aggregation.finalized", aggregation=aggregation.id, examples=result.stats.examples)
-        self.shards.finished(aggregation)
+        if not aggregation.in_line:
+            self.shards.finished(aggregation)
         return result
 
     # cancel -------------------------------------------------------------------------------------
@@ -305,10 +329,22 @@ class Lifecycle:
         was = aggregation.state
         aggregation.cancel()
         self.ledgers.forget(aggregation)
-        self.store.delete(aggregation.id)  # first: a shard process can't open it again from the store
-        self.shards.forget(aggregation)
+        if aggregation.unrecorded is None:  # (an in-line aggregation not released has no record)
+            self.store.delete(aggregation.id)  # first: a shard process can't open it again from the store
+        if not aggregation.in_line:
+            self.shards.forget(aggregation)
         event(log, "aggregation.deleted", aggregation=aggregation.id, was=was.value)
         return aggregation
+
+    def forget(self, aggregation: Aggregation) -> None:
+        """Drops a finalized in-line aggregation whose rows a release's commit deleted (``finalize``'s ``drop``);
+        nothing if it went already (a concurrent retry's)."""
+        try:
+            self.registry.remove(aggregation.id)
+        except ClipdError:
+            return
+        aggregation.cancel()
+        event(log, "aggregation.deleted", aggregation=aggregation.id, was=State.FINALIZED.value)
 
 
 def check_identities(spec: AggregationSpec, authenticates: bool, what: str) -> None:

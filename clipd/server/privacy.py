@@ -469,7 +469,7 @@ class Ledgers:
         return _epsilon(policy, [stream_event_json(policy, plan, made + 1)])
 
     def _release_from_stream(self, aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype],
-                             committed: list[str]) -> Release:
+                             committed: list[str], drop=None) -> Release:
         """A correlated ledger's release (under its lock): the stream's next noise row added to the sums, its
         state, the ledger entry, the participants and the release committed together."""
         policy: dp.PrivacyPolicy = aggregation.privacy
@@ -526,15 +526,17 @@ class Ledgers:
             self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry, made, entry.time,
                                       stream=NoiseStream(made + 1, stream_state_to_bytes(state, made + 1)),
                                       participants=participants,
-                                      audit=audit_state.record_of() if audit_state is not None else None)
+                                      audit=audit_state.record_of() if audit_state is not None else None,
+                                      **_made_and_dropped(aggregation, drop))
         except LedgerConflict as e:
             raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
+        aggregation.unrecorded = None
         self._reserved[policy.ledger_id].pop(aggregation.id, None)
         return release
 
     def _refuse_release(self, aggregation, policy: dp.PrivacyPolicy, reason: str) -> None:
         """The aggregation is never released: FAILED with ``reason`` (raised)."""
-        self.store.set_state(aggregation.id, FAILED, reason=reason, finished=time.time())
+        _record_failure(self.store, aggregation, reason)
         self._reserved[policy.ledger_id].pop(aggregation.id, None)
         raise FailedPrecondition(reason)
 
@@ -550,14 +552,17 @@ class Ledgers:
             self._reserved[aggregation.privacy.ledger_id].pop(aggregation.id, None)
 
     # Release ---------------------------------------------------------------------------
-    def release(self, aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype]) -> Release:
-        """Noises ``totals``, accounts the release and commits it with the FINALIZED state (see the module doc)."""
+    def release(self, aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype], drop=None) -> Release:
+        """Noises ``totals``, accounts the release and commits it with the FINALIZED state (see the module doc).
+
+        The same commit writes the aggregation's record if it waited for its release (``unrecorded``: a DP-SGD
+        step's) and deletes ``drop``'s rows (a finalized aggregation: the trainer's step before)."""
         policy: dp.PrivacyPolicy = aggregation.privacy
         plan: dp.ReleasePlan = aggregation.plan
         with self._locked(policy.ledger_id):
             committed = self.events(policy.ledger_id)
             if policy.correlated is not None:
-                return self._release_from_stream(aggregation, totals, sum_dtypes, committed)
+                return self._release_from_stream(aggregation, totals, sum_dtypes, committed, drop)
             event_json = plan.event_json
             if policy.participation is not None:  # the entry: a client's events over the releases made
                 event_json = dp.participation_event(plan.event_json, len(committed) + 1, policy.participation)
@@ -568,7 +573,7 @@ class Ledgers:
                 before = _epsilon(policy, committed)
                 reason = (f"privacy budget of ledger {policy.ledger_id!r} exhausted: this release would take epsilon"
                           f" from {before:.6g} to {after:.6g}, past max_epsilon {policy.max_epsilon:g}")
-                self.store.set_state(aggregation.id, FAILED, reason=reason, finished=time.time())  # never released
+                _record_failure(self.store, aggregation, reason)  # never released
                 self._reserved[policy.ledger_id].pop(aggregation.id, None)
                 raise FailedPrecondition(reason)
             state = self._audit_of(policy)
@@ -585,11 +590,25 @@ class Ledgers:
             try:
                 self.store.commit_release(aggregation.id, release.to_bytes(), policy.ledger_id, entry,
                                           len(committed), entry.time, participants=participants,
-                                          audit=state.record_of() if state is not None else None)
+                                          audit=state.record_of() if state is not None else None,
+                                          **_made_and_dropped(aggregation, drop))
             except LedgerConflict as e:
                 raise FailedPrecondition(f"{e}: another process released on it; finalize again") from e
+            aggregation.unrecorded = None
             self._reserved[policy.ledger_id].pop(aggregation.id, None)
             return release
+
+
+def _made_and_dropped(aggregation, drop) -> dict:
+    """What a release's commit also does: write the aggregation's record (a DP-SGD step's, which waited for its
+    release), delete ``drop``'s rows (the trainer's step before)."""
+    return {"record": aggregation.unrecorded, "drop": drop.id if drop is not None else ""}
+
+
+def _record_failure(store: Store, aggregation, reason: str) -> None:
+    """FAILED in the store, with ``reason`` (an aggregation with no record yet, a step's, has nothing to mark)."""
+    if aggregation.unrecorded is None:
+        store.set_state(aggregation.id, FAILED, reason=reason, finished=time.time())
 
 
 STREAM_MAGIC = b"CLIPDNS1"  # a ledger's noise stream state in clipd's container format (engine._container)

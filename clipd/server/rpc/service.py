@@ -140,8 +140,9 @@ class ClipdServicer(pb_grpc.ClipdServicer):
     def CreateAggregation(self, request: pb.CreateAggregationRequest, context) -> pb.Aggregation:
         return self._describe(self.create(request))
 
-    def create(self, request: pb.CreateAggregationRequest) -> Aggregation:
-        """The aggregation a CreateAggregationRequest asks for (made, or the same one again)."""
+    def create(self, request: pb.CreateAggregationRequest, in_line: bool = False) -> Aggregation:
+        """The aggregation a CreateAggregationRequest asks for (made, or the same one again); ``in_line``: a DP-SGD
+        step's (``Lifecycle.create``)."""
         layers = codec.layers_from_proto(request.layers)
         check_limits(layers, self.settings)
         policy, reject = codec.policy_from_proto(request.policy, len(layers))
@@ -149,7 +150,7 @@ class ClipdServicer(pb_grpc.ClipdServicer):
         privacy = codec.privacy_from_proto(request.privacy) if request.HasField("privacy") else None
         unit = codec.unit_from_proto(request.unit)
         return self.lifecycle.create(requested, layers, policy, reject, privacy, unit,
-                                     request.self_asserted_client_ids)
+                                     request.self_asserted_client_ids, in_line=in_line)
 
     @_status_on_error
     def GetAggregation(self, request: pb.GetAggregationRequest, context) -> pb.Aggregation:

@@ -2,19 +2,19 @@
 
 A trainer's step through the separate calls is four of them (CreateAggregation, Submit until acknowledged,
 Finalize, CancelAggregation): four round trips and, on a durable store, a commit each. ``Step`` does the same work
-in one call and leaves out what a step does not need:
+in one call and one commit, and leaves out what a step does not need:
 
-- the step's aggregation is created as CreateAggregation creates it (its reservation on the ledger and its record,
-  one commit); a retried step names the same id and finds it, in whatever state it got to;
-- the gradients are taken as SubmitOne takes a batch, and never checkpointed (``Aggregation.unsaved``): until
-  the answer the trainer holds them, and a retried step sends them again;
-- then Finalize, as ever: the release, with its ledger entry, in one commit;
-- the step before (``previous_id``, a finalized aggregation) is dropped after the answer, on a thread of its own.
+- the step's aggregation is created as CreateAggregation creates it (its reservation on the ledger), *in line*
+  (``Lifecycle.create``): its record is not written now but with its release, and it needs no warm-up;
+- the gradients are taken as SubmitOne takes a batch and summed on this call's thread
+  (:mod:`clipd.server.summing.inline`: the device worker's own steps, with no thread hop), never checkpointed:
+  until the answer the trainer holds them, and a retried step sends them again;
+- then Finalize, as ever: the release, with its ledger entry, the aggregation's record and the deletion of the step
+  before (``previous_id``, an in-line step's finalized aggregation) in one commit.
 
 A step refused on the way (its gradients, the ledger's budget at the release) leaves nothing: its aggregation is
-cancelled, and its reservation with it. What a crash leaves (docs/durability.md): before the release commits, an
-open aggregation holding its reservation and nothing of the gradients, which the retried step finds and fills;
-after, the release, which the retried step gets back as it was recorded.
+cancelled, and its reservation with it. What a crash leaves (docs/durability.md): before the release commits,
+nothing (the retried step starts again); after, the release, which the retried step gets back as it was recorded.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from clipd import wire
 from clipd.server.aggregations import Aggregation, Result, State
-from clipd.server.errors import ClipdError, InvalidArgument, ResourceExhausted, Unimplemented
+from clipd.server.errors import ClipdError, InvalidArgument, ResourceExhausted
 from clipd.server.rpc.submit import assembler_for, client_of_call
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,6 @@ TRAINER = "trainer"  # the client id of a step's gradients that name none
 
 def step(servicer: Any, message: wire.StepMessage, token: str | None, certified: str | None) -> Result:
     """One DP-SGD step (see the module): its release, as Finalize returns it."""
-    if servicer.settings.processes or servicer.settings.ray_address:
-        raise Unimplemented("Step: this server sums in its shard processes (--processes, Ray), which take a step's"
-                            " gradients themselves: use CreateAggregation, Submit and Finalize")
     spec = message.aggregation
     answer = wire.step_answer_nbytes((layer.shape, wire.DTYPE_NAMES.get(layer.dtype, "float32"))
                                      for layer in spec.layers)
@@ -49,21 +46,38 @@ def step(servicer: Any, message: wire.StepMessage, token: str | None, certified:
     if not spec.HasField("privacy"):
         raise InvalidArgument("aggregation.privacy: a step is a private release; without one, use CreateAggregation,"
                               " Submit and Finalize")
-    aggregation = servicer.create(spec)
-    if aggregation.state is not State.FINALIZED:
-        aggregation.unsaved = True  # its raw sums: the trainer holds the gradients until the answer
+    aggregation = servicer.create(spec, in_line=True)
+    previous = _previous(servicer, message.previous_id, aggregation.id)
     try:
         if aggregation.result is None and message.gradients is not None:
             _take(servicer, aggregation, message.gradients, token, certified)
-        result = servicer.lifecycle.finalize(aggregation.id, result_buffers=servicer.budget)
+        result = servicer.lifecycle.finalize(aggregation.id, result_buffers=servicer.budget, drop=previous)
     except ClipdError:
         if aggregation.result is None:  # nothing released: the step leaves no aggregation and no reservation
             _cancel(servicer, aggregation.id)
         raise
     servicer.budget.fit_pool()
-    if message.previous_id and message.previous_id != aggregation.id:
+    if previous is not None and previous.unrecorded is None:
+        if servicer.lifecycle.store.get(previous.id) is None:  # its rows went with this release
+            servicer.lifecycle.forget(previous)
+        else:  # (this step was released before: a retry's answer)
+            servicer.step_drops.put(previous.id)
+    elif message.previous_id and message.previous_id != aggregation.id:
         servicer.step_drops.put(message.previous_id)
     return result
+
+
+def _previous(servicer: Any, previous_id: str, this_id: str) -> Aggregation | None:
+    """The step before, if its rows can go with this step's release: an in-line aggregation, finalized."""
+    if not previous_id or previous_id == this_id:
+        return None
+    try:
+        previous = servicer.registry.get(previous_id)
+    except ClipdError:
+        return None
+    if previous.in_line and previous.result is not None and previous.state is State.FINALIZED:
+        return previous
+    return None
 
 
 def _take(servicer: Any, aggregation: Aggregation, gradients: wire.SubmitMessage, token: str | None,

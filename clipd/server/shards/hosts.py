@@ -19,7 +19,7 @@ from typing import Protocol
 
 from clipd.engine import PartialState
 from clipd.server.aggregations import TAKES_BATCHES, Aggregation, Registry, State, Stats
-from clipd.server.errors import ClipdError, DeadlineExceeded, FailedPrecondition, Unavailable
+from clipd.server.errors import ClipdError, DeadlineExceeded, FailedPrecondition, Unavailable, Unimplemented
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import fail
 from clipd.server.progress import Progress
@@ -152,6 +152,10 @@ class ShardHosts:
 
     def submit(self, aggregation, client: str, writer: str, batch) -> None:
         raise Unavailable("the control process sums nothing: Submit goes to the shard hosts")
+
+    def sum_in_line(self, aggregation, client: str, writer: str, batch) -> None:
+        raise Unimplemented("Step: this server sums every batch in its Ray shard hosts and none itself: use"
+                            " CreateAggregation, Submit and Finalize")
 
     def commit_final(self, aggregation: Aggregation, timeout: float | None = None) -> list[PartialState]:
         """Closes the aggregation in every host, fences them out and reads back every final checkpoint."""

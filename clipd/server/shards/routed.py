@@ -38,6 +38,9 @@ class StreamsHere(Shards):
     def submit(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
         self._of(aggregation).submit(aggregation, client, writer, batch)
 
+    def sum_in_line(self, aggregation: Aggregation, client: str, writer: str, batch) -> None:
+        self.local.sum_in_line(aggregation, client, writer, batch)  # (a DP-SGD step's: summed here, as a buffer)
+
     def warm_up(self, aggregation: Aggregation) -> None:
         self._of(aggregation).warm_up(aggregation)
 

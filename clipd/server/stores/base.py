@@ -192,7 +192,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
+                       participants: Sequence[str] = (), audit: AuditRecord | None = None,
+                       record: AggregationRecord | None = None, drop: str = "") -> None:
         """One transaction: the release kept, ``entry`` appended, the aggregation FINALIZED.
 
         ``position``: the number of entries the caller saw; ``LedgerConflict``
@@ -202,6 +203,9 @@ class Store(abc.ABC):
         stream after this release (it replaces the one before); ``participants``:
         the clients that took part in it, recorded at ``position``; ``audit``: the
         ledger's audit after this release (it replaces the one before, unless that one is closed).
+        ``record``: the aggregation's, added first (a DP-SGD step's is stored with its release; ``KeyError`` if
+        its id exists); ``drop``: another aggregation forgotten in the same transaction, as :meth:`delete` does
+        (the trainer's step before).
         """
 
     @abc.abstractmethod
@@ -322,11 +326,14 @@ class MemoryStore(Store):
 
     def delete(self, aggregation_id: str) -> None:
         with self._lock:
-            self._records.pop(aggregation_id, None)
-            self._releases.pop(aggregation_id, None)
-            for key in [k for k in (*self._checkpoints, *self._epochs) if k[0] == aggregation_id]:
-                self._checkpoints.pop(key, None)
-                self._epochs.pop(key, None)
+            self._delete_locked(aggregation_id)
+
+    def _delete_locked(self, aggregation_id: str) -> None:
+        self._records.pop(aggregation_id, None)
+        self._releases.pop(aggregation_id, None)
+        for key in [k for k in (*self._checkpoints, *self._epochs) if k[0] == aggregation_id]:
+            self._checkpoints.pop(key, None)
+            self._epochs.pop(key, None)
 
     def ensure_ledger(self, record: LedgerRecord) -> LedgerRecord:
         with self._lock:
@@ -343,12 +350,17 @@ class MemoryStore(Store):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
+                       participants: Sequence[str] = (), audit: AuditRecord | None = None,
+                       record: AggregationRecord | None = None, drop: str = "") -> None:
         with self._lock:
-            record = self._records[aggregation_id]
+            if record is not None and aggregation_id in self._records:
+                raise KeyError(f"aggregation {aggregation_id!r} exists")
+            record = record or self._records[aggregation_id]
             entries = self._entries[ledger_id]
             if len(entries) != position:
                 raise LedgerConflict(f"ledger {ledger_id!r} has {len(entries)} entries, not {position}")
+            if drop:
+                self._delete_locked(drop)
             entries.append(entry)
             if stream is not None:
                 self._streams[ledger_id] = stream

@@ -287,12 +287,7 @@ class SQLStore(Store):
         """Adds an aggregation (and a ledger entry, same commit); False (nothing changes) if it exists."""
         check_state(record.state)
         with self._transaction() as tx:
-            cursor = tx.execute(
-                "INSERT INTO aggregations (id, spec, state, created, finished, reason)"
-                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                (record.aggregation_id, record.spec, record.state, record.created, record.finished,
-                 record.reason))
-            if cursor.rowcount != 1:
+            if not self._insert(tx, record):
                 return False
             if ledger_entry is not None:
                 self._append_entry(tx, *ledger_entry)
@@ -321,14 +316,29 @@ class SQLStore(Store):
         kept outside them. Its ledger entries stay."""
         with self._files_lock:
             with self._transaction() as tx:
-                try:
-                    key = self._key(tx, aggregation_id)
-                except KeyError:
-                    return
-                for table in ("checkpoints", "releases", "shard_epochs"):
-                    tx.execute(f"DELETE FROM {table} WHERE aggregation = ?", (key,))
-                tx.execute("DELETE FROM aggregations WHERE key = ?", (key,))
-            self._deleted(key)
+                key = self._delete_rows(tx, aggregation_id)
+            if key is not None:
+                self._deleted(key)
+
+    def _delete_rows(self, tx: Tx, aggregation_id: str) -> int | None:
+        """In ``tx``: the aggregation's rows gone; its key (None: it did not exist). What it kept outside them
+        goes after the commit (:meth:`_deleted`)."""
+        try:
+            key = self._key(tx, aggregation_id)
+        except KeyError:
+            return None
+        for table in ("checkpoints", "releases", "shard_epochs"):
+            tx.execute(f"DELETE FROM {table} WHERE aggregation = ?", (key,))
+        tx.execute("DELETE FROM aggregations WHERE key = ?", (key,))
+        return key
+
+    def _insert(self, tx: Tx, record: AggregationRecord) -> bool:
+        """In ``tx``: the aggregation's row; False (nothing written) if its id exists."""
+        cursor = tx.execute(
+            "INSERT INTO aggregations (id, spec, state, created, finished, reason)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            (record.aggregation_id, record.spec, record.state, record.created, record.finished, record.reason))
+        return cursor.rowcount == 1
 
     def _deleted(self, key: int) -> None:
         """After the commit that deleted an aggregation's rows: what it kept elsewhere goes (nothing here)."""
@@ -443,17 +453,31 @@ class SQLStore(Store):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
+                       participants: Sequence[str] = (), audit: AuditRecord | None = None,
+                       record: AggregationRecord | None = None, drop: str = "") -> None:
         """One commit: the release in its row, the entry at ``position``, FINALIZED, raw checkpoints gone,
-        the noise stream, the participations and the audit."""
+        the noise stream, the participations and the audit (and the record made, ``drop``'s rows gone)."""
         release = bytes(release)
-        try:
-            with self._transaction() as tx:
-                key = self._key(tx, aggregation_id)
-                self._add_release(tx, key, release, ledger_id, entry, position, finished, stream, participants,
-                                  audit)
-        except self.UNIQUE_VIOLATION as e:  # another process took the position (belt and braces)
-            raise LedgerConflict(f"ledger {ledger_id!r} gained an entry at {position}") from e
+        dropped = None
+        with self._files_lock:
+            try:
+                with self._transaction() as tx:
+                    key = self._made_key(tx, aggregation_id, record)
+                    dropped = self._delete_rows(tx, drop) if drop else None
+                    self._add_release(tx, key, release, ledger_id, entry, position, finished, stream,
+                                      participants, audit)
+            except self.UNIQUE_VIOLATION as e:  # another process took the position (belt and braces)
+                raise LedgerConflict(f"ledger {ledger_id!r} gained an entry at {position}") from e
+            if dropped is not None:
+                self._deleted(dropped)
+
+    def _made_key(self, tx: Tx, aggregation_id: str, record: AggregationRecord | None) -> int:
+        """In ``tx``: the aggregation's key, its row added first from ``record`` (``KeyError`` if it exists)."""
+        if record is not None:
+            check_state(record.state)
+            if not self._insert(tx, record):
+                raise KeyError(f"aggregation {aggregation_id!r} exists")
+        return self._key(tx, aggregation_id)
 
     def _add_release(self, tx: Tx, key: int, release: bytes, ledger_id: str, entry: LedgerEntry,
                      position: int, finished: float, stream: NoiseStream | None = None,

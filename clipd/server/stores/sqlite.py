@@ -51,7 +51,7 @@ from collections.abc import Iterator, Sequence
 
 from clipd.engine import CorruptStateError, PartialState
 from clipd.server.credentials import load_key
-from clipd.server.stores.base import AuditRecord, FencedOut, LedgerEntry, NoiseStream
+from clipd.server.stores.base import AggregationRecord, AuditRecord, FencedOut, LedgerEntry, NoiseStream
 from clipd.server.stores.sql import (
     NEXT_GENERATION,
     SQLStore,
@@ -312,25 +312,36 @@ class SQLiteStore(SQLStore):
 
     def commit_release(self, aggregation_id: str, release: bytes, ledger_id: str, entry: LedgerEntry,
                        position: int, finished: float, *, stream: NoiseStream | None = None,
-                       participants: Sequence[str] = (), audit: AuditRecord | None = None) -> None:
+                       participants: Sequence[str] = (), audit: AuditRecord | None = None,
+                       record: AggregationRecord | None = None, drop: str = "") -> None:
         """One commit: the release's row (holding a release of up to ``INLINE_RELEASE_BYTES``, as a DP-SGD step's;
         a larger one's file is made durable first), the entry, FINALIZED, raw rows gone, the noise stream and the
-        participations. The raw checkpoints' files are unlinked after it, on a thread of their own (a large
-        model's take a while; the release waits for none of it), and without the directory's fsync: one a crash
-        brings back has no row, and the sweep at the next open removes it (no row points at it: it is never
-        read)."""
+        participations (and ``record`` added, ``drop``'s rows gone: a step's record and the step before). The raw
+        checkpoints' files are unlinked after it, on a thread of their own (a large model's take a while; the
+        release waits for none of it), and without the directory's fsync: one a crash brings back has no row, and
+        the sweep at the next open removes it (no row points at it: it is never read)."""
         inline = len(release) <= INLINE_RELEASE_BYTES
+        dropped = None
         with self._files_lock:
+            if not inline and record is not None:  # its file needs its key: the record goes first, on its own
+                if not self.create(record):
+                    raise KeyError(f"aggregation {aggregation_id!r} exists")
+                record = None
             if inline:
                 with self._reading() as tx:
-                    key = self._key(tx, aggregation_id)
-                directory = self._state_dir(key)
+                    key = None if record is not None else self._key(tx, aggregation_id)
             else:
                 key, directory = self._made_state_dir(aggregation_id)
                 _write_durably(directory, RELEASE_FILE, lambda f: f.write(release))
             with self._transaction() as tx:
+                if key is None:
+                    key = self._made_key(tx, aggregation_id, record)
+                dropped = self._delete_rows(tx, drop) if drop else None
                 raw = self._add_release(tx, key, release, ledger_id, entry, position, finished, stream,
                                         participants, audit, inline=inline)
+            directory = self._state_dir(key)
+            if dropped is not None:
+                self._deleted(dropped)
         if raw:
             threading.Thread(target=_remove_files, args=(directory, raw), daemon=True, name="clipd-prune").start()
 

@@ -36,7 +36,7 @@ def checkpoint_due_at(key: tuple[Aggregation, int], slot, now: float, queued) ->
     a round of thousands of one-message clients shares one every interval, instead of one a step.
     """
     aggregation, shard = key
-    if not slot.dirty or slot.committing or key in queued or aggregation.unsaved:
+    if not slot.dirty or slot.committing or key in queued:
         return None
     if 2 * slot.unsaved_bytes < aggregation.parameters * 8 or not slot.spaced_by_duty:
         return slot.checkpoint_due
@@ -69,9 +69,8 @@ class Committer:
 
     An item is ``(aggregation, shard, totals, final, slot)``: ``final`` None for a periodic checkpoint, else a
     Future that the final commit's result (or error) is set on. A final commit whose totals are the ones last
-    queued (``slot.queued``) writes nothing again, nor does one of an aggregation whose raw sums are never saved
-    (``Aggregation.unsaved``: its totals are handed on, nothing marked durable); one whose checkpoint failed fails
-    too. ``written(item, started, took, error)`` runs after each, on this thread.
+    queued (``slot.queued``) writes nothing again; one whose checkpoint failed fails too.
+    ``written(item, started, took, error)`` runs after each, on this thread.
     """
 
     def __init__(self, store: Store, written: Callable[[Any, float, float, Exception | None], None]) -> None:
@@ -102,8 +101,8 @@ class Committer:
             try:
                 if queued is CHECKPOINT_FAILED:  # the checkpoint this final commit relies on
                     raise Unavailable(f"the last checkpoint of aggregation {aggregation.id} failed")
-                # Else nothing summed since that checkpoint, which holds these totals (or nothing of it is saved).
-                if queued is not totals and not aggregation.unsaved:
+                # Else nothing summed since that checkpoint, which holds these totals.
+                if queued is not totals:
                     self.store.save_checkpoint(aggregation.id, totals, shard=shard, epoch=aggregation.epoch(shard))
             except Exception as e:
                 error = e
@@ -112,8 +111,7 @@ class Committer:
                 else:
                     log.exception("checkpoint of aggregation %s failed", aggregation.id)
             else:
-                if not aggregation.unsaved:
-                    aggregation.mark_durable(totals.clients)
+                aggregation.mark_durable(totals.clients)
             if final is not None:
                 if error is not None:
                     final.set_exception(error)

@@ -29,6 +29,7 @@ from clipd.engine import PartialState
 from clipd.server.aggregations import Aggregation, Stats
 from clipd.server.errors import DeadlineExceeded, Unavailable
 from clipd.server.stores.base import Store
+from clipd.server.summing import inline
 from clipd.server.summing.batch import Batch
 from clipd.server.summing.worker import DeviceWorker
 
@@ -96,6 +97,12 @@ class Devices:
         if not self.owns(shard):  # the Submit handler routes by shard: a bug, never a client's doing
             raise Unavailable(f"shard {shard} of aggregation {aggregation.id} is not summed by this process")
         self.worker_of(shard).submit(aggregation, shard, client, writer, batch)
+
+    def sum_in_line(self, aggregation: Aggregation, client: str, writer: str, batch: Batch) -> None:
+        """Sums an accepted whole batch now, on the caller's thread, on the device of its client's shard (a
+        DP-SGD step's: :mod:`~clipd.server.summing.inline`)."""
+        shard = aggregation.shard_of(client)
+        inline.sum_batch(aggregation, shard, client, writer, batch, self.worker_of(shard).device)
 
     # Per aggregation ------------------------------------------------------------------------
     def warm_up(self, aggregation: Aggregation) -> None:

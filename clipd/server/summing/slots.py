@@ -21,7 +21,8 @@ from clipd.engine import FIXED_POINT_DELTA_ROWS, PartialState
 from clipd.server.aggregations import Aggregation
 from clipd.server.summing.batch import Batch
 from clipd.server.summing.memory import aligned_empty
-from clipd.server.summing.packing import Done
+from clipd.server.summing.packing import Done, Step
+from clipd.server.summing.programs import bucket_for, bucket_sizes
 
 FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
 
@@ -87,6 +88,29 @@ class ShardSlot:
         self.next_staging = 1 - self.next_staging
         return buffers
 
+    def run(self, aggregation: Aggregation, step: Step) -> tuple[list[np.ndarray] | None, Any]:
+        """Starts one packed step on the device (asynchronously): its rows padded to their bucket size, into the
+        delta. Returns the example and its scales (on the device until read) where the step only measures it (the
+        sums on the host: the caller adds it, ``Aggregation.add_example``), else ``(None, None)``."""
+        bucket = bucket_for(step.rows, bucket_sizes(aggregation.device_rows))
+        # Aligned numpy views go to the jitted step as they are: on the CPU JAX reads them in
+        # place (one jax.device_put per array costs more than the step for small batches).
+        layers = [buf[:bucket] for buf in step.layers]
+        valid = np.arange(bucket) < step.rows
+        weights = None  # (an aggregation whose batches carry weights: each row's, the padding's 1)
+        if aggregation.weighted and step.weights is not None:
+            weights = np.ones(bucket, np.float32)
+            weights[:step.rows] = step.weights[:step.rows]
+        example, scales = None, None
+        if self.delta.sum_chunks is None:  # sums on the host: the step measures
+            self.delta, scales = aggregation.accumulator.measure(self.delta, layers, valid, weights)
+            example = layers
+        else:
+            fresh = aggregation.device_rows == 1 and self.steps == 0  # the delta was flushed: written over
+            self.delta = aggregation.accumulator.update(self.delta, layers, valid, fresh, weights)
+        self.steps += 1
+        return example, scales
+
     def count(self, done: list[Done]) -> None:
         """A step's batches are in the delta (or, for measured examples, the totals): their marks move up."""
         for client, writer, sequence, _, nbytes in done:
@@ -102,12 +126,14 @@ class ShardSlot:
                             and (self.steps + 1) * aggregation.device_rows > FIXED_POINT_DELTA_ROWS)
         return self.steps >= FLUSH_STEPS or bool(fixed_point_full)
 
-    def absorb_into(self, aggregation: Aggregation, shard: int) -> PartialState:
-        """Adds the delta (and the marks, batches and bytes it covers) into the shard's totals and restarts it."""
+    def absorb_into(self, aggregation: Aggregation, shard: int, restart: bool = True) -> PartialState:
+        """Adds the delta (and the marks, batches and bytes it covers) into the shard's totals and restarts it
+        (``restart=False``: the slot is done with)."""
         delta = jax.device_get(self.delta)  # on the CPU, views of the device buffers
         totals = aggregation.absorb(shard, delta, self.marks, self.batches, self.nbytes)
         del delta
-        if aggregation.device_rows > 1 or self.delta.sum_chunks is None:  # (a delta of one example a step with
-            self.delta = aggregation.accumulator.reset(self.delta)  # sums: the next, fresh, step writes over it)
+        # (a delta of one example a step with sums: the next, fresh, step writes over it)
+        if restart and (aggregation.device_rows > 1 or self.delta.sum_chunks is None):
+            self.delta = aggregation.accumulator.reset(self.delta)
         self.marks, self.batches, self.nbytes, self.steps = {}, 0, 0, 0
         return totals

@@ -75,13 +75,7 @@ from clipd.server.stores.base import Store
 from clipd.server.summing.batch import Batch
 from clipd.server.summing.checkpoints import CHECKPOINT_FAILED, Committer, checkpoint_due_at, checkpoint_spacing
 from clipd.server.summing.packing import Step, pack
-from clipd.server.summing.programs import (
-    already_compiled,
-    bucket_for,
-    bucket_sizes,
-    compile_programs,
-    sums_on_host,
-)
+from clipd.server.summing.programs import already_compiled, compile_programs, sums_on_host
 from clipd.server.summing.slots import InFlight, ShardSlot
 
 log = logging.getLogger(__name__)
@@ -402,24 +396,9 @@ class DeviceWorker:
                 item.batch.give_back()  # copied (or summed): its buffers may go
 
     def _dispatch(self, aggregation: Aggregation, shard: int, slot: ShardSlot, step: Step) -> None:
-        bucket = bucket_for(step.rows, bucket_sizes(aggregation.device_rows))
-        # Aligned numpy views go to the jitted step as they are: on the CPU JAX reads them in
-        # place (one jax.device_put per array costs more than the step for small batches).
-        layers = [buf[:bucket] for buf in step.layers]
-        valid = np.arange(bucket) < step.rows
         self._finish_inflight()
         inflight = InFlight(aggregation, shard, step.done, self.steps + 1, staged=step.staged)
-        weights = None  # (an aggregation whose batches carry weights: each row's, the padding's 1)
-        if aggregation.weighted and step.weights is not None:
-            weights = np.ones(bucket, np.float32)
-            weights[:step.rows] = step.weights[:step.rows]
-        if slot.delta.sum_chunks is None:  # sums on the host: the step measures, the worker adds (_add_measured)
-            slot.delta, inflight.scales = aggregation.accumulator.measure(slot.delta, layers, valid, weights)
-            inflight.example = layers
-        else:
-            fresh = aggregation.device_rows == 1 and slot.steps == 0  # the delta was flushed: written over
-            slot.delta = aggregation.accumulator.update(slot.delta, layers, valid, fresh, weights)
-        slot.steps += 1
+        inflight.example, inflight.scales = slot.run(aggregation, step)  # (sums on the host: _add_measured adds)
         self.steps += 1
         self._inflight = inflight
 
