@@ -1,4 +1,5 @@
-"""How a ``clipd serve`` process tunes itself at start-up: glibc's mmap and trim thresholds, OpenBLAS's threads.
+"""How a ``clipd serve`` process tunes itself at start-up: glibc's mmap and trim thresholds, OpenBLAS's threads
+(and a DP-SGD trainer's process its malloc: :func:`tune`).
 
 A server receives batches of many KB to MB into buffers it frees and takes again. glibc serves a request above
 its mmap threshold (128 KiB at first, raised by frees up to 32 MiB) with a fresh mapping whose pages the kernel
@@ -50,13 +51,20 @@ TUNED: dict[str, dict] = {}  # what :func:`tune` applied in this process (empty:
 GC_THRESHOLDS = (20_000, 20, 20)  # gc.set_threshold once a server process serves (:func:`settle`)
 
 
-def tune() -> dict[str, dict]:
-    """Applies :data:`SETTINGS` to this process (a variable already in the environment wins: its value is the
-    one glibc or OpenBLAS read) and to its children; what each one is, and where it came from:
-    ``environment``, ``mallopt`` (set here), ``children only`` (mallopt refused: not glibc)."""
+MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def tune(names=tuple(SETTINGS)) -> dict[str, dict]:
+    """Applies :data:`SETTINGS` (those of ``names``) to this process (a variable already in the environment wins:
+    its value is the one glibc or OpenBLAS read) and to its children; what each one is, and where it came from:
+    ``environment``, ``mallopt`` (set here), ``children only`` (mallopt refused: not glibc).
+
+    A DP-SGD trainer applies the malloc settings alone (:data:`MALLOC_SETTINGS`, ``clipd.client.dpsgd.DpSgd``): it
+    sends a request of megabytes every few milliseconds, which glibc's defaults map and fault in again each time
+    (on a VM, 2 ms of a step's round trip)."""
     applied: dict[str, dict] = {}
     mallopt = _mallopt()
-    for name, (parameter, default) in SETTINGS.items():
+    for name, (parameter, default) in ((n, SETTINGS[n]) for n in names):
         given = os.environ.get(name)
         if given is not None:
             applied[name] = {"value": given, "source": "environment"}

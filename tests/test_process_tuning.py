@@ -30,6 +30,13 @@ if sys.argv[1] == "tuned":
     from clipd import _process
     applied = _process.tune()
     assert "numpy" not in sys.modules
+elif sys.argv[1].startswith("trainer"):  # a DP-SGD trainer's process: one call a step (or the separate calls)
+    from clipd import _process
+    from clipd.client import Client
+    from clipd.client.dpsgd import DpSgd
+    DpSgd(Client("127.0.0.1:1"), {"w": (4,)}, l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.5,
+          dataset_size=8, delta=1e-5, one_call=sys.argv[1] == "trainer")
+    applied = _process.TUNED
 before = libc.mallinfo2().hblkhd
 block = libc.malloc(8 << 20)
 mapped = libc.mallinfo2().hblkhd - before
@@ -64,6 +71,19 @@ def test_tune_moves_large_mallocs_to_the_heap_and_passes_the_settings_to_childre
     }
     assert tuned["env"] == {k: v["value"] for k, v in tuned["applied"].items()}  # what child processes read
     assert plain["env"] == dict.fromkeys(VARIABLES)
+
+
+def test_a_one_call_dp_sgd_trainer_keeps_its_step_buffers_and_leaves_openblas_alone():
+    """A trainer's process sends a step's megabytes every few milliseconds: a one-call DpSgd makes glibc keep them
+    (the server's malloc settings), and leaves its OpenBLAS threads as they are; the separate calls change nothing."""
+    trainer, separate = _probe("trainer"), _probe("trainer-separate")
+    assert trainer["mapped"] == 0 and trainer["kept"] >= 3 << 20
+    assert trainer["applied"] == {
+        "MALLOC_MMAP_THRESHOLD_": {"value": str(32 << 20), "source": "mallopt"},
+        "MALLOC_TRIM_THRESHOLD_": {"value": str(8 << 20), "source": "mallopt"},
+    }
+    assert trainer["env"]["OPENBLAS_NUM_THREADS"] is None
+    assert separate["applied"] == {} and separate["mapped"] >= 8 << 20 and separate["kept"] < 1 << 20
 
 
 def test_a_variable_in_the_environment_wins():

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from clipd import _process
 from clipd.v1 import clipd_pb2 as pb
 
 from .errors import NotFoundError
@@ -95,7 +96,11 @@ class DpSgd:
       one_call: each step is one call (``Client.step``, default): the server creates the step's aggregation,
         sums the gradients, releases and answers, and drops the step before; a retried call returns the same
         release, recorded once. A step larger than one message (the client's ``max_message_bytes``), or a
-        server without it (shard processes), goes through the separate calls below. ``False``: always those.
+        server without it (Ray shard hosts, an older server), goes through the separate calls below. ``False``:
+        always those. With one call, this process's glibc keeps freed memory for reuse (``M_MMAP_THRESHOLD``
+        32 MiB, ``M_TRIM_THRESHOLD`` 8 MiB, as ``clipd serve`` sets them; ``MALLOC_MMAP_THRESHOLD_`` and
+        ``MALLOC_TRIM_THRESHOLD_`` in the environment win): each step's request, megabytes, would otherwise be
+        mapped and faulted in afresh.
       pipeline: with the separate calls (create, submit, finalize, cancel): create the next step's aggregation,
         and drop the finished one, on a thread of the helper's own while the trainer computes its next gradients
         (default); ``False``: each step does every call in turn. The next step's creation reserves its release
@@ -125,6 +130,8 @@ class DpSgd:
             raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
         if dataset_size < 1:
             raise ValueError(f"dataset_size must be at least 1, got {dataset_size}")
+        if one_call:  # a request of megabytes every few milliseconds: its freed pages kept for the next
+            _process.tune(_process.MALLOC_SETTINGS)
         self.client = client
         self.layers = layers
         self.l2_norm_clip = float(l2_norm_clip)
