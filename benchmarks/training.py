@@ -19,8 +19,8 @@ after ``--warmup`` (compilation), medians:
   service on this path can go under.
 
 Then where a step's time goes inside the server: the same one-call steps against a server in this
-process, its store's create, checkpoint and release commits, the noise and the ledger's epsilon
-timed by wrapping those functions; and the separate calls' client-side phases. The last line:
+process, its create, the gradients' clip and sum, the release's noise, the ledger's epsilon and the
+store's commits, timed by wrapping those functions; and the separate calls' client-side phases. The last line:
 ``training: opacus_ms=<a> clipd_ms=<b> grads_ms=<c> overhead_ms=<b-a> service_ms=<b-c> floor_ms=<f>
 vs_opacus=<b/a> vs_floor=<b/f>`` (``clipd_ms``: the default, one call).
 
@@ -190,11 +190,12 @@ def bare_round_trips(request_bytes: int, answer_bytes: int, calls: int) -> list[
 
 @contextlib.contextmanager
 def server_timers():
-    """Wraps the embedded server's checkpoint, noise, epsilon and ledger commit with timers."""
+    """Wraps the embedded server's create, clip and sum, noise, epsilon and commits with timers."""
     from clipd.engine import _privacy as dp
-    from clipd.server import privacy
+    from clipd.server import lifecycle, privacy
     from clipd.server.rpc import steps
     from clipd.server.stores import sqlite as sqlite_store
+    from clipd.server.summing import inline
 
     timers = collections.defaultdict(list)
     originals = []
@@ -213,13 +214,14 @@ def server_timers():
         setattr(owner, name, timed)
 
     wrap(steps, "step", "the step, whole (in the server)")
-    wrap(sqlite_store.SQLiteStore, "create", "store the new aggregation (with its reservation)")
+    wrap(lifecycle.Lifecycle, "create", "create (the ledger's reservation)")
+    wrap(inline, "sum_batch", "clip and sum the gradients (in line)")
     wrap(sqlite_store.SQLiteStore, "save_checkpoint", "checkpoints")
     wrap(dp, "add_gaussian_noise", "noise")
     wrap(dp, "epsilon_of_json", "ledger epsilon (each create and release)")
-    wrap(sqlite_store.SQLiteStore, "commit_release", "ledger commit")
-    wrap(privacy.Ledgers, "release", "release (noise + epsilon + ledger commit)")
-    wrap(sqlite_store.SQLiteStore, "delete", "drop the step before (after the answer)")
+    wrap(sqlite_store.SQLiteStore, "commit_release", "the commit (record, release, ledger entry, step before gone)")
+    wrap(privacy.Ledgers, "release", "release (noise + epsilon + the commit)")
+    wrap(sqlite_store.SQLiteStore, "delete", "deletes apart from the commit")
     try:
         yield timers
     finally:

@@ -426,6 +426,32 @@ def fresh_key(seed: int | None = None) -> jax.Array:
     return jax.random.wrap_key_data(np.array([bits >> 32, bits & 0xFFFFFFFF], dtype=np.uint32))  # type: ignore[arg-type]
 
 
+def release_keys(seed: int | None, releases: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The three keys of one release (its sums', its count's, its statistics'): ``split(key, 3)`` of a
+    :func:`fresh_key`, or of ``seed``'s key folded with ``releases`` (reproducible, yet no two releases of a
+    ledger share noise), made in one dispatch (one at a time, the key, the fold and the split cost a DP-SGD step
+    half a millisecond).
+
+    >>> a, b, c = release_keys(7, 3)
+    >>> key = jax.random.fold_in(fresh_key(7), 3)
+    >>> all(bool((jax.random.key_data(x) == jax.random.key_data(y)).all())
+    ...     for x, y in zip((a, b, c), jax.random.split(key, 3)))
+    True
+    """
+    bits = secrets.randbits(64) if seed is None else int(seed) % (1 << 64)
+    data = np.array([bits >> 32, bits & 0xFFFFFFFF], dtype=np.uint32)
+    keys = _release_keys(data, np.uint32(releases % (1 << 32)), seed is not None)
+    return keys[0], keys[1], keys[2]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _release_keys(data: jax.Array, releases: jax.Array, seeded: bool) -> tuple[jax.Array, ...]:
+    key = jax.random.wrap_key_data(data)
+    if seeded:
+        key = jax.random.fold_in(key, releases)
+    return tuple(jax.random.split(key, 3))
+
+
 def add_gaussian_noise(sums: Sequence[np.ndarray], stddev: float, key: jax.Array,
                        dtypes: Sequence[np.dtype], minus: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
                        ) -> tuple[np.ndarray, ...]:

@@ -704,10 +704,7 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
     without canaries)."""
     policy: dp.PrivacyPolicy = aggregation.privacy
     plan: dp.ReleasePlan = aggregation.plan
-    key = dp.fresh_key(policy.seed)
-    if policy.seed is not None:  # reproducible, yet no two releases of a ledger share noise
-        key = jax.random.fold_in(key, releases)
-    key_sum, key_count, key_stats = jax.random.split(key, 3)
+    key_sum, key_count, key_stats = dp.release_keys(policy.seed, releases)
     grid: dict = {}
     seen = np.zeros(0)
     if noised_sums is not None:
