@@ -10,7 +10,8 @@ in the same order, so results match bit for bit, quirks included:
 * the norm is ``np.power(., 0.5)`` of a sum of ``np.sum(np.power(c, 2))``;
 * a tie (``norm == C``) has scale 1; a negative ``C`` flips signs; NaN and inf
   are not sanitised (a NaN norm gives NaN, an inf norm a scale of 0);
-* dtypes follow numpy: bfloat16 comes back float32, integers float64, a 0-d
+* dtypes follow numpy: integers come back float64, bfloat16 as numpy's ufuncs
+  give it (float32 before ml_dtypes 0.7, bfloat16 from it: as declearn's), a 0-d
   coefficient a numpy scalar, and the global module upcasts every coefficient
   to the widest dtype of the total (float32 mixed with float64 gives float64).
   A numpy scalar ``C`` acts as a Python scalar (numpy hands declearn's
@@ -79,7 +80,7 @@ class L2Clipping(_ClippingModule):
     is left unchanged, a zero coefficient with ``max_norm = 0`` becomes NaN
     (optax, jax_privacy and opacus give zeros), a negative
     ``max_norm`` flips the sign, NaN stays NaN. Each coefficient keeps its own
-    dtype (bfloat16 becomes float32, integers float64). An empty input gives a
+    dtype (integers become float64; bfloat16 as numpy's ufuncs give it). An empty input gives a
     new, empty structure.
 
     Args:
