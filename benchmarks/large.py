@@ -65,6 +65,9 @@ Run::
     python benchmarks/large.py --params 268435456   # one P
     python benchmarks/large.py --huge               # also P = 2^30 (4 GiB an update)
     python benchmarks/large.py --quick              # P = 2^22 (16 MiB), a smoke run of a few seconds
+    python benchmarks/large.py --rounds 3 --params 268435456   # rounds of a job: each one's warm-up (to OPEN)
+                                                    # beside a fresh process touching the memory the server
+                                                    # then holds (``rounds: ... first_open_over_touch=<r>``)
     python benchmarks/large.py --server-arg=--max-batch-bytes=2147483648 --server-arg=--max-buffered-bytes=4294967296
 
 The benchmark process holds v, one buffer per thread and the finalized sums (about 4 x P x 4
@@ -444,8 +447,10 @@ def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str
     out = []
     try:
         clients = [Client(server.target, timeout=timeout, retry_timeout=min(60.0, timeout)) for _ in range(AT_ONCE)]
+        idle = tree_rss(server.proc.pid)
         for _ in range(count):
             opened: list[float] = []
+            held: list[int] = []
             t0 = time.perf_counter()
             aggregation = clients[0].create_aggregation(layers, policy="global", l2_norm_clip=CLIP)
 
@@ -453,11 +458,13 @@ def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str
                 clients[i].submit(aggregation, {n: updates[i][k * width:(k + 1) * width][None]
                                                 for k, n in enumerate(names)}, client_id=f"round-{i}")
 
-            def watch(aggregation: str = aggregation, opened: list = opened, t0: float = t0) -> None:
+            def watch(aggregation: str = aggregation, opened: list = opened, t0: float = t0,
+                      held: list = held) -> None:
                 with Client(server.target) as watcher:
                     while watcher.get_aggregation(aggregation).state == pb.Aggregation.WARMING_UP:
                         time.sleep(0.01)
                 opened.append(time.perf_counter() - t0)
+                held.append(tree_rss(server.proc.pid) - idle)  # what the server holds at OPEN, over its idle
 
             threads = [threading.Thread(target=send, args=(i,)) for i in range(AT_ONCE)]
             threads.append(threading.Thread(target=watch))
@@ -469,12 +476,29 @@ def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str
             clients[0].finalize(aggregation)
             clients[0].cancel(aggregation)
             out.append({"open_s": opened[0] if opened else math.nan, "round_s": round_s,
-                        "gbps": AT_ONCE * params * 4 / round_s / 1e9})
+                        "gbps": AT_ONCE * params * 4 / round_s / 1e9, "held": held[0] if held else 0})
         for client in clients:
             client.close()
     finally:
         server.stop()
     return out
+
+
+TOUCH = """
+import sys, time
+import numpy as np
+started = time.perf_counter()
+memory = np.empty(int(sys.argv[1]), np.uint8)
+memory.fill(1)
+print(time.perf_counter() - started)
+"""
+
+
+def fresh_touch_seconds(nbytes: int) -> float:
+    """Seconds a fresh process takes to allocate ``nbytes`` and write every page of it once (numpy imported
+    first, outside the clock): what a warm-up that holds that much memory can't go under on this machine."""
+    done = subprocess.run([sys.executable, "-c", TOUCH, str(nbytes)], capture_output=True, text=True, check=True)
+    return float(done.stdout.strip())
 
 
 def _wait_open(client, aggregation: str, deadline: float) -> None:
@@ -619,10 +643,16 @@ def run_rounds(sizes: list[int], args) -> None:
             found = rounds(params, args.rounds, v, workdir, args.server_arg, args.timeout or 1800.0)
             for k, r in enumerate(found, start=1):
                 print(f"{params:>12,} | {k:>5} | {r['open_s']:>7.3f} | {r['round_s']:>8.3f} | {r['gbps']:>6.3f}")
+            held = found[0]["held"]
+            touch = fresh_touch_seconds(held) if held > 0 else math.nan  # (after the rounds: nothing else runs)
+            print(f"at OPEN the first round's server held {held / 1e9:.2f} GB over its idle; a fresh process"
+                  f" allocates and touches as much in {touch:.3f} s")
             later = statistics.median(r["open_s"] for r in found[1:]) if len(found) > 1 else math.nan
+            later_round = (statistics.median(r["round_s"] for r in found[1:]) / found[0]["round_s"]
+                           if len(found) > 1 else math.nan)
             print(f"rounds: params={params} first_open_s={found[0]['open_s']:.3f} later_open_s={later:.3f}"
-                  f" later_over_first_round_s={statistics.median(r['round_s'] for r in found[1:]) / found[0]['round_s']:.3f}"
-                  if len(found) > 1 else f"rounds: params={params} first_open_s={found[0]['open_s']:.3f}")
+                  f" later_over_first_round_s={later_round:.3f} fresh_touch_s={touch:.3f}"
+                  f" first_open_over_touch={found[0]['open_s'] / touch:.3f}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
