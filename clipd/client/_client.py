@@ -178,7 +178,7 @@ class Client(StreamCalls):
         self._submit_one = _submit_one_call(self._channel)
         self._step = self._channel.unary_unary(wire.STEP_METHOD, request_serializer=None,
                                                response_deserializer=pb.StepResponse.FromString)
-        self.steps_in_one_call = True  # False once the server says it has no Step (older, or shard processes)
+        self.steps_in_one_call = True  # False once the server says it has no Step (older, or Ray shard hosts)
         self.max_message_bytes = max_message_bytes
         self.one_message = one_message  # a submission of one batch in one message goes as one SubmitOne call
         self._next_sequences: dict[tuple[str, str], int] = {}  # (aggregation, client) -> its next batch, as known
@@ -672,8 +672,8 @@ class Client(StreamCalls):
         (``FailedPreconditionError``) before anything is summed; a refused step leaves no aggregation.
 
         None, with nothing done, where the step can't be one call: its request or its answer would pass
-        ``max_message_bytes`` (or the server's limit), or the server has no Step (an older server, or one that sums
-        in shard processes). Then create, submit and finalize it.
+        ``max_message_bytes`` (or the server's limit), or the server has no Step (an older server, or one whose
+        every batch is summed by Ray shard hosts). Then create, submit and finalize it.
         """
         if not self.steps_in_one_call:
             return None
