@@ -36,7 +36,7 @@ import functools
 import json
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -306,11 +306,25 @@ def epsilon(events: Sequence[dpe.DpEvent], delta: float, accountant: Accountant,
 
 def epsilon_of_json(events: Sequence[str], delta: float, accountant: Accountant, neighbouring: Neighbouring) -> float:
     """:func:`epsilon` of events as a ledger stores them (``event_to_json``)."""
-    if not events:
-        return 0.0
     # Identical events (a ledger's rounds usually are) composed once with their count: the
     # same epsilon (RDP adds count * rdp, PLD self-composes), in time that does not grow with rounds.
-    counts = collections.Counter(events)
+    return epsilon_of_counts(collections.Counter(events), delta, accountant, neighbouring)
+
+
+def epsilon_of_counts(counts: Mapping[str, int], delta: float, accountant: Accountant,
+                      neighbouring: Neighbouring) -> float:
+    """:func:`epsilon_of_json` of events given by their counts (``{event_json: how many}``): a ledger that keeps
+    its counts as its events come asks for its epsilon in time that does not grow with its length.
+
+    >>> from dp_accounting import dp_event as dpe
+    >>> event = event_to_json(dpe.GaussianDpEvent(1.0))
+    >>> epsilon_of_counts({event: 3}, 1e-5, "rdp", "add_remove_one") == epsilon_of_json([event] * 3, 1e-5, "rdp",
+    ...                                                                                   "add_remove_one")
+    True
+    """
+    counts = {text: count for text, count in counts.items() if count}
+    if not counts:
+        return 0.0
     if Accountant(accountant) is Accountant.ZCDP:
         return _zcdp_epsilon(tuple(sorted(counts.items())), float(delta))
     return _epsilon_of_counts(tuple(sorted(counts.items())), float(delta), Accountant(accountant),

@@ -209,7 +209,7 @@ class Ledgers:
         self._lock = threading.Lock()
         self._ledger_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._reserved: dict[str, dict[str, _Reservation]] = collections.defaultdict(dict)
-        self._events: dict[str, list[str]] = {}  # the committed events read so far, per ledger (see events)
+        self._events: dict[str, Tally] = {}  # the committed events read so far, per ledger (see events)
         self._configured: set[tuple[str, str]] = set()  # (ledger, config) the store has (a ledger's is fixed)
         self.participation_refusals: collections.Counter[str] = collections.Counter()  # per ledger, this process
         self.draws = Draws(store.submit_token_key)  # a server-drawn ledger's participants (server.sampling)
@@ -219,14 +219,14 @@ class Ledgers:
             return self._ledger_locks[ledger_id]
 
     # Reading ---------------------------------------------------------------------------
-    def events(self, ledger_id: str) -> list[str]:
-        """The committed events of a ledger, as JSON: the ones read before and those committed since (by this
+    def events(self, ledger_id: str) -> Tally:
+        """The committed events of a ledger, as JSON counts: the ones read before and those committed since (by this
         process or another on a shared store): a trainer's ledger gains one per step, and is read at each
         creation and release. Call it under the ledger's lock (``_locked``): two callers at once could both
         append the entries after the same ``start``."""
-        known = self._events.setdefault(ledger_id, [])
+        known = self._events.setdefault(ledger_id, Tally())
         known.extend(e.event for e in self.store.ledger_entries(ledger_id, start=len(known)))
-        return list(known)
+        return known.copy()
 
     def current_bound(self, policy: dp.PrivacyPolicy) -> float:
         """The adaptive bound of the ledger's next aggregation: the last release's next bound, or the initial one."""
@@ -400,7 +400,7 @@ class Ledgers:
             self._reserved[policy.ledger_id][aggregation.id] = _Reservation(aggregation, plan.event_json)
             return planned
 
-    def _open_audit(self, policy: dp.PrivacyPolicy, committed: list[str]) -> None:
+    def _open_audit(self, policy: dp.PrivacyPolicy, committed: Tally) -> None:
         """The ledger's audit, made with its first aggregation; FAILED_PRECONDITION on a ledger with releases
         made without one (an audit covers a ledger from its first release)."""
         if self.store.ledger_audit(policy.ledger_id) is not None:
@@ -433,7 +433,7 @@ class Ledgers:
             state = AuditState.from_bytes(blob)
             if not state.closed:
                 config = {**_CONFIG_DEFAULTS, **json.loads(record.config)}
-                events = self.events(ledger_id)
+                events = [e.event for e in self.store.ledger_entries(ledger_id)]  # (in order: a prefix is read)
                 stream = _stream_of(config, config["stream"]) if config.get("stream") else None
                 state.close(config["delta"], stream, config.get("noise_stddev", 0.0),
                             ledger_epsilon(config, events[:state.releases]))
@@ -442,7 +442,7 @@ class Ledgers:
         assert described is not None
         return described
 
-    def _admit_to_stream(self, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, committed: list[str],
+    def _admit_to_stream(self, policy: dp.PrivacyPolicy, plan: dp.ReleasePlan, committed: Tally,
                          reserved: list[str], buffered: bool = False) -> float:
         """A correlated ledger's next aggregation: one open at a time (a buffered stream's buffers, released in
         version order, may be open together), the stream not spent by the releases made and reserved, its whole
@@ -469,7 +469,7 @@ class Ledgers:
         return _epsilon(policy, [stream_event_json(policy, plan, made + 1)])
 
     def _release_from_stream(self, aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype],
-                             committed: list[str], drop=None) -> Release:
+                             committed: Tally, drop=None) -> Release:
         """A correlated ledger's release (under its lock): the stream's next noise row added to the sums, its
         state, the ledger entry, the participants and the release committed together."""
         policy: dp.PrivacyPolicy = aggregation.privacy
@@ -677,9 +677,49 @@ def _counts(aggregation: Aggregation) -> bool:
     return aggregation.state in (*TAKES_BATCHES, State.FINALIZING)
 
 
-def _epsilon(policy: dp.PrivacyPolicy, events: list[str]) -> float:
+class Tally:
+    """Events (JSON) by their counts, with their number: a ledger's committed events, kept as they come (a trainer's
+    ledger gains one a step, and its epsilon is asked at each step of the counts, not of a list that grows).
+    ``tally + [events]`` is a new tally (a copy of the counts: a ledger holds few distinct events).
+
+    >>> t = Tally(["a", "b", "a"])
+    >>> len(t + ["a"]), dict((t + ["a"]).counts), len(t)
+    (4, {'a': 3, 'b': 1}, 3)
+    """
+
+    def __init__(self, events=()) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.total = 0
+        self.extend(events)
+
+    def extend(self, events) -> None:
+        for event in events:
+            self.counts[event] += 1
+            self.total += 1
+
+    def copy(self) -> Tally:
+        tally = Tally()
+        tally.counts, tally.total = collections.Counter(self.counts), self.total
+        return tally
+
+    def __add__(self, events: list[str]) -> Tally:
+        tally = self.copy()
+        tally.extend(events)
+        return tally
+
+    def __len__(self) -> int:
+        return self.total
+
+    def elements(self) -> list[str]:
+        return list(self.counts.elements())
+
+
+def _epsilon(policy: dp.PrivacyPolicy, events: list[str] | Tally) -> float:
     if len(events) <= FEW_EVENTS:  # a participation-limited or correlated ledger's one entry: asked again and again
-        return _epsilon_of_few(tuple(events), policy.delta, policy.accountant, policy.neighbouring)
+        few = events.elements() if isinstance(events, Tally) else events
+        return _epsilon_of_few(tuple(sorted(few)), policy.delta, policy.accountant, policy.neighbouring)
+    if isinstance(events, Tally):
+        return dp.epsilon_of_counts(events.counts, policy.delta, policy.accountant, policy.neighbouring)
     return dp.epsilon_of_json(events, policy.delta, policy.accountant, policy.neighbouring)
 
 

@@ -274,7 +274,9 @@ class SQLStore(Store):
         """
         if tx.one(f"SELECT 1 FROM ledgers WHERE id = ?{self.FOR_UPDATE}", (ledger_id,)) is None:
             raise KeyError(ledger_id)
-        (count,) = tx.row("SELECT COUNT(*) FROM ledger_entries WHERE ledger = ?", (ledger_id,))
+        # Entries are numbered 0, 1, ... with none ever removed: the count is the last position plus one, read
+        # from the primary key's end (COUNT(*) reads every entry of the ledger: a trainer's grows by one a step).
+        (count,) = tx.row("SELECT COALESCE(MAX(position) + 1, 0) FROM ledger_entries WHERE ledger = ?", (ledger_id,))
         if position is not None and count != position:
             raise LedgerConflict(f"ledger {ledger_id!r} has {count} entries, not {position}")
         tx.execute("INSERT INTO ledger_entries (ledger, position, aggregation_id, event, time, epsilon_after,"
