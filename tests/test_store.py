@@ -282,6 +282,25 @@ class StoreContract:
         assert store.ledger_entries("L", start=1) == entries[1:]  # what a reader has not seen yet
         assert store.ledger_entries("L", start=2) == [] and store.ledger_entries("nope", start=1) == []
 
+    def test_a_release_can_make_its_record_and_delete_another_aggregation_in_its_commit(self, store):
+        """A DP-SGD step's commit: its record made with its release (FINALIZED at once), the step before deleted
+        (its release gone, its ledger entry kept); a record whose id exists writes nothing, the step before stays."""
+        store.ensure_ledger(LedgerRecord("L", "{}"))
+        store.create(AggregationRecord("before", "{}"))
+        store.commit_release("before", b"r0", "L", LedgerEntry("before", "{}", 0.0, 1.0), 0, finished=1.0)
+        made = AggregationRecord("step", '{"layers": []}', created=2.0)
+        store.commit_release("step", b"r1", "L", LedgerEntry("step", "{}", 3.0, 2.0), 1, finished=4.0,
+                             record=made, drop="before")
+        got = store.get("step")
+        assert (got.spec, got.created, got.state, got.finished) == ('{"layers": []}', 2.0, FINALIZED, 4.0)
+        assert store.load_release("step") == b"r1"
+        assert store.get("before") is None and store.load_release("before") is None
+        assert [e.aggregation_id for e in store.ledger_entries("L")] == ["before", "step"]
+        with pytest.raises(KeyError):  # its id exists: nothing of the commit is written
+            store.commit_release("step", b"r2", "L", LedgerEntry("step", "{}", 5.0, 3.0), 2, finished=6.0,
+                                 record=made, drop="step")
+        assert store.load_release("step") == b"r1" and len(store.ledger_entries("L")) == 2
+
     def test_a_stale_position_is_a_conflict_and_writes_nothing(self, store):
         store.ensure_ledger(LedgerRecord("L", "{}"))
         store.create(AggregationRecord("a", "{}"))

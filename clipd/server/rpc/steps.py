@@ -57,7 +57,7 @@ def step(servicer: Any, message: wire.StepMessage, token: str | None, certified:
             _cancel(servicer, aggregation.id)
         raise
     servicer.budget.fit_pool()
-    if previous is not None and previous.unrecorded is None:
+    if previous is not None:
         if servicer.lifecycle.store.get(previous.id) is None:  # its rows went with this release
             servicer.lifecycle.forget(previous)
         else:  # (this step was released before: a retry's answer)
