@@ -9,6 +9,8 @@ and sending the difference (``params_transfer_type=DIFF``: P x 4 bytes per site 
                             tensors are written to disk as they stream in, read back to aggregate)
   clipd                     ``ClipdFedAvgRecipe``: each site's update streamed into a ``clipd serve`` (a subprocess,
                             memory store, ``--max-parameters P``) as it arrives; clip C = 1e9 (no clipping), z = 0
+  clipd sites-submit        the same with ``sites_submit=True``: each site streams its update into clipd itself
+                            and NVFlare's server gets a receipt
 
 Each row is run for each ``--sites`` count. Memory: every 50 ms the VmRSS of the job's process tree is summed,
 split into NVFlare's server (the simulator's process and its children that are not site workers) and the sites;
@@ -72,9 +74,10 @@ from big_model import Big
 kind, sites, rounds, target = {kind!r}, {sites}, {rounds}, {target!r}
 common = dict(name="big", min_clients=sites, num_rounds=rounds, model=Big(), train_script={site!r},
               params_transfer_type=TransferType.DIFF)
-if kind == "clipd":
+if kind.startswith("clipd"):
     from clipd.client.nvflare import ClipdFedAvgRecipe
-    recipe = ClipdFedAvgRecipe(clipd_target=target, clipping_norm=1e9, **common)
+    recipe = ClipdFedAvgRecipe(clipd_target=target, clipping_norm=1e9, sites_submit=kind == "clipd sites-submit",
+                               **common)
 else:
     from nvflare.app_opt.pt.recipes.fedavg import FedAvgRecipe
     offload = kind == "nvflare fedavg+offload"
@@ -133,7 +136,7 @@ def run_row(kind: str, sites: int, params: int, rounds: int) -> dict:
         here = pathlib.Path(tmp)
         (here / "big_model.py").write_text(MODEL.format(params=params))
         (here / "site.py").write_text(SITE)
-        clipd = Server("memory", params, tmp, [], start_timeout=120.0) if kind == "clipd" else None
+        clipd = Server("memory", params, tmp, [], start_timeout=120.0) if kind.startswith("clipd") else None
         idle = tree_rss(clipd.proc.pid) if clipd is not None else 0  # (started, nothing open)
         workspace = here / "workspace"
         code = textwrap.dedent(JOB.format(here=str(here), kind=kind, sites=sites, rounds=rounds,
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--params", type=int, default=1 << 27)
     p.add_argument("--sites", type=int, nargs="+", default=[3, 6])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--kinds", nargs="+", default=["nvflare fedavg", "nvflare fedavg+offload", "clipd"])
+    p.add_argument("--kinds", nargs="+", default=["nvflare fedavg", "nvflare fedavg+offload", "clipd",
+                                                   "clipd sites-submit"])
     args = p.parse_args(argv)
     model_gb = args.params * 4 / 1e9
     print(f"nvflare benchmark: a model of {args.params:,} float32 parameters ({model_gb:.3f} GB), {args.rounds}"
@@ -200,6 +204,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if clipd and offload:
             print(f"sites={sites}: server_peak_ratio_clipd_vs_offload={clipd['server_gb'] / offload['server_gb']:.3f}"
                   f" round_time_ratio_clipd_vs_offload={clipd['round_s'] / offload['round_s']:.3f}")
+        direct = by.get(("clipd sites-submit", sites))
+        if direct and fedavg:
+            print(f"sites={sites}: server_peak_ratio_sites_submit_vs_fedavg="
+                  f"{direct['server_gb'] / fedavg['server_gb']:.3f}"
+                  f" round_time_ratio_sites_submit_vs_fedavg={direct['round_s'] / fedavg['round_s']:.3f}")
     clipd_rows = [r for r in rows if r["kind"] == "clipd"]
     if len(clipd_rows) > 1:
         first, last = clipd_rows[0], clipd_rows[-1]

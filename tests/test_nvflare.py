@@ -93,7 +93,8 @@ def _twice(run) -> subprocess.CompletedProcess | None:
 
 
 def _known_job(target: str, workspace: pathlib.Path, attempt: int) -> subprocess.CompletedProcess | None:
-    """3 sites of tests/nvflare_site.py, 3 rounds, C = 1, no noise; run in a process of its own."""
+    """3 sites of tests/nvflare_site.py, 3 rounds, C = 1, no noise, each site submitting its update to clipd itself
+    (``sites_submit``); run in a process of its own."""
     workspace = workspace / str(attempt)
     workspace.mkdir()
     code = f"""
@@ -105,7 +106,8 @@ from clipd.client.nvflare import ClipdFedAvgRecipe
 import nvflare_site
 recipe = ClipdFedAvgRecipe(name="known", min_clients=3, num_rounds=3, model=nvflare_site.TinyNet(),
                            train_script={str(ROOT / 'tests' / 'nvflare_site.py')!r}, clipd_target={target!r},
-                           clipping_norm=1.0, params_transfer_type=TransferType.FULL, clipd_options={{"timeout": 60.0}})
+                           clipping_norm=1.0, params_transfer_type=TransferType.FULL, clipd_options={{"timeout": 60.0}},
+                           sites_submit=True, site_options={{"timeout": 60.0}})
 recipe.execute(SimEnv(num_clients=3, workspace_root={str(workspace)!r}))
 """
     return _run([sys.executable, "-c", code], workspace)
@@ -203,7 +205,8 @@ def _clipped(update: dict[str, np.ndarray], bound: float) -> dict[str, np.ndarra
 def test_rounds_equal_fedavg_under_the_bound_and_the_clipped_mean_over_m_above_it(jobs):
     """Round 0 (every update under C): NVFlare's own FedAvg aggregation with equal weights (its
     WeightedAggregationHelper, float64). Round 1 (over C; site-3 fails): the numpy mean of the clipped updates of
-    sites 1 and 2, divided by m = 3. Round 2 (bad input from every site): the model unchanged."""
+    sites 1 and 2, divided by m = 3. Round 2 (bad input from every site): the model unchanged. Each site submits
+    its update to clipd itself: NVFlare's server gets receipts."""
     start = {k: v.detach().double().numpy() for k, v in nvflare_site.TinyNet().state_dict().items()}
     fedavg = WeightedAggregationHelper()
     for site in (1, 2, 3):
@@ -219,7 +222,9 @@ def test_rounds_equal_fedavg_under_the_bound_and_the_clipped_mean_over_m_above_i
         np.testing.assert_allclose(saved[k], expected[k], rtol=1e-6, atol=1e-7)
     log = _server_log(jobs["known"])
     assert "clipd: round 1 released from 2 of m = 3 sites" in log
-    assert re.search(r"round 2: the reply of site-1: array 'fc.weight' has shape \(4, 3\), the model \(3, 4\)", log)
+    assert all(f"clipd: round {r}: site-{s} submitted its update to clipd itself" in log
+               for r, s in ((0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (2, 2)))
+    assert re.search(r"round 2: the update of site-1 was not taken by clipd \(.*fc\.weight", log)
     assert "clipd: round 2 released from 1 of m = 3 sites" in log  # site-2's NaN: zeroed, counted
 
 
@@ -415,3 +420,80 @@ def test_the_training_task_makes_the_global_model_known_for_full_updates_after_a
     assert result.meta["clipd"]["released"] is True
     np.testing.assert_allclose(result.params["w"], (u1 + u2) / 3, rtol=1e-6)
     assert "global model is not known" not in caplog.text
+
+
+def _site_filter(site: str, target: str, token: str | None, shareable, direction: str, context=None):
+    """A site's ClipdSiteSubmitter run as NVFlare's client runner runs it: the task data in, then the result out,
+    in one task context (the filter's state between the two)."""
+    from nvflare.apis.fl_constant import FLContextKey, ReservedKey
+    from nvflare.apis.fl_context import FLContext
+
+    from clipd.client.nvflare import ClipdSiteSubmitter
+
+    context = context if context is not None else FLContext()
+    context.set_prop(ReservedKey.IDENTITY_NAME, site, private=False, sticky=True)
+    context.set_prop(FLContextKey.FILTER_DIRECTION, direction, private=True, sticky=False)
+    return ClipdSiteSubmitter(target, token=token, timeout=10.0).process(shareable, context), context
+
+
+def test_sites_submit_their_own_updates_under_their_own_credentials_and_nvflare_carries_receipts(auth_server,
+                                                                                                   caplog):
+    """``sites_submit``: the training task names the round's aggregation; each site's filter submits its update to
+    clipd under the site's own client token (a DIFF as it is, a FULL model less the task's model) and passes on a
+    receipt alone. The release is the mean of both updates over m = 3 (z = 0); a site holding another site's token
+    is counted as that site by clipd, so its update is refused as a second contribution (and logged); a task that
+    names no aggregation passes its result through as it is."""
+    from nvflare.apis.fl_constant import FilterKey
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.app_constant import AppConstants
+    from nvflare.app_common.app_event_type import AppEventType
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+    from clipd.client.nvflare import RECEIPT, ROUND_HEADER
+
+    caplog.set_level(logging.INFO)
+    target = f"127.0.0.1:{auth_server.port}"
+    ledger = f"flare-sites-submit-{os.getpid()}"
+    aggregator = ClipdAggregator(target, num_sampled_clients=3, clipping_norm=100.0, token=conftest.ADMIN_TOKEN,
+                                 privacy=Privacy(ledger, 1e-5, noise_multiplier=0.0), timeout=10.0,
+                                 sites_submit=True)
+    with Client(target, token=conftest.ADMIN_TOKEN) as admin:
+        tokens = {site: admin.client_token(site, ledger=ledger) for site in ("site-1", "site-2")}
+    current = {"w": np.array([10.0, 20.0, 30.0], np.float32), "b": np.array([1.0], np.float32)}
+    u1 = {"w": np.array([1.0, 2.0, 3.0], np.float32), "b": np.array([0.5], np.float32)}
+    u2 = {"w": np.array([0.5, -1.0, 0.25], np.float32), "b": np.array([-2.0], np.float32)}
+    aggregator.reset_stats()
+    task = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=current, current_round=1))
+    sent = FLContext()
+    sent.set_prop(AppConstants.TRAIN_SHAREABLE, task)
+    aggregator.handle_event(AppEventType.BEFORE_TRAIN_TASK, sent)  # (the round opens: the model is known here)
+    header = task.get_header(ROUND_HEADER)
+    assert header == {"aggregation_id": aggregator.rounds.open_round.aggregation_id, "round": 1}
+
+    replies = {}
+    for site, token, model in (("site-1", tokens["site-1"], FLModel(params_type=ParamsType.DIFF, params=u1)),
+                               ("site-2", tokens["site-2"], FLModel(params_type=ParamsType.FULL, params={
+                                   k: current[k] + u2[k] for k in current})),
+                               ("site-3", tokens["site-1"], FLModel(params_type=ParamsType.DIFF, params=u2))):
+        _, context = _site_filter(site, target, token, task, FilterKey.IN)
+        out, _ = _site_filter(site, target, token, FLModelUtils.to_shareable(model), FilterKey.OUT, context)
+        replies[site] = FLModelUtils.from_shareable(out)
+        assert set(replies[site].params) == {RECEIPT}  # nothing of the update goes to NVFlare's server
+        aggregator.accept_model(FLModel(params_type=replies[site].params_type, params=replies[site].params,
+                                        meta={**replies[site].meta, "client_name": site}))
+    assert replies["site-1"].meta["clipd"]["submitted"] and replies["site-2"].meta["clipd"]["submitted"]
+    assert not replies["site-3"].meta["clipd"]["submitted"]
+    result = aggregator.aggregate_model()
+    assert result.meta["clipd"]["released"] is True
+    for k in current:
+        np.testing.assert_allclose(result.params[k], (u1[k] + u2[k]) / 3, rtol=1e-6)
+    assert "site-1 submitted its update to clipd itself" in caplog.text
+    assert "clipd: round 1: the update of site-3 was not taken by clipd" in caplog.text
+    assert "released from 2 of m = 3 sites" in caplog.text
+
+    bare = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=current, current_round=2))
+    _, context = _site_filter("site-1", target, tokens["site-1"], bare, FilterKey.IN)  # (no header: not ours)
+    out, _ = _site_filter("site-1", target, tokens["site-1"],
+                          FLModelUtils.to_shareable(FLModel(params_type=ParamsType.DIFF, params=u1)), FilterKey.OUT,
+                          context)
+    assert set(FLModelUtils.from_shareable(out).params) == {"w", "b"}

@@ -37,6 +37,16 @@ Each round (:class:`~clipd.client.rounds.PrivateRounds` holds the logic it share
   weighted mean). The round's privatised metrics (epsilon, ledger epsilon, noise stddev, budget left) go into
   the returned model's ``metrics`` and ``meta["clipd"]`` and NVFlare's log.
 
+With ``sites_submit=True`` (:class:`ClipdFedAvgRecipe`, or :class:`ClipdAggregator` beside a
+:class:`ClipdSiteSubmitter` on each site) the sites submit their updates to clipd themselves: each training task
+carries the round's aggregation id, each site's :class:`ClipdSiteSubmitter` (a filter on its results) streams the
+site's update straight to clipd under its own credential and sends NVFlare's server a receipt in its place. The
+update crosses the network once instead of twice, and the NVFlare server never holds a site's update. Each site
+then needs to reach clipd, with a token that lets it submit: a client token of its own for the ledger (``clipd
+token --client site-1 --ledger L``: clipd counts it as that site whatever it names), or a submitter token; none
+where clipd runs without authentication. A site without the filter, or a round whose aggregation isn't open when
+its tasks go out, sends its update through NVFlare as before.
+
 Needs NVFlare (``pip install '.[nvflare]'``: nvflare 2.9.0); the clipd client itself needs only numpy, grpcio and
 protobuf.
 """
@@ -52,7 +62,10 @@ from typing import Any
 import numpy as np
 
 try:
-    from nvflare.apis.dxo import DataKind
+    from nvflare.apis.dxo import DXO, DataKind, from_shareable
+    from nvflare.apis.filter import Filter
+    from nvflare.apis.fl_constant import FilterKey, FLContextKey, ReturnCode
+    from nvflare.apis.shareable import Shareable
     from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
     from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
     from nvflare.app_common.app_constant import AppConstants
@@ -67,7 +80,12 @@ from .errors import ClipdError
 from .privacy import Adaptive, Audit, Privacy
 from .rounds import PrivateRounds
 
-__all__ = ["ClipdAggregator", "ClipdFedAvg", "ClipdFedAvgRecipe", "privacy_config"]  # noqa: F822 (made on demand)
+__all__ = ["ClipdAggregator", "ClipdFedAvg", "ClipdFedAvgRecipe", "ClipdSiteSubmitter", "privacy_config"]  # noqa: F822 (made on demand)
+
+
+ROUND_HEADER = "clipd_round"  # a training task's header: the round's aggregation, for the sites that submit
+RECEIPT = "clipd_receipt"  # the one array of a site's result in place of its update, which it submitted itself
+_TASK = "clipd.task"  # a site's task context: what the task data said, for its result
 
 
 def privacy_config(privacy: Privacy | dict | None) -> dict | None:
@@ -122,12 +140,14 @@ class ClipdAggregator(ModelAggregator):
       keep_results: leave each finalized aggregation on the clipd server.
       timeout: seconds for each clipd call.
       retry_timeout: how long a clipd server that is unreachable (restarting) is retried before the round gives up.
+      sites_submit: each training task carries the round's aggregation id, so that sites with a
+        :class:`ClipdSiteSubmitter` submit their updates to clipd themselves and send receipts here.
     """
 
     def __init__(self, target: str, num_sampled_clients: int, clipping_norm: float | None = None,
                  privacy: dict | None = None, token_env: str = "CLIPD_TOKEN", token: str | None = None,
                  tls_ca: str | None = None, non_finite: str = "zero_example", keep_results: bool = False,
-                 timeout: float = 600.0, retry_timeout: float = 60.0) -> None:
+                 timeout: float = 600.0, retry_timeout: float = 60.0, sites_submit: bool = False) -> None:
         super().__init__()
         self.target = target
         self.num_sampled_clients = num_sampled_clients
@@ -140,6 +160,7 @@ class ClipdAggregator(ModelAggregator):
         self.keep_results = keep_results
         self.timeout = timeout
         self.retry_timeout = retry_timeout
+        self.sites_submit = sites_submit
         _privacy(self.privacy)  # (a policy that can't be built fails here, in the job's code, not on the server)
         self._rounds: PrivateRounds | None = None
         self._round = 0
@@ -151,7 +172,8 @@ class ClipdAggregator(ModelAggregator):
     def handle_event(self, event_type: str, fl_ctx) -> None:
         """ModelAggregator's, and: the model FedAvg sends each site to train (``BEFORE_TRAIN_TASK``, as it goes out)
         is this round's global model where the server's context holds none (FedAvg with its initial model given
-        inline and no persistor). The round's aggregation opens then, if it could not at the round's start."""
+        inline and no persistor). The round's aggregation opens then, if it could not at the round's start. With
+        ``sites_submit`` the task carries the open round's aggregation id (``ROUND_HEADER``)."""
         super().handle_event(event_type, fl_ctx)
         if event_type != AppEventType.BEFORE_TRAIN_TASK:
             return
@@ -165,6 +187,10 @@ class ClipdAggregator(ModelAggregator):
                 current = self._global_model()
                 if current is not None:
                     self._open(current)
+            if self.sites_submit:
+                open_round = rounds.open_round if self._lost is None else None
+                task.set_header(ROUND_HEADER, None if open_round is None else
+                                {"aggregation_id": open_round.aggregation_id, "round": open_round.number})
 
     # NVFlare's calls ------------------------------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -187,6 +213,9 @@ class ClipdAggregator(ModelAggregator):
         rounds = self.rounds
         if rounds.stopped is not None:
             self.info(f"clipd: the update of {site} is not sent: {rounds.stopped}")
+            return
+        if RECEIPT in (model.params or {}):
+            self._receipt(site, (model.meta or {}).get("clipd"))
             return
         params = {name: _numpy(value) for name, value in (model.params or {}).items()}
         diff = model.params_type == ParamsType.DIFF
@@ -238,6 +267,23 @@ class ClipdAggregator(ModelAggregator):
                        meta={"clipd": {**metrics, "released": True}})
 
     # Its own -------------------------------------------------------------------------------------------
+    def _receipt(self, site: str, receipt: Any) -> None:
+        """A site submitted its update to clipd itself (:class:`ClipdSiteSubmitter`): counted when clipd took it
+        into this round's aggregation, logged when it didn't (the site's update is then not in the release)."""
+        with self._lock:
+            open_round = self.rounds.open_round
+            if not isinstance(receipt, dict):
+                self.error(f"clipd: {site} sent a receipt without its clipd part: its update is not in the round")
+            elif open_round is None or receipt.get("aggregation_id") != open_round.aggregation_id:
+                self.error(f"clipd: the receipt of {site} is for aggregation {receipt.get('aggregation_id')!r}, not"
+                           f" round {self._round}'s: its update is not in this round")
+            elif not receipt.get("submitted"):
+                self.warning(f"clipd: round {self._round}: the update of {site} was not taken by clipd"
+                             f" ({receipt.get('error')}): it contributes nothing")
+            else:
+                open_round.submitted += 1
+                self.info(f"clipd: round {self._round}: {site} submitted its update to clipd itself")
+
     @property
     def rounds(self) -> PrivateRounds:
         """The rounds' state, made on the NVFlare server when first needed (with its connection to clipd)."""
@@ -345,6 +391,103 @@ class ClipdFedAvg(FedAvg):
         return self._own_stop_condition is not None and super().should_stop(metrics)
 
 
+class ClipdSiteSubmitter(Filter):
+    """A site's filter that submits the site's update to clipd itself, so that NVFlare's server carries a receipt
+    instead of the update (see the module; the server's :class:`ClipdAggregator` needs ``sites_submit=True``).
+
+    Add it to each site both ways: on the task data it reads the round's aggregation id from the training task
+    (and keeps the global model, for a FULL update); on the result it streams the update (a DIFF as it is, a FULL
+    model less the global one) into that aggregation as the site's one contribution, under the site's name, and
+    replaces the result's arrays by one array, ``RECEIPT``, with what happened in its meta's ``"clipd"``. A task
+    that names no aggregation (the round not open when it went out, or a server without ``sites_submit``) and a
+    result that isn't a model pass through as they are.
+
+    Args (builtins only, as NVFlare writes them into the site's configuration):
+      target: the clipd server, ``host:port``.
+      token_env: the environment variable of the site that holds its clipd token: its client token for the ledger
+        (``clipd token --client <site> --ledger <ledger>``) or a submitter token; unset where clipd runs without
+        authentication. ``token`` instead puts it in the job's configuration.
+      tls_ca: a CA certificate file (PEM) to reach a clipd server over TLS.
+      timeout: seconds for each clipd call.
+      retry_timeout: how long a clipd server that is unreachable (restarting) is retried before the update is
+        reported as not submitted.
+    """
+
+    def __init__(self, target: str, token_env: str = "CLIPD_TOKEN", token: str | None = None,
+                 tls_ca: str | None = None, timeout: float = 600.0, retry_timeout: float = 60.0) -> None:
+        super().__init__()
+        self.target = target
+        self.token_env = token_env
+        self.token = token
+        self.tls_ca = tls_ca
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        self._client: Client | None = None
+
+    def process(self, shareable: Shareable, fl_ctx) -> Shareable:
+        if fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION) == FilterKey.IN:
+            task = shareable.get_header(ROUND_HEADER)
+            if isinstance(task, dict):  # (a FULL result is a difference from the model the task carries)
+                task = {**task, "global": _task_arrays(shareable)}
+            fl_ctx.set_prop(_TASK, task if isinstance(task, dict) else None, private=True, sticky=False)
+            return shareable
+        task = fl_ctx.get_prop(_TASK)
+        fl_ctx.set_prop(_TASK, None, private=True, sticky=False)
+        if not isinstance(task, dict) or shareable.get_return_code(ReturnCode.OK) != ReturnCode.OK:
+            return shareable
+        try:
+            result = from_shareable(shareable)
+        except ValueError:  # (not a DXO: nothing of a model to submit)
+            return shareable
+        if result.data_kind not in (DataKind.WEIGHT_DIFF, DataKind.WEIGHTS) or not result.data:
+            return shareable
+        site = fl_ctx.get_identity_name() or "unknown site"
+        receipt = {"aggregation_id": task["aggregation_id"], "round": task.get("round"), "site": site,
+                   **self._submit(task, site, result)}
+        if receipt["submitted"]:
+            self.log_info(fl_ctx, f"clipd: submitted the update of {site} to {task['aggregation_id']}")
+        else:
+            self.log_error(fl_ctx, f"clipd: the update of {site} was not taken by clipd: {receipt['error']}")
+        sent = DXO(DataKind.WEIGHT_DIFF, data={RECEIPT: np.zeros(1, np.float32)},
+                   meta={**result.meta, "clipd": receipt})
+        return sent.update_shareable(shareable)
+
+    def _submit(self, task: dict, site: str, result: DXO) -> dict:
+        """Streams the site's update into the round's aggregation: ``submitted`` and, where it wasn't, ``error``."""
+        update = {name: _numpy(value) for name, value in result.data.items()}
+        update = {name: value for name, value in update.items() if np.issubdtype(value.dtype, np.floating)}
+        if result.data_kind == DataKind.WEIGHTS:
+            base = task.get("global") or {}
+            if set(update) - set(base):
+                return {"submitted": False, "error": f"a FULL model with arrays the global model lacks:"
+                                                     f" {sorted(set(update) - set(base))}"}
+            update = {name: np.subtract(value, _numpy(base[name]), dtype=np.float64)
+                      if np.shape(base[name]) == value.shape else value for name, value in update.items()}
+        try:
+            self.client.submit(task["aggregation_id"], update, client_id=site)
+        except ClipdError as e:
+            return {"submitted": False, "error": str(e)}
+        return {"submitted": True}
+
+    @property
+    def client(self) -> Client:
+        """The site's connection to clipd, made when first needed."""
+        if self._client is None:
+            token = self.token if self.token is not None else os.environ.get(self.token_env)
+            self._client = Client(self.target, token=token, timeout=self.timeout, retry_timeout=self.retry_timeout,
+                                  root_certificates=pathlib.Path(self.tls_ca).read_bytes() if self.tls_ca else None)
+        return self._client
+
+
+def _task_arrays(shareable: Shareable) -> dict | None:
+    """The model a training task carries (a reference to its arrays, no copy), or None."""
+    try:
+        data = from_shareable(shareable)
+    except ValueError:
+        return None
+    return data.data if data.data_kind == DataKind.WEIGHTS and isinstance(data.data, dict) else None
+
+
 def _recipe_class():
     """:class:`ClipdFedAvgRecipe`, made when first asked for: NVFlare's PyTorch recipe needs torch."""
     from nvflare.app_opt.pt.recipes.fedavg import FedAvgRecipe
@@ -357,16 +500,23 @@ def _recipe_class():
         and clipd's: ``clipd_target``, ``clipping_norm``, ``privacy``, ``num_sampled_clients`` (default
         ``min_clients``: FedAvg samples that many sites a round) and :class:`ClipdAggregator`'s others as
         ``clipd_options``. Sites send their update as a DIFF unless ``params_transfer_type`` says otherwise.
+        ``sites_submit=True``: each site submits its update to clipd itself (a :class:`ClipdSiteSubmitter` on
+        every site, its arguments other than the target in ``site_options``) and NVFlare carries receipts.
         """
 
         def __init__(self, *, clipd_target: str, clipping_norm: float | None = None,
                      privacy: Privacy | dict | None = None, num_sampled_clients: int | None = None,
-                     clipd_options: dict | None = None, **recipe: Any) -> None:
+                     clipd_options: dict | None = None, sites_submit: bool = False,
+                     site_options: dict | None = None, **recipe: Any) -> None:
             aggregator = ClipdAggregator(clipd_target, num_sampled_clients or recipe["min_clients"], clipping_norm,
-                                         privacy_config(privacy), **(clipd_options or {}))
+                                         privacy_config(privacy), sites_submit=sites_submit,
+                                         **(clipd_options or {}))
             recipe.setdefault("params_transfer_type", TransferType.DIFF)
             recipe.setdefault("aggregator_data_kind", DataKind.WEIGHT_DIFF)
             super().__init__(aggregator=aggregator, **recipe)
+            if sites_submit:  # (one filter each way: NVFlare builds each from its arguments on the site)
+                self.add_client_input_filter(ClipdSiteSubmitter(clipd_target, **(site_options or {})), tasks=["train"])
+                self.add_client_output_filter(ClipdSiteSubmitter(clipd_target, **(site_options or {})), tasks=["train"])
 
         def _create_controller(self, persistor_id: str, model_params, model_aggregator) -> FedAvg:
             controller = super()._create_controller(persistor_id, model_params, model_aggregator)
