@@ -43,7 +43,7 @@ carries the round's aggregation id, each site's :class:`ClipdSiteSubmitter` (a f
 site's update straight to clipd under its own credential and sends NVFlare's server a receipt in its place. The
 update crosses the network once instead of twice, and the NVFlare server never holds a site's update. Each site
 then needs to reach clipd, with a token that lets it submit: a client token of its own for the ledger (``clipd
-token --client site-1 --ledger L``: clipd counts it as that site whatever it names), or a submitter token; none
+token --client site-1 --ledger L``: clipd refuses it under any other name), or a submitter token; none
 where clipd runs without authentication. A site without the filter, or a round whose aggregation isn't open when
 its tasks go out, sends its update through NVFlare as before.
 

@@ -55,6 +55,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--token", default=None, help="the server's admin or submitter token, if it has one")
     p.add_argument("--workspace", default=None, help="NVFlare's simulation workspace (default: a temporary one)")
     p.add_argument("--ledger", default=None, help="the privacy ledger's id (default: a new one)")
+    p.add_argument("--sites-submit", action="store_true",
+                   help="each site submits its update to clipd itself; NVFlare's server gets receipts")
     return p.parse_args(argv)
 
 
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace, target: str, workspace: pathlib.Path) -> dict:
         name="clipd_digits", min_clients=args.sites, num_rounds=args.rounds, model=DigitsNet(),
         train_script=str(HERE / "client.py"),
         train_args=f"--sites {args.sites} --local-epochs {args.local_epochs} --lr {args.lr} --report {report}",
-        clipd_target=target, clipping_norm=args.clip, privacy=privacy,
+        clipd_target=target, clipping_norm=args.clip, privacy=privacy, sites_submit=args.sites_submit,
     )
     recipe.execute(SimEnv(num_clients=args.sites, num_threads=args.threads, workspace_root=str(workspace)))
     if privacy is not None:
