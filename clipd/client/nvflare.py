@@ -164,7 +164,6 @@ class ClipdAggregator(ModelAggregator):
         _privacy(self.privacy)  # (a policy that can't be built fails here, in the job's code, not on the server)
         self._rounds: PrivateRounds | None = None
         self._round = 0
-        self._sent: Any = None  # the task data of the round's last training task: the model the sites train from
         self._lost: str | None = None  # why the round's release can't be made from all its updates
         self._global_known = False  # the open round's arrays are the global model's (not zeros: see accept_model)
         self._lock = threading.Lock()  # (tasks go out on the sites' threads, results come in on another)
@@ -180,13 +179,16 @@ class ClipdAggregator(ModelAggregator):
         task = fl_ctx.get_prop(AppConstants.TRAIN_SHAREABLE)
         if task is None:
             return
-        with self._lock:
-            self._sent = task
+        with self._lock:  # (the task itself is not kept: NVFlare lets go of its copy of the model once it is sent)
             rounds = self.rounds
-            if rounds.open_round is None and rounds.stopped is None and self._lost is None:
-                current = self._global_model()
-                if current is not None:
+            opened = rounds.open_round
+            if rounds.stopped is None and self._lost is None and (opened is None or not self._global_known):
+                current = self._global_model(task)
+                if current is not None and opened is None:
                     self._open(current)
+                elif current is not None and opened is not None:  # (opened by a DIFF, the model unknown until now)
+                    opened.current = {**opened.current, **current}
+                    self._global_known = True
             if self.sites_submit:
                 open_round = rounds.open_round if self._lost is None else None
                 task.set_header(ROUND_HEADER, None if open_round is None else
@@ -325,10 +327,10 @@ class ClipdAggregator(ModelAggregator):
         round_ = self.fl_ctx.get_prop(AppConstants.CURRENT_ROUND) if self.fl_ctx is not None else None
         return int(round_) if round_ is not None else self._round + 1
 
-    def _global_model(self) -> dict[str, np.ndarray] | None:
+    def _global_model(self, task: Any = None) -> dict[str, np.ndarray] | None:
         """The global model's arrays as the server holds them this round (FedAvg with a persistor keeps them in a
-        new context's sticky ``GLOBAL_MODEL``), else as this round's training tasks carry them (``handle_event``),
-        or None where neither is known."""
+        new context's sticky ``GLOBAL_MODEL``), else as this round's training ``task`` carries them
+        (``handle_event``), or None where neither is known."""
         if self.fl_ctx is not None:
             engine = self.fl_ctx.get_engine()
             context = engine.new_context() if engine is not None else self.fl_ctx
@@ -336,8 +338,8 @@ class ClipdAggregator(ModelAggregator):
             weights = learnable.get("weights") if isinstance(learnable, dict) else None
             if weights:
                 return {name: _numpy(value) for name, value in weights.items()}
-        if self._sent is not None:  # the model this round's training tasks carry (FedAvg without a persistor)
-            sent = FLModelUtils.from_shareable(self._sent)
+        if task is not None:  # the model this round's training tasks carry (FedAvg without a persistor)
+            sent = FLModelUtils.from_shareable(task)
             if sent.current_round in (None, self._round) and sent.params and sent.params_type != ParamsType.DIFF:
                 return {name: _numpy(value) for name, value in sent.params.items()}
         return None
