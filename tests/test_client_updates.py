@@ -338,3 +338,34 @@ def test_iter_updates_is_lazy():
 
 def test_the_module_doctests():
     assert doctest.testmod(updates).failed == 0
+
+
+def test_a_result_s_chunks_are_placed_at_their_offsets_and_one_past_its_tensor_is_refused():
+    """A Finalize answer's sums as they stream in (the server's chunks of each tensor, in any order; a bfloat16 layer
+    beside a float32 one): each tensor equal to what was cut, writable; a chunk reaching past its tensor's size is an
+    INTERNAL error, not a silently longer array."""
+    import grpc
+
+    from clipd import wire
+    from clipd.client import ClipdError
+    from clipd.client._client import _result_from
+    from clipd.v1 import clipd_pb2 as pb
+
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.array([1.5, -2.0, 3.0], ml_dtypes.bfloat16)
+    stats = pb.AggregationStats(layers=[pb.LayerStats(name="w"), pb.LayerStats(name="b")])
+
+    def chunks(layer: int, array: np.ndarray, step: int) -> list[pb.TensorChunk]:
+        data = wire.tensor_bytes(array)
+        return [pb.TensorChunk(layer=layer, dtype=wire.dtype_code(array.dtype), shape=array.shape, offset=offset,
+                               data=bytes(data[offset:offset + step])) for offset in range(0, len(data), step)]
+
+    cut = chunks(0, w, 10) + chunks(1, b, 4)
+    result = _result_from(stats, cut[::-1])
+    assert result.sums["w"].dtype == np.float32 and np.array_equal(result.sums["w"], w)
+    assert result.sums["b"].dtype == b.dtype and np.array_equal(result.sums["b"], b)
+    result.sums["w"][0, 0] = 7.0  # (a trainer updates them in place)
+    past = pb.TensorChunk(layer=0, dtype=wire.dtype_code(w.dtype), shape=w.shape, offset=44, data=bytes(8))
+    with pytest.raises(ClipdError) as refused:
+        _result_from(stats, [past])
+    assert refused.value.code == grpc.StatusCode.INTERNAL and "past its size 48" in str(refused.value)

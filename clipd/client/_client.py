@@ -778,26 +778,32 @@ def _raising(error: Exception) -> Iterator[list[np.ndarray]]:
 
 
 def _result_of(responses) -> AggregateResult:
-    """A Finalize answer, read whole: its statistics and release, then the sums in chunks."""
-    stats: pb.AggregationStats | None = None
-    chunks = []
-    for response in responses:
-        if response.HasField("stats"):
-            stats = response.stats
-        if response.HasField("sum"):
-            chunks.append(response.sum)
-    assert stats is not None  # the server's first response carries them
-    return _result_from(stats, chunks)
+    """A Finalize answer, read as it streams in: its statistics and release (the server's first message), then the
+    sums in chunks, each copied into its place and let go (a large model's result costs its size once)."""
+    responses = iter(responses)
+    first = next(responses)
+    assert first.HasField("stats")  # the server's first response carries them
+    return _result_from(first.stats, (response.sum for response in itertools.chain((first,), responses)
+                                      if response.HasField("sum")))
 
 
 def _result_from(stats: pb.AggregationStats, chunks) -> AggregateResult:
-    """A finalized aggregation's result from its statistics and its sums' chunks (in order)."""
-    buffers: dict[int, bytearray] = {}
+    """A finalized aggregation's result from its statistics and its sums' chunks (in order; each at its offset in
+    its tensor, which is made at its size when its first chunk comes)."""
+    buffers: dict[int, np.ndarray] = {}
     layouts: dict[int, tuple[str, tuple[int, ...]]] = {}
     for chunk in chunks:
-        layouts[chunk.layer] = (wire.DTYPE_NAMES[chunk.dtype], tuple(chunk.shape))
-        buffers.setdefault(chunk.layer, bytearray()).extend(chunk.data)
-    # Views of the received bytes (no copy), writable: a trainer may update them in place.
+        buffer = buffers.get(chunk.layer)
+        if buffer is None:
+            layouts[chunk.layer] = (wire.DTYPE_NAMES[chunk.dtype], tuple(chunk.shape))
+            size = math.prod(chunk.shape) * wire.numpy_dtype(layouts[chunk.layer][0]).itemsize
+            buffer = buffers[chunk.layer] = np.empty(size, np.uint8)
+        end = chunk.offset + len(chunk.data)
+        if end > buffer.size:
+            raise ClipdError(f"the server sent layer {chunk.layer}'s bytes up to {end}, past its size"
+                             f" {buffer.size}", grpc.StatusCode.INTERNAL)
+        buffer[chunk.offset:end] = np.frombuffer(chunk.data, np.uint8)
+    # Writable: a trainer may update them in place.
     sums = {layer.name: wire.as_array(buffers[k], *layouts[k]) for k, layer in enumerate(stats.layers)}
     return AggregateResult(
         sums=sums,
