@@ -114,6 +114,14 @@ def _numpy(value) -> np.ndarray:
     return np.asarray(value)
 
 
+def _connect(component: Any) -> Client:
+    """A connection to clipd from an NVFlare component's arguments: ``target``, ``token`` (else the environment
+    variable ``token_env``), ``tls_ca``, ``timeout``, ``retry_timeout``."""
+    token = component.token if component.token is not None else os.environ.get(component.token_env)
+    return Client(component.target, token=token, timeout=component.timeout, retry_timeout=component.retry_timeout,
+                  root_certificates=pathlib.Path(component.tls_ca).read_bytes() if component.tls_ca else None)
+
+
 class _Log:
     """The aggregator's NVFlare log, for :class:`PrivateRounds`."""
 
@@ -290,10 +298,7 @@ class ClipdAggregator(ModelAggregator):
     def rounds(self) -> PrivateRounds:
         """The rounds' state, made on the NVFlare server when first needed (with its connection to clipd)."""
         if self._rounds is None:
-            token = self.token if self.token is not None else os.environ.get(self.token_env)
-            client = Client(self.target, token=token, timeout=self.timeout, retry_timeout=self.retry_timeout,
-                            root_certificates=pathlib.Path(self.tls_ca).read_bytes() if self.tls_ca else None)
-            self._rounds = PrivateRounds(client, clipping_norm=self.clipping_norm,
+            self._rounds = PrivateRounds(_connect(self), clipping_norm=self.clipping_norm,
                                          num_sampled_clients=self.num_sampled_clients,
                                          privacy=_privacy(self.privacy), non_finite=self.non_finite,
                                          keep_results=self.keep_results, log=_Log(self), name="nvflare")
@@ -475,9 +480,7 @@ class ClipdSiteSubmitter(Filter):
     def client(self) -> Client:
         """The site's connection to clipd, made when first needed."""
         if self._client is None:
-            token = self.token if self.token is not None else os.environ.get(self.token_env)
-            self._client = Client(self.target, token=token, timeout=self.timeout, retry_timeout=self.retry_timeout,
-                                  root_certificates=pathlib.Path(self.tls_ca).read_bytes() if self.tls_ca else None)
+            self._client = _connect(self)
         return self._client
 
 
