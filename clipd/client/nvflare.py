@@ -19,8 +19,9 @@ Each round (:class:`~clipd.client.rounds.PrivateRounds` holds the logic it share
 
 * ``reset_stats`` (the round's start, before the sites are asked to train) opens a clipd aggregation with
   ``unit="client"`` for the global model's floating arrays: each site is one unit of privacy, its update one
-  contribution, sent by the aggregator as a trusted submitter (its token: the admin token or a submitter token,
-  read from the ``CLIPD_TOKEN`` environment variable of the NVFlare server) under the site's name. A ledger that
+  contribution, sent by the aggregator as a trusted submitter (its token: the admin token, which also opens and
+  releases the rounds, read from the ``CLIPD_TOKEN`` environment variable of the NVFlare server) under the site's
+  name. A ledger that
   can't afford the release refuses it there: training stops (:class:`ClipdFedAvg` asks no site to train and ends
   the job; NVFlare's own ``FedAvg`` goes on with rounds that leave the model as it is).
 * With ``Privacy(..., sampling="poisson", sampling_rate=q, drawn_by="server")`` clipd draws each round's sites:
@@ -140,9 +141,8 @@ class ClipdAggregator(ModelAggregator):
         clipping (the bound starts at ``privacy.adaptive.initial_bound``).
       privacy: the privacy policy of every round's release (:class:`clipd.client.Privacy`, or its
         :func:`privacy_config`); None: clipped, not noised (not differentially private).
-      token_env: the environment variable of the NVFlare server that holds the clipd token it submits with (the
-        admin token, or a submitter token: ``clipd token --role submitter``); ``token`` instead puts it in the
-        job's configuration.
+      token_env: the environment variable of the NVFlare server that holds the clipd admin token it opens,
+        submits to and releases the rounds with; ``token`` instead puts it in the job's configuration.
       tls_ca: a CA certificate file (PEM) to reach a clipd server over TLS.
       non_finite: clipd's policy for an update holding NaN or inf (``zero_example``: zeroed and counted).
       keep_results: leave each finalized aggregation on the clipd server.

@@ -81,8 +81,8 @@ class PrivateRounds:
     """One clipd aggregation and release per round of a federated job.
 
     Args:
-      client: a connected :class:`clipd.client.Client`, holding the admin token or a submitter token (it submits
-        each site's update under the site's name); not closed here.
+      client: a connected :class:`clipd.client.Client`, holding the admin token (it creates and finalizes each
+        round's aggregation, and submits each site's update under the site's name); not closed here.
       clipping_norm: the bound C on each site's update (one L2 norm over all floating arrays). With adaptive
         clipping: None (the bound starts at ``privacy.adaptive.initial_bound`` and the server moves it).
       num_sampled_clients: m, the public denominator: the sites sampled per round.
