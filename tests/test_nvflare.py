@@ -441,8 +441,8 @@ def test_sites_submit_their_own_updates_under_their_own_credentials_and_nvflare_
     """``sites_submit``: the training task names the round's aggregation; each site's filter submits its update to
     clipd under the site's own client token (a DIFF as it is, a FULL model less the task's model) and passes on a
     receipt alone. The release is the mean of both updates over m = 3 (z = 0); a site holding another site's token
-    is refused by clipd under its own name (and logged); a task that names no aggregation passes its result through
-    as it is."""
+    is refused by clipd under its own name (and logged); a receipt for another aggregation is not counted; a task
+    that names no aggregation passes its result through as it is."""
     from nvflare.apis.fl_constant import FilterKey
     from nvflare.apis.fl_context import FLContext
     from nvflare.app_common.app_constant import AppConstants
@@ -483,6 +483,9 @@ def test_sites_submit_their_own_updates_under_their_own_credentials_and_nvflare_
                                         meta={**replies[site].meta, "client_name": site}))
     assert replies["site-1"].meta["clipd"]["submitted"] and replies["site-2"].meta["clipd"]["submitted"]
     assert "it may not submit as 'site-3'" in replies["site-3"].meta["clipd"]["error"]
+    stale = {"aggregation_id": "nvflare-r0-elsewhere", "submitted": True}  # (a receipt of another round: not counted)
+    aggregator.accept_model(FLModel(params_type=ParamsType.DIFF, params={RECEIPT: np.zeros(1, np.float32)},
+                                    meta={"client_name": "site-4", "clipd": stale}))
     result = aggregator.aggregate_model()
     assert result.meta["clipd"]["released"] is True
     for k in current:
@@ -490,6 +493,7 @@ def test_sites_submit_their_own_updates_under_their_own_credentials_and_nvflare_
     assert "site-1 submitted its update to clipd itself" in caplog.text
     assert "clipd: round 1: the update of site-3 was not taken by clipd" in caplog.text
     assert "released from 2 of m = 3 sites" in caplog.text
+    assert "the receipt of site-4 is for aggregation 'nvflare-r0-elsewhere', not round 1's" in caplog.text
 
     bare = FLModelUtils.to_shareable(FLModel(params_type=ParamsType.FULL, params=current, current_round=2))
     _, context = _site_filter("site-1", target, tokens["site-1"], bare, FilterKey.IN)  # (no header: not ours)

@@ -79,7 +79,7 @@ except ImportError as e:  # pragma: no cover - exercised where nvflare is missin
 from ._client import Client
 from .errors import ClipdError
 from .privacy import Adaptive, Audit, Privacy
-from .rounds import PrivateRounds
+from .rounds import PrivateRounds, update_of
 
 __all__ = ["ClipdAggregator", "ClipdFedAvg", "ClipdFedAvgRecipe", "ClipdSiteSubmitter", "privacy_config"]  # noqa: F822 (made on demand)
 
@@ -194,9 +194,8 @@ class ClipdAggregator(ModelAggregator):
                 current = self._global_model(task)
                 if current is not None and opened is None:
                     self._open(current)
-                elif current is not None and opened is not None:  # (opened by a DIFF, the model unknown until now)
-                    opened.current = {**opened.current, **current}
-                    self._global_known = True
+                elif current is not None:
+                    self._learn_global(current)
             if self.sites_submit:
                 open_round = rounds.open_round if self._lost is None else None
                 task.set_header(ROUND_HEADER, None if open_round is None else
@@ -244,9 +243,8 @@ class ClipdAggregator(ModelAggregator):
                     self.error(f"clipd: {self._lost}")
                     rounds.cancel_open()
                     return
-                if rounds.open_round is not None and current is not None:  # (opened by a DIFF, the model unknown)
-                    rounds.open_round.current = {**rounds.open_round.current, **current}
-                    self._global_known = True
+                if rounds.open_round is not None and current is not None:
+                    self._learn_global(current)
                 elif not self._open(current if current is not None else {k: np.zeros_like(v) for k, v in
                                                                            params.items()}, known=current is not None):
                     return
@@ -277,6 +275,13 @@ class ClipdAggregator(ModelAggregator):
                        meta={"clipd": {**metrics, "released": True}})
 
     # Its own -------------------------------------------------------------------------------------------
+    def _learn_global(self, current: dict[str, np.ndarray]) -> None:
+        """The global model is known now for the round already open (opened by a DIFF, the model unknown then)."""
+        opened = self.rounds.open_round
+        assert opened is not None
+        opened.current = {**opened.current, **current}
+        self._global_known = True
+
     def _receipt(self, site: str, receipt: Any) -> None:
         """A site submitted its update to clipd itself (:class:`ClipdSiteSubmitter`): counted when clipd took it
         into this round's aggregation, logged when it didn't (the site's update is then not in the release)."""
@@ -460,16 +465,21 @@ class ClipdSiteSubmitter(Filter):
         return sent.update_shareable(shareable)
 
     def _submit(self, task: dict, site: str, result: DXO) -> dict:
-        """Streams the site's update into the round's aggregation: ``submitted`` and, where it wasn't, ``error``."""
-        update = {name: _numpy(value) for name, value in result.data.items()}
-        update = {name: value for name, value in update.items() if np.issubdtype(value.dtype, np.floating)}
-        if result.data_kind == DataKind.WEIGHTS:
-            base = task.get("global") or {}
-            if set(update) - set(base):
-                return {"submitted": False, "error": f"a FULL model with arrays the global model lacks:"
-                                                     f" {sorted(set(update) - set(base))}"}
-            update = {name: np.subtract(value, _numpy(base[name]), dtype=np.float64)
-                      if np.shape(base[name]) == value.shape else value for name, value in update.items()}
+        """Streams the site's update into the round's aggregation: ``submitted`` and, where it wasn't, ``error``. The
+        update is made from the result as the NVFlare server's aggregator makes it (:func:`update_of`), against the
+        model the task carried."""
+        params = {name: _numpy(value) for name, value in result.data.items()}
+        diff = result.data_kind == DataKind.WEIGHT_DIFF
+        current = task.get("global")
+        if current is None and not diff:
+            return {"submitted": False, "error": "a FULL model, and the training task carried no model to take it from"}
+        if current is None:  # (a DIFF as it is: clipd checks it against the round's layers)
+            update = {name: value for name, value in params.items() if np.issubdtype(value.dtype, np.floating)}
+        else:
+            made, why = update_of(params, {name: _numpy(value) for name, value in current.items()}, diff=diff)
+            if made is None:
+                return {"submitted": False, "error": f"the reply of {site}{why}"}
+            update = made
         try:
             self.client.submit(task["aggregation_id"], update, client_id=site)
         except ClipdError as e:

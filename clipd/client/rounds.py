@@ -45,9 +45,33 @@ class Round:
     number: int
     aggregation_id: str
     current: dict[str, np.ndarray]  # the global arrays sent to the sites, all of them, in order
-    floating: list[str]  # the ones clipd aggregates (the others keep their global value)
     submitted: int = 0  # updates summed so far
     draws: dict[str, bool] = dataclasses.field(default_factory=dict)  # the server's draws asked so far (its sampling)
+
+
+def update_of(params: Mapping[str, Any], current: Mapping[str, np.ndarray], *,
+              diff: bool) -> tuple[dict[str, np.ndarray] | None, str]:
+    """A reply's update of a model whose global arrays are ``current``: its floating arrays, as they are when they
+    are a difference (``diff``), else ``params - current`` (float64); or ``(None, why)`` when it does not hold them
+    in their shapes (``why`` continues "the reply of <site>").
+
+    >>> update_of({"w": np.array([3.0, 5.0])}, {"w": np.array([1.0, 1.0])}, diff=False)
+    ({'w': array([2., 4.])}, '')
+    >>> update_of({"w": np.zeros(3)}, {"w": np.zeros(2)}, diff=True)[1]
+    ": array 'w' has shape (3,), the model (2,)"
+    """
+    floating = [name for name, a in current.items() if np.issubdtype(np.asarray(a).dtype, np.floating)]
+    missing = [name for name in floating if name not in params]
+    if missing or (not diff and set(params) != set(current)):
+        return None, (f" does not hold the model's arrays (missing {missing or sorted(set(current) - set(params))},"
+                      " or others)")
+    update = {}
+    for name in floating:
+        new, old = np.asarray(params[name]), np.asarray(current[name])
+        if new.shape != old.shape:
+            return None, f": array {name!r} has shape {new.shape}, the model {old.shape}"
+        update[name] = new if diff else np.subtract(new, old, dtype=np.float64)
+    return update, ""
 
 
 BLOCK = 1 << 20  # elements of an array computed at a time in float64 (8 MiB of temporaries, whatever the model)
@@ -149,7 +173,7 @@ class PrivateRounds:
         except FailedPreconditionError as e:  # the ledger's budget (or its configuration) refuses the release
             self.stop(f"clipd refused round {number}'s release: {e.details}")
             return False
-        self.open_round = Round(number, aggregation_id, current, floating)
+        self.open_round = Round(number, aggregation_id, current)
         return True
 
     @property
@@ -171,25 +195,14 @@ class PrivateRounds:
         return [site for site in sites if round_.draws[site]]
 
     def update_from(self, site: str, params: Mapping[str, Any], *, diff: bool) -> dict[str, np.ndarray] | None:
-        """A site's update from its reply: ``params`` as they are when they are a difference (``diff``), else
-        ``params - current``; None (logged) when it does not hold the model's floating arrays in their shapes."""
+        """A site's update from its reply (:func:`update_of`); None (logged) when it does not hold the model's floating
+        arrays in their shapes."""
         round_ = self.open_round
         if round_ is None:
             return None
-        missing = [name for name in round_.floating if name not in params]
-        if missing or (not diff and set(params) != set(round_.current)):
-            self.log.warning(f"round {round_.number}: the reply of {site} does not hold the model's arrays"
-                             f" (missing {missing or sorted(set(round_.current) - set(params))}, or others): it"
-                             " contributes nothing")
-            return None
-        update = {}
-        for name in round_.floating:
-            new, old = np.asarray(params[name]), round_.current[name]
-            if new.shape != old.shape:
-                self.log.warning(f"round {round_.number}: the reply of {site}: array {name!r} has shape {new.shape},"
-                                 f" the model {old.shape}: it contributes nothing")
-                return None
-            update[name] = new if diff else np.subtract(new, old, dtype=np.float64)
+        update, why = update_of(params, round_.current, diff=diff)
+        if update is None:
+            self.log.warning(f"round {round_.number}: the reply of {site}{why}: it contributes nothing")
         return update
 
     def submit(self, site: str, update: Mapping[str, np.ndarray]) -> bool:

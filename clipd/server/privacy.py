@@ -678,7 +678,7 @@ def _counts(aggregation: Aggregation) -> bool:
 
 
 class Tally:
-    """Events (JSON) by their counts, with their number: a ledger's committed events, kept as they come (a trainer's
+    """Events (JSON) by their counts: a ledger's committed events, kept as they come (a trainer's
     ledger gains one a step, and its epsilon is asked at each step of the counts, not of a list that grows).
     ``tally + [events]`` is a new tally (a copy of the counts: a ledger holds few distinct events).
 
@@ -688,18 +688,14 @@ class Tally:
     """
 
     def __init__(self, events=()) -> None:
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.total = 0
-        self.extend(events)
+        self.counts: collections.Counter[str] = collections.Counter(events)
 
     def extend(self, events) -> None:
-        for event in events:
-            self.counts[event] += 1
-            self.total += 1
+        self.counts.update(events)
 
     def copy(self) -> Tally:
         tally = Tally()
-        tally.counts, tally.total = collections.Counter(self.counts), self.total
+        tally.counts = collections.Counter(self.counts)
         return tally
 
     def __add__(self, events: list[str]) -> Tally:
@@ -708,7 +704,7 @@ class Tally:
         return tally
 
     def __len__(self) -> int:
-        return self.total
+        return self.counts.total()
 
     def elements(self) -> list[str]:
         return list(self.counts.elements())
