@@ -67,7 +67,9 @@ Run::
     python benchmarks/large.py --quick              # P = 2^22 (16 MiB), a smoke run of a few seconds
     python benchmarks/large.py --rounds 3 --params 268435456   # rounds of a job: each one's warm-up (to OPEN)
                                                     # beside a fresh process touching the memory the server
-                                                    # then holds (``rounds: ... first_open_over_touch=<r>``)
+                                                    # then holds: before the rounds, the memory idle as the
+                                                    # first warm-up finds it (``first_open_over_idle_touch``),
+                                                    # and right after them (``first_open_over_touch``)
     python benchmarks/large.py --server-arg=--max-batch-bytes=2147483648 --server-arg=--max-buffered-bytes=4294967296
 
 The benchmark process holds v, one buffer per thread and the finalized sums (about 4 x P x 4
@@ -448,6 +450,11 @@ def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str
     try:
         clients = [Client(server.target, timeout=timeout, retry_timeout=min(60.0, timeout)) for _ in range(AT_ONCE)]
         idle = tree_rss(server.proc.pid)
+        # The reference, in the state the server's first warm-up finds the memory: a fresh process touches what
+        # the first round will hold (its float64 totals and two receive buffers: 16 bytes a parameter), then
+        # the machine idles as long as the next round's memory would (see FREED_IDLE_S).
+        touch_idle = fresh_touch_seconds(16 * params)
+        time.sleep(FREED_IDLE_S)
         for _ in range(count):
             opened: list[float] = []
             held: list[int] = []
@@ -476,7 +483,8 @@ def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str
             clients[0].finalize(aggregation)
             clients[0].cancel(aggregation)
             out.append({"open_s": opened[0] if opened else math.nan, "round_s": round_s,
-                        "gbps": AT_ONCE * params * 4 / round_s / 1e9, "held": held[0] if held else 0})
+                        "gbps": AT_ONCE * params * 4 / round_s / 1e9, "held": held[0] if held else 0,
+                        "touch_idle_s": touch_idle})
         for client in clients:
             client.close()
     finally:
@@ -492,6 +500,12 @@ memory = np.empty(int(sys.argv[1]), np.uint8)
 memory.fill(1)
 print(time.perf_counter() - started)
 """
+
+
+# Memory a process frees is handed back to the host by a VM whose balloon reports free pages (virtio-balloon's
+# free page reporting, a couple of seconds after the free); touching it again then faults it in on the host too,
+# several times slower than memory freed a moment ago. Pages freed this long ago have been reported.
+FREED_IDLE_S = 10.0
 
 
 def fresh_touch_seconds(nbytes: int) -> float:
@@ -645,14 +659,18 @@ def run_rounds(sizes: list[int], args) -> None:
                 print(f"{params:>12,} | {k:>5} | {r['open_s']:>7.3f} | {r['round_s']:>8.3f} | {r['gbps']:>6.3f}")
             held = found[0]["held"]
             touch = fresh_touch_seconds(held) if held > 0 else math.nan  # (after the rounds: nothing else runs)
+            touch_idle = found[0]["touch_idle_s"]
             print(f"at OPEN the first round's server held {held / 1e9:.2f} GB over its idle; a fresh process"
-                  f" allocates and touches as much in {touch:.3f} s")
+                  f" allocates and touches {16 * params / 1e9:.2f} GB in {touch_idle:.3f} s before the rounds"
+                  f" (memory idle, as the first warm-up finds it), as much as the server held in {touch:.3f} s"
+                  f" right after them (memory the server just freed)")
             later = statistics.median(r["open_s"] for r in found[1:]) if len(found) > 1 else math.nan
             later_round = (statistics.median(r["round_s"] for r in found[1:]) / found[0]["round_s"]
                            if len(found) > 1 else math.nan)
             print(f"rounds: params={params} first_open_s={found[0]['open_s']:.3f} later_open_s={later:.3f}"
                   f" later_over_first_round_s={later_round:.3f} fresh_touch_s={touch:.3f}"
-                  f" first_open_over_touch={found[0]['open_s'] / touch:.3f}")
+                  f" first_open_over_touch={found[0]['open_s'] / touch:.3f} idle_touch_s={touch_idle:.3f}"
+                  f" first_open_over_idle_touch={found[0]['open_s'] / touch_idle:.3f}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

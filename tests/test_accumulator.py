@@ -312,6 +312,35 @@ def test_no_recompilation_after_warm_up():
     assert int(state.example_count) == 64 * 65 // 2
 
 
+_backend_compiles: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: _backend_compiles.append(event) if "backend_compile" in event else None)
+
+
+@pytest.mark.parametrize("kind, weighted", [("sum", False), ("fresh", False), ("measure", False), ("sum", True),
+                                            ("measure", True)])
+def test_steps_compiled_ahead_of_time_from_shapes_run_without_compiling(kind, weighted):
+    # A large model's warm-up compiles its steps from shapes alone (no model-sized batch of zeros is made and run):
+    # the worker's first step, with numpy batches on the same default device, must find the program compiled.
+    acc = ClipAccumulator([LayerSpec("w", (3, 5)), LayerSpec("b", (7,))], ClipPolicy(l2_norm_clip=2.5 + weighted))
+    rng = np.random.default_rng(3)
+    batch = [rng.standard_normal((16, 3, 5), dtype=np.float32), rng.standard_normal((16, 7), dtype=np.float32)]
+    weights = np.full(16, 0.5, np.float32) if weighted else None
+    with jax.default_device(jax.devices()[0]):
+        acc.compile(16, kind, weighted)
+        compiled = len(_backend_compiles)
+        assert compiled > 0  # (the listener hears this jax's compiles)
+        if kind == "measure":
+            state, scales = acc.measure(acc.init(sums=False), batch, np.ones(16, bool), weights)
+            jax.block_until_ready(scales)
+        else:
+            state = jax.block_until_ready(acc.update(acc.init(), batch, np.ones(16, bool), kind == "fresh", weights))
+    assert _backend_compiles[compiled:] == []
+    assert int(state.example_count) == 16
+    with pytest.raises(ValueError, match="kind"):
+        acc.compile(16, "sums")
+
+
 def test_state_is_donated():
     x = np.ones((4, 3), np.float32)
     acc = make_acc([x], ClipPolicy())

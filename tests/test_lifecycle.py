@@ -178,31 +178,31 @@ def test_a_finalize_after_an_acknowledged_checkpoint_writes_it_once(tmp_path):
         server.stop(grace=0.5)
 
 
-def test_an_aggregation_like_a_compiled_one_opens_without_running_its_steps_again(client, monkeypatch):
-    """A trainer makes one aggregation per step, all alike: only the first runs the warm-up steps."""
+def test_an_aggregation_like_a_compiled_one_opens_without_compiling_its_steps_again(client, monkeypatch):
+    """A trainer makes one aggregation per step, all alike: only the first compiles the steps at its warm-up."""
     from clipd.engine import ClipAccumulator
 
-    warm_steps = []
-    update = ClipAccumulator.update
+    warm_compiles = []
+    compile_step = ClipAccumulator.compile
 
     def counted(self, *args):
         if threading.current_thread().name.startswith("clipd-warmup"):
-            warm_steps.append(self)
-        return update(self, *args)
+            warm_compiles.append(self)
+        return compile_step(self, *args)
 
-    monkeypatch.setattr(ClipAccumulator, "update", counted)
+    monkeypatch.setattr(ClipAccumulator, "compile", counted)
 
     def open_one(shape) -> None:
         agg = client.create_aggregation({"w": shape, "b": (3,)})
         wait_until(lambda: client.get_aggregation(agg).state == 2, 60, f"{agg} OPEN")  # 2: OPEN
 
     open_one((7, 13))  # a shape no other test uses: compiled here
-    first = len(warm_steps)
-    assert first >= 2  # one step per bucket size
+    first = len(warm_compiles)
+    assert first >= 2  # one program per bucket size
     open_one((7, 13))
-    assert len(warm_steps) == first
-    open_one((7, 14))  # another shape: compiled and run
-    assert len(warm_steps) == 2 * first
+    assert len(warm_compiles) == first
+    open_one((7, 14))  # another shape: compiled
+    assert len(warm_compiles) == 2 * first
 
 
 def test_a_step_waits_for_more_batches_only_while_a_stream_of_its_aggregation_is_open():

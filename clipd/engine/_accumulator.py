@@ -667,6 +667,27 @@ class ClipAccumulator:
             weights = np.asarray(weights, np.float32)
         return _measure_jit(state, tuple(example), valid, self._limits, self._config, weights)
 
+    def compile(self, rows: int, kind: str = "sum", weighted: bool = False) -> None:
+        """Compiles the step for batches of ``rows`` rows ahead of time, from shapes alone: the first
+        :meth:`update` (``kind`` ``"sum"`` or ``"fresh"``) or :meth:`measure` (``"measure"``) of that size,
+        on the same default device, with numpy batches, then runs without compiling. No batch is made or read:
+        for a large model, running the step once on zeros would fault in and read a model's worth of memory.
+        ``weighted``: the step for batches that carry weights.
+
+        >>> acc = ClipAccumulator([LayerSpec("w", (2,))], ClipPolicy(l2_norm_clip=1.0))
+        >>> acc.compile(4, "measure")
+        """
+        if kind not in ("sum", "fresh", "measure"):
+            raise ValueError(f"compile: kind is 'sum', 'fresh' or 'measure', not {kind!r}")
+        batch = tuple(jax.ShapeDtypeStruct((rows, *layer.shape), np.dtype(layer.dtype)) for layer in self.layers)
+        valid = jax.ShapeDtypeStruct((rows,), np.dtype(bool))
+        weights = jax.ShapeDtypeStruct((rows,), np.dtype(np.float32)) if weighted else None
+        if kind == "measure":
+            _measure_jit.lower(self.init(sums=False), batch, valid, self._limits, self._config, weights).compile()
+        else:
+            _accumulate_jit.lower(self.init(), batch, valid, self._limits, self._config, kind == "fresh",
+                                  weights).compile()
+
     merge = staticmethod(merge)
 
     def program_key(self, rows: int, kind: str = "sum") -> tuple:

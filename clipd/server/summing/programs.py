@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 
 import jax
-import numpy as np
 
 from clipd.server.aggregations import Aggregation
 
@@ -24,7 +23,7 @@ def bucket_sizes(device_rows: int) -> list[int]:
     return sorted({4**i for i in range(16) if 4**i < device_rows} | {device_rows})
 
 
-# The (device, program) pairs already compiled and run once in this process: an aggregation whose every
+# The (device, program) pairs already compiled in this process: an aggregation whose every
 # bucket is here opens at once (a DP-SGD trainer creates one aggregation per step, all alike).
 _warm_programs: set[tuple] = set()
 _warm_lock = threading.Lock()
@@ -63,20 +62,16 @@ def already_compiled(aggregation: Aggregation, device) -> bool:
 
 
 def compile_programs(aggregation: Aggregation, device, still_wanted=lambda: True) -> bool:
-    """Compiles (and runs once, on zeros) every step program of ``aggregation`` on ``device`` not compiled in this
-    process yet; False if ``still_wanted()`` turned false on the way (the aggregation went)."""
+    """Compiles, from shapes alone (``ClipAccumulator.compile``: no batch is made or run), every step program of
+    ``aggregation`` on ``device`` not compiled in this process yet; False if ``still_wanted()`` turned false on
+    the way (the aggregation went)."""
     acc = aggregation.accumulator
     compiled = already_compiled(aggregation, device)
     with jax.default_device(device):
         for rows, kind in [] if compiled else programs(aggregation, device):
             if not still_wanted():
                 return False
-            layers = [np.zeros((rows, *layer.shape), layer.dtype) for layer in aggregation.layers]
-            weights = np.ones(rows, np.float32) if aggregation.weighted else None  # (its steps' own programs)
-            if kind == "measure":
-                jax.block_until_ready(acc.measure(acc.init(sums=False), layers, np.zeros(rows, bool), weights))
-            else:
-                jax.block_until_ready(acc.update(acc.init(), layers, np.zeros(rows, bool), kind == "fresh", weights))
+            acc.compile(rows, kind, aggregation.weighted)  # (its steps' own programs)
     with _warm_lock:
         _warm_programs.update(program_keys(aggregation, device))
     return True

@@ -529,14 +529,13 @@ class DeviceWorker:
         self._enqueue_call(fn)
 
     def _compile(self, aggregation: Aggregation, then: Callable[[Aggregation], Any] | None = None) -> None:
-        """The warm-up thread: runs ``then`` (a large model's receive buffers prepared: its first updates
-        stream in meanwhile), then compiles (and runs once, on zeros) every step program not compiled yet while
-        a thread of its own writes the zeros of new totals (``Aggregation.prefault``: for a large model,
-        gigabytes of first touches, as long as the compile or longer; neither holds the GIL long); then the
-        aggregation opens."""
+        """The warm-up thread: while a thread of its own writes the zeros of new totals (``Aggregation.prefault``:
+        for a large model, gigabytes of first touches), runs ``then`` (a large model's receive buffers prepared,
+        as many first touches: its first updates stream in as soon as they are), then compiles (from shapes:
+        nothing is run) every step program not compiled yet; then the aggregation opens. The two kinds of first
+        touch side by side: on a VM that hands freed memory back to its host, each fault waits on the host,
+        and two threads faulting open a 2^28 model in about two thirds of the time one takes."""
         try:
-            if then is not None:
-                then(aggregation)
             failed: list[BaseException] = []
 
             def prefault_totals() -> None:
@@ -548,6 +547,8 @@ class DeviceWorker:
 
             prefault = threading.Thread(target=prefault_totals, name=f"clipd-prefault-{aggregation.id}", daemon=True)
             prefault.start()
+            if then is not None:
+                then(aggregation)
             compiled = compile_programs(aggregation, self.device, lambda: aggregation in self._warming)
             prefault.join()
             if failed:
