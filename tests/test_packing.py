@@ -7,6 +7,7 @@ import doctest
 import types
 
 import numpy as np
+import pytest
 
 from clipd.server import progress
 from clipd.server.summing import packing
@@ -92,3 +93,33 @@ def test_each_row_of_a_step_carries_its_batchs_weight():
         1, 4, [big], big.nbytes, weight=0.75)), 4, lambda: [np.zeros((4, 16), np.float32)], lambda r, w: None,
         deadline=0.0) if isinstance(item, Step))
     assert not whole.staged and whole.weights.tolist() == [0.75] * 4
+
+
+@pytest.mark.parametrize("stream", ["", "s"])  # a buffered stream's aggregation sums each row times its weight
+def test_a_step_a_little_over_a_bucket_runs_as_two_programs_and_sums_what_one_would(stream):
+    """270 rows at device_rows 1,024: two programs of 256 rows (512 read, not 1,024), each row clipped to
+    C = 1 and summed (times its weight), the padding rows' garbage masked out, against numpy in float64."""
+    from clipd.engine import ClipPolicy, LayerSpec
+    from clipd.server.aggregations import Aggregation, AggregationSpec
+    from clipd.server.summing.slots import ShardSlot
+
+    layers = (LayerSpec("w", (4, 3)), LayerSpec("b", (5,)))
+    aggregation = Aggregation("a", AggregationSpec(layers, ClipPolicy(l2_norm_clip=1.0), stream=stream), 1024,
+                              1 << 24)
+    rng = np.random.default_rng(7)
+    staging = [np.full((1024, 4, 3), 1e30, np.float32), np.full((1024, 5), np.nan, np.float32)]
+    rows = [rng.standard_normal((270, 4, 3), dtype=np.float32), rng.standard_normal((270, 5), dtype=np.float32)]
+    rows[0][::3] *= 0.01  # a third of the rows under the bound
+    staging[0][:270], staging[1][:270] = rows
+    weights = np.ones(1024, np.float32)
+    weights[:270] = rng.uniform(0.1, 1.0, 270) if stream else 1.0
+    slot = ShardSlot(aggregation.accumulator.init())
+    assert slot.run(aggregation, Step(staging, 270, [], weights=weights)) == (None, None)
+    assert slot.steps == 2  # two programs
+    totals = slot.absorb_into(aggregation, 0, restart=False)
+
+    flat = np.concatenate([r.reshape(270, -1) for r in rows], axis=1).astype(np.float64)
+    scale = np.minimum(1.0, 1.0 / np.linalg.norm(flat, axis=1)) * weights[:270]
+    expected = (flat * scale[:, None]).sum(axis=0)
+    np.testing.assert_allclose(np.concatenate([np.ravel(s) for s in totals.sums]), expected, rtol=1e-5, atol=1e-5)
+    assert totals.examples == 270

@@ -22,7 +22,7 @@ from clipd.server.aggregations import Aggregation
 from clipd.server.summing.batch import Batch
 from clipd.server.summing.memory import aligned_empty
 from clipd.server.summing.packing import Done, Step
-from clipd.server.summing.programs import bucket_for, bucket_sizes
+from clipd.server.summing.programs import bucket_for, bucket_sizes, step_programs
 
 FLUSH_STEPS = 256  # steps after which the float32 delta is added into the float64 totals
 
@@ -89,27 +89,37 @@ class ShardSlot:
         return buffers
 
     def run(self, aggregation: Aggregation, step: Step) -> tuple[list[np.ndarray] | None, Any]:
-        """Starts one packed step on the device (asynchronously): its rows padded to their bucket size, into the
-        delta. Returns the example and its scales (on the device until read) where the step only measures it (the
-        sums on the host: the caller adds it, ``Aggregation.add_example``), else ``(None, None)``."""
-        bucket = bucket_for(step.rows, bucket_sizes(aggregation.device_rows))
+        """Starts one packed step on the device (asynchronously): its rows padded to their bucket size (or two
+        buckets': :func:`step_programs`), into the delta. Returns the example and its scales (on the device until
+        read) where the step only measures it (the sums on the host: the caller adds it,
+        ``Aggregation.add_example``), else ``(None, None)``."""
+        buckets = bucket_sizes(aggregation.device_rows)
+        weighted = aggregation.weighted and step.weights is not None
         # Aligned numpy views go to the jitted step as they are: on the CPU JAX reads them in
         # place (one jax.device_put per array costs more than the step for small batches).
-        layers = [buf[:bucket] for buf in step.layers]
-        valid = np.arange(bucket) < step.rows
-        weights = None  # (an aggregation whose batches carry weights: each row's, the padding's 1)
-        if aggregation.weighted and step.weights is not None:
-            weights = np.ones(bucket, np.float32)
-            weights[:step.rows] = step.weights[:step.rows]
-        example, scales = None, None
-        if self.delta.sum_chunks is None:  # sums on the host: the step measures
-            self.delta, scales = aggregation.accumulator.measure(self.delta, layers, valid, weights)
-            example = layers
-        else:
+        if self.delta.sum_chunks is None:  # sums on the host: the step measures (one example: one bucket)
+            bucket = bucket_for(step.rows, buckets)
+            layers = [buf[:bucket] for buf in step.layers]
+            self.delta, scales = aggregation.accumulator.measure(self.delta, layers, np.arange(bucket) < step.rows,
+                                                                 self._weights(step, 0, bucket) if weighted else None)
+            self.steps += 1
+            return layers, scales
+        for start, bucket in step_programs(step.rows, buckets):
+            layers = [buf[start:start + bucket] for buf in step.layers]
+            valid = np.arange(bucket) < step.rows - start
             fresh = aggregation.device_rows == 1 and self.steps == 0  # the delta was flushed: written over
-            self.delta = aggregation.accumulator.update(self.delta, layers, valid, fresh, weights)
-        self.steps += 1
-        return example, scales
+            self.delta = aggregation.accumulator.update(self.delta, layers, valid, fresh,
+                                                        self._weights(step, start, bucket) if weighted else None)
+            self.steps += 1  # (each program's sums are one more float32 addition into the delta)
+        return None, None
+
+    @staticmethod
+    def _weights(step: Step, start: int, bucket: int) -> np.ndarray:
+        """The weights of a program's rows: each row's, the padding's 1."""
+        weights = np.ones(bucket, np.float32)
+        own = step.weights[start:min(start + bucket, step.rows)]  # type: ignore[index]  # (weighted: given)
+        weights[:len(own)] = own
+        return weights
 
     def count(self, done: list[Done]) -> None:
         """A step's batches are in the delta (or, for measured examples, the totals): their marks move up."""
