@@ -129,10 +129,11 @@ def clipd_steps(data, args, client, pipeline: bool = True, grads_only: bool = Fa
 
 @contextlib.contextmanager
 def clipd_serve(data_dir: str):
-    """``clipd serve`` on a free loopback port, in a process of its own (as a trainer would reach it): yields
+    """``clipd serve`` on a free loopback port, in a process of its own (as a trainer would reach it), with its
+    default settings (``max_device_rows`` 4,096: a step's programs as a plain ``clipd serve`` runs them): yields
     a function that waits until it listens and returns its address."""
     server = subprocess.Popen([sys.executable, "-m", "clipd", "serve", "--grpc-port", "0", "--admin-port", "-1",
-                               "--data-dir", data_dir, "--max-device-rows", "512", "--log-level", "warning"],
+                               "--data-dir", data_dir, "--log-level", "warning"],
                               stdout=subprocess.PIPE, text=True)
     @functools.cache
     def target() -> str:  # waits (once) for "clipd serving gRPC on 127.0.0.1:PORT": listening
@@ -277,7 +278,7 @@ def main() -> None:
         timers: dict = {}
         if not args.quick:  # where the time goes inside: the same one-call steps, a server in this process
             server, port = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1,
-                                                  max_device_rows=512, data_dir=store("embedded")))
+                                                  data_dir=store("embedded")))
             try:
                 with Client(f"127.0.0.1:{port}") as client, server_timers() as timers:
                     clipd_steps(data, args, client, warm=timers.clear)
