@@ -433,11 +433,13 @@ def measure(case: str, store: str, params: int, v: np.ndarray, workdir: str, ext
     return row
 
 
-def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str], timeout: float) -> list[dict]:
+def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str], timeout: float
+           ) -> tuple[list[dict], float]:
     """``count`` rounds of a job on one plain ``clipd serve`` (memory store, no variables set), as a user runs
     them: each round's aggregation created, then at once 2 clients each send one whole update (the first two
     of the large rows'), then Finalize and cancel. Per round: seconds from creation to OPEN (its warm-up), and
-    from creation to the last acknowledgement, and the payload GB/s over the latter."""
+    from creation to the last acknowledgement, and the payload GB/s over the latter; and the seconds a fresh
+    process took to touch what the first round holds, before the rounds (the memory idle)."""
     from clipd.client import Client
     from clipd.v1 import clipd_pb2 as pb
 
@@ -483,13 +485,12 @@ def rounds(params: int, count: int, v: np.ndarray, workdir: str, extra: list[str
             clients[0].finalize(aggregation)
             clients[0].cancel(aggregation)
             out.append({"open_s": opened[0] if opened else math.nan, "round_s": round_s,
-                        "gbps": AT_ONCE * params * 4 / round_s / 1e9, "held": held[0] if held else 0,
-                        "touch_idle_s": touch_idle})
+                        "gbps": AT_ONCE * params * 4 / round_s / 1e9, "held": held[0] if held else 0})
         for client in clients:
             client.close()
     finally:
         server.stop()
-    return out
+    return out, touch_idle
 
 
 TOUCH = """
@@ -654,12 +655,11 @@ def run_rounds(sizes: list[int], args) -> None:
     try:
         for params in sizes:
             v = base_vector(params, args.seed)
-            found = rounds(params, args.rounds, v, workdir, args.server_arg, args.timeout or 1800.0)
+            found, touch_idle = rounds(params, args.rounds, v, workdir, args.server_arg, args.timeout or 1800.0)
             for k, r in enumerate(found, start=1):
                 print(f"{params:>12,} | {k:>5} | {r['open_s']:>7.3f} | {r['round_s']:>8.3f} | {r['gbps']:>6.3f}")
             held = found[0]["held"]
             touch = fresh_touch_seconds(held) if held > 0 else math.nan  # (after the rounds: nothing else runs)
-            touch_idle = found[0]["touch_idle_s"]
             print(f"at OPEN the first round's server held {held / 1e9:.2f} GB over its idle; a fresh process"
                   f" allocates and touches {16 * params / 1e9:.2f} GB in {touch_idle:.3f} s before the rounds"
                   f" (memory idle, as the first warm-up finds it), as much as the server held in {touch:.3f} s"
