@@ -235,6 +235,36 @@ def test_released_noise_has_the_stated_mean_and_variance_and_is_independent(clie
     assert not np.array_equal(first, second)
 
 
+def _draws(shapes) -> list[str]:
+    """The Gaussian draws in the release's noise program for float32 layers of ``shapes`` (its StableHLO calls
+    of jax.random's ``_normal``), lowered from shapes alone."""
+    import re
+
+    import jax
+
+    from clipd.engine import _privacy as dp
+
+    values = tuple(jax.ShapeDtypeStruct(shape, np.float32) for shape in shapes)
+    text = dp._noised.lower(dp.fresh_key(1), values, jax.ShapeDtypeStruct((), np.float64)).as_text()
+    return re.findall(r"call @_normal(?:_\d+)?\(", text)
+
+
+def test_a_release_draws_its_noise_once_per_group_of_layers_not_once_per_layer():
+    """Each draw costs XLA about a third of a second to compile here: a program that drew once per layer made a
+    model of 64 layers wait 9 s for its first release. Layers of one dtype are drawn together up to NOISE_GROUP
+    elements; a larger layer alone (its own draw, as large models' layers are). The draws' statistics are
+    test_released_noise_has_the_stated_mean_and_variance_and_is_independent's (two layers drawn together)."""
+    from clipd.engine import _privacy as dp
+
+    mlp = [(32, 64), (32,), (10, 32), (10,)]
+    assert len(_draws(mlp * 16)) == 1  # 64 layers, 155k elements: one draw
+    big = (dp.NOISE_GROUP,)
+    assert len(_draws([big, (3,), (4,)])) == 2  # the large layer alone, the two small ones together
+    assert len(_draws([(3,), big, (4,), big])) == 4  # runs of consecutive layers only
+    assert dp.noise_groups([(3,), big, (4,), (5,)], ["float32"] * 4) == ((0,), (1,), (2, 3))
+    assert dp.noise_groups([(3,), (4,), (5,)], ["float32", "float64", "float64"]) == ((0,), (1, 2))
+
+
 def test_seeded_mode_reproduces_and_says_so(client):
     a, release_a = _noise_release(client, seed=1234)
     b, release_b = _noise_release(client, seed=1234)
@@ -516,10 +546,37 @@ def _imports_job() -> background.Job:
                                                                [sys.executable, "-c", IMPORTS], 120))
 
 
+WARM_UP = """
+import os, sys, threading
+import clipd.engine._privacy as dp
+from clipd.server.app import create_server
+from clipd.server.settings import Settings
+seen = []
+for warm in (False, True):
+    server, _ = create_server(Settings(host="127.0.0.1", grpc_port=0, admin_port=-1, data_dir="memory",
+                                       warm_privacy=warm))
+    for thread in threading.enumerate():
+        if thread.name == "clipd-privacy-warm-up":
+            thread.join(120)
+    seen += ["dp_accounting" in sys.modules, "scipy" in sys.modules, dp._release_keys._cache_size()]
+    server.stop(grace=0)
+print(*seen, flush=True)
+os._exit(0)  # (not gRPC's teardown at the interpreter's exit)
+"""
+
+
+def _warm_up_job() -> background.Job:
+    return background.Job("privacy:warm-up", functools.partial(background.run_process,
+                                                               [sys.executable, "-c", WARM_UP], 120))
+
+
 def background_jobs(items, config) -> list[background.Job]:
-    """The fresh interpreter of the import test starts once the tests are collected (tests/background.py)."""
-    wanted = any(item.originalname == "test_a_server_without_privacy_does_not_import_dp_accounting" for item in items)
-    return [_imports_job()] if wanted else []
+    """The fresh interpreters of the import and warm-up tests start once the tests are collected
+    (tests/background.py)."""
+    names = {item.originalname for item in items}
+    return ([_imports_job()] if "test_a_server_without_privacy_does_not_import_dp_accounting" in names else []) + (
+        [_warm_up_job()] if "test_a_serving_server_loads_the_accountant_before_its_first_private_release" in names
+        else [])
 
 
 def test_a_server_without_privacy_does_not_import_dp_accounting():
@@ -528,3 +585,12 @@ def test_a_server_without_privacy_does_not_import_dp_accounting():
     (in a fresh interpreter)."""
     out = background.job("privacy:imports", _imports_job).result()
     assert out.returncode == 0 and out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
+
+
+def test_a_serving_server_loads_the_accountant_before_its_first_private_release():
+    """warm_privacy (the default): once serving, a thread loads dp_accounting (and scipy) and compiles the release
+    keys' program (seeded and fresh), so that a trainer's first step does not wait for them; off, neither is
+    loaded until used (in a fresh interpreter: off, then on)."""
+    out = background.job("privacy:warm-up", _warm_up_job).result()
+    assert out.returncode == 0 and out.stdout.split() == ["False", "False", "0", "True", "True", "2"], \
+        out.stdout + out.stderr

@@ -16,7 +16,7 @@ from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, St
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import Shards, claims_shards, fail
 from clipd.server.logs import event
-from clipd.server.privacy import Ledgers, Release
+from clipd.server.privacy import Ledgers, Release, warm_up_in_background
 from clipd.server.rpc.server import (
     clipd_handlers,
 )
@@ -120,6 +120,8 @@ class ClipdServer:
             self.hosts.start(self.registry)
         self._janitor.start()
         self._trimmer.start()
+        if self.settings.warm_privacy:
+            warm_up_in_background()
         self.serving_process.set_serving(True)
         log.info("clipd gRPC on %s:%d (%d x %s)", self.settings.host, self.port, len(self.devices),
                  self.devices.device_kind)

@@ -800,3 +800,20 @@ def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtyp
         fields["layer_clipped"] = noised[b:b + k].tolist()
         fields["examples"] = float(noised[-1])
     return Release(fields, sums), seen
+
+
+def warm_up_in_background() -> threading.Thread:
+    """:func:`clipd.engine._privacy.warm_up` on a thread of its own (started; a failure is logged: the first private
+    release then loads what it needs itself)."""
+    def warm() -> None:
+        started = time.perf_counter()
+        try:
+            dp.warm_up()
+        except Exception:
+            log.exception("warming up the privacy accountant")
+            return
+        log.debug("privacy accountant loaded in %.2f s", time.perf_counter() - started)
+
+    thread = threading.Thread(target=warm, name="clipd-privacy-warm-up", daemon=True)
+    thread.start()
+    return thread
