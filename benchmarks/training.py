@@ -18,6 +18,10 @@ after ``--warmup`` (compilation), medians:
   at the expected batch (its per-example gradients: ``batch-size`` x 2,410 float32): what no
   service on this path can go under.
 
+The first step of each, apart: Opacus' (its hooks' first run) and the one-call trainer's, which is the
+served ``clipd serve``'s first Step (started while this process imports torch: its privacy accountant
+loaded by then, as a server started before its trainer has it), with what its shapes compile.
+
 Then where a step's time goes inside the server: the same one-call steps against a server in this
 process, its create, the gradients' clip and sum, the release's noise, the ledger's epsilon and the
 store's commits, timed by wrapping those functions; and the separate calls' client-side phases. The last line:
@@ -54,9 +58,9 @@ def median_ms(values) -> float:
     return 1e3 * statistics.median(values) if values else 0.0
 
 
-def opacus_steps(data, args) -> list[float]:
+def opacus_steps(data, args) -> tuple[list[float], float]:
     """Seconds per step of Opacus doing it all locally (its DataLoader's Poisson sampling replaced by
-    the same sampling as clipd's trainer, so that both steps see the same batches)."""
+    the same sampling as clipd's trainer, so that both steps see the same batches), and of its first step."""
     import torch
     from dpsgd_torch import Mlp
     from opacus import GradSampleModule
@@ -83,9 +87,11 @@ def opacus_steps(data, args) -> list[float]:
             torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
         optimizer.step()
         accountant.step(noise_multiplier=args.z, sample_rate=q)
+        if step == 0:
+            first = time.perf_counter() - started
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
-    return times
+    return times, first
 
 
 def clipd_steps(data, args, client, pipeline: bool = True, grads_only: bool = False, warm=lambda: None,
@@ -119,6 +125,8 @@ def clipd_steps(data, args, client, pipeline: bool = True, grads_only: bool = Fa
             for name, p in model.named_parameters():
                 p.grad = torch.from_numpy(gradient[name])
             optimizer.step()
+            if step == 0:
+                phases["first"].append(time.perf_counter() - started)
             if step >= args.warmup:
                 times.append(time.perf_counter() - started)
                 if not grads_only:
@@ -266,10 +274,10 @@ def main() -> None:
                   f" {len(data.y_train)}, z = {args.z:g}; {args.steps} steps after {args.warmup};"
                   f" clipd store: {args.store}")
             target = served()
-            opacus = opacus_steps(data, args)
+            opacus, opacus_first = opacus_steps(data, args)
             with Client(target) as client:  # a server process of its own
                 grads, _ = clipd_steps(data, args, client, grads_only=True)
-                one_call, _ = clipd_steps(data, args, client)
+                one_call, one_call_phases = clipd_steps(data, args, client)  # the server's first Step
                 pipelined, pipelined_phases = clipd_steps(data, args, client, one_call=False)
                 sequential, phases = clipd_steps(data, args, client, pipeline=False, one_call=False)
         parameters = 2_410
@@ -295,6 +303,8 @@ def main() -> None:
                      ("clipd, separate calls, pipelined", median_ms(pipelined)),
                      ("clipd, separate calls, sequential", median_ms(sequential))):
         print(f"{name:<40} | {ms:>8.2f} | {ms / base:>9.2f} | {ms / floor_ms:>8.2f}")
+    print(f"first step: clipd, one call, a server's first Step {1e3 * one_call_phases['first'][0]:.0f} ms;"
+          f" Opacus {1e3 * opacus_first:.0f} ms (each with what it compiles or loads for its first step)")
     print(f"bare gRPC round trip of a step's bytes ({request:,} up, {parameters * 4 + 1_024:,} back): {rtt_ms:.2f} ms")
     print(f"pipelined separate calls, median ms: waiting for the aggregation made ahead"
           f" {median_ms(pipelined_phases['create']):.2f}, submit {median_ms(pipelined_phases['submit']):.2f},"

@@ -16,17 +16,20 @@ import json
 import math
 import pathlib
 import sys
+import threading
 import uuid
 
 import background
 import dp_accounting
 import grpc
 import httpx
+import jax
 import numpy as np
 import pytest
 from dp_accounting import dp_event as dpe
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+from helpers import wait_until
 from scipy import stats as scipy_stats
 
 from clipd.client import Adaptive, FailedPreconditionError, InvalidArgumentError, NotFoundError, Privacy
@@ -263,6 +266,26 @@ def test_a_release_draws_its_noise_once_per_group_of_layers_not_once_per_layer()
     assert len(_draws([(3,), big, (4,), big])) == 4  # runs of consecutive layers only
     assert dp.noise_groups([(3,), big, (4,), (5,)], ["float32"] * 4) == ((0,), (1,), (2, 3))
     assert dp.noise_groups([(3,), (4,), (5,)], ["float32", "float64", "float64"]) == ((0,), (1, 2))
+
+
+_backend_compiles: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: _backend_compiles.append(event) if "backend_compile" in event else None)
+
+
+def test_a_private_aggregation_has_its_release_noise_compiled_before_it_is_finalized(client):
+    """Its noise program (per layer shapes and sum dtypes) compiles on a thread as it is made (prepare_noise): for
+    a DP-SGD trainer's first step, beside its sums' program; for a round, while the clients send. Its release then
+    compiles nothing (after one release of other shapes: the keys and statistics programs are the same for all)."""
+    _noise_release(client)  # (the programs any release runs, compiled)
+    agg = client.create_aggregation({"a": (211, 3), "b": (17, 5)}, l2_norm_clip=2.0,  # (shapes of this test alone)
+                                    privacy=Privacy(ledger_name(), 1e-5, noise_multiplier=1.0))
+    wait_until(lambda: not any(t.name == "clipd-noise-compile" for t in threading.enumerate()), 60,
+               "the noise program's compilation")
+    compiled = len(_backend_compiles)
+    result = client.finalize(agg)
+    assert _backend_compiles[compiled:] == []
+    assert result.sums["a"].shape == (211, 3) and np.std(result.sums["a"]) > 0.5  # noised (stddev 2)
 
 
 def test_seeded_mode_reproduces_and_says_so(client):

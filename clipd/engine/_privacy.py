@@ -36,6 +36,7 @@ import functools
 import json
 import math
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -492,6 +493,7 @@ def add_gaussian_noise(sums: Sequence[np.ndarray], stddev: float, key: jax.Array
     if stddev <= 0 and minus is None:
         return values
     if minus is None:
+        _prepared(tuple((v.shape, v.dtype) for v in values))
         return tuple(np.asarray(v) for v in jax.device_get(_noised(key, values, np.float64(stddev))))
     taken = tuple((np.asarray(index, np.int32 if v.size < 2 ** 31 else np.int64), np.asarray(value, v.dtype))
                   for (index, value), v in zip(minus, values))
@@ -542,6 +544,39 @@ def _noised(key: jax.Array, values: tuple[jax.Array, ...], stddev: jax.Array) ->
             noised[k] = values[k] + draw[start:start + values[k].size].reshape(values[k].shape)
             start += values[k].size
     return tuple(noised)
+
+
+_PREPARING: dict[tuple, threading.Thread] = {}  # the noise programs compiled or being compiled, by layers
+_PREPARING_LOCK = threading.Lock()
+
+
+def prepare_noise(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any]) -> None:
+    """Compiles the release's noise program for layers of ``shapes`` whose sums have ``dtypes`` (as
+    :func:`add_gaussian_noise` takes them) on a thread of its own, once per process and layers, from shapes alone:
+    called as a private aggregation is made, so that its release finds it compiled (a DP-SGD trainer's first
+    step compiles its sums' program meanwhile, on the other core). A release of those layers that comes first
+    waits for it rather than compiling it twice."""
+    layers = tuple((tuple(shape), np.dtype(np.promote_types(dtype, np.float32)))
+                   for shape, dtype in zip(shapes, dtypes))
+    with _PREPARING_LOCK:
+        if layers in _PREPARING:
+            return
+        thread = _PREPARING[layers] = threading.Thread(target=_compile_noise, args=(layers,),
+                                                       name="clipd-noise-compile", daemon=True)
+    thread.start()
+
+
+def _compile_noise(layers: tuple) -> None:
+    values = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in layers)
+    _noised.lower(fresh_key(0), values, np.float64(1.0)).compile()
+
+
+def _prepared(layers: tuple) -> None:
+    """Waits for :func:`prepare_noise`'s compilation of these layers' program, if one is under way."""
+    with _PREPARING_LOCK:
+        thread = _PREPARING.get(layers)
+    if thread is not None:
+        thread.join()
 
 
 @jax.jit

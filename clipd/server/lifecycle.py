@@ -207,6 +207,9 @@ class Lifecycle:
         aggregation, created = self.registry.create(requested_id, make, publish)
         if not created and not _same_request(aggregation, spec):
             raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
+        if created and plan is not None and plan.noise_stddev > 0 and privacy.noise is dp.Noise.GAUSSIAN \
+                and privacy.correlated is None and privacy.audit is None:  # its release's program, compiled ahead
+            dp.prepare_noise([layer.shape for layer in layers], aggregation.accumulator.sum_dtypes)
         if created:
             event(log, "aggregation.created", aggregation=aggregation.id, layers=len(layers),
                   parameters=aggregation.parameters, policy=policy.kind.value,
