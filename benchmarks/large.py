@@ -187,7 +187,8 @@ class Server:
         command = [sys.executable, "-c", _SERVE, str(os.getpid()), "--grpc-port", str(self.port),
                    "--admin-port", "-1", "--data-dir", data_dir,
                    "--max-parameters", str(params),
-                   "--compilation-cache-dir", os.path.join(workdir, "jax-cache"), "--log-level", "warning", *extra]
+                   "--compilation-cache-dir", os.path.join(workdir, "jax-cache"), "--log-level", "warning",
+                   "--no-warm-privacy", *extra]  # (no private release here: the privacy accountant is not loaded)
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []  # its last lines, for an error message

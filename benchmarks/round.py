@@ -335,7 +335,8 @@ def measure(mode: str, processes: int, clients: int, client_processes: int, work
     server = subprocess.Popen(
         [sys.executable, "-m", "clipd", "serve", "--grpc-port", str(port), "--admin-port", "-1", "--data-dir",
          data_dir, "--processes", str(processes), "--compilation-cache-dir",
-         os.path.join(workdir, "jax-cache"), "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
+         os.path.join(workdir, "jax-cache"), "--log-level", "warning",
+         "--no-warm-privacy"], stdout=subprocess.PIPE, text=True)  # (no private release: no accountant loaded)
     try:
         if "serving" not in server.stdout.readline():
             raise RuntimeError("clipd serve did not start")

@@ -233,7 +233,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "clipd", "serve", "--grpc-port", str(self.port), "--admin-port",
              str(self.admin_port), "--data-dir", os.path.join(workdir, f"data-{self.port}"), "--processes", str(processes),
-             "--compilation-cache-dir", os.path.join(workdir, "jax-cache"), "--log-level", "warning"],
+             "--compilation-cache-dir", os.path.join(workdir, "jax-cache"), "--log-level", "warning",
+             "--no-warm-privacy"],  # (no private release here: the privacy accountant is not loaded)
             env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")},
             stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()  # "clipd serving gRPC on ..." once listening

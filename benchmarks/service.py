@@ -154,7 +154,8 @@ from clipd.v1 import clipd_pb2 as pb  # noqa: E402
 
 MiB = 1 << 20
 SUBMIT_METHOD = "/clipd.v1.Clipd/Submit"
-SERVER_SETTINGS = dict(host="127.0.0.1", grpc_port=0, admin_port=-1)  # besides data_dir: defaults
+# besides data_dir: defaults, but for warm_privacy (no private release here: the accountant is not loaded)
+SERVER_SETTINGS = dict(host="127.0.0.1", grpc_port=0, admin_port=-1, warm_privacy=False)
 SERVICES = ("durable", "memory")  # the real server: data_dir = a fresh directory, or "memory"
 MEASURED = (*SERVICES, "bare")  # the order of even repeats; odd repeats reverse it
 
