@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from clipd import _process
 from clipd.server.admin.facade import ServerSnapshot
-from clipd.server.aggregations import Aggregation, AggregationSpec, Registry, Stats
+from clipd.server.aggregations import TAKES_BATCHES, Aggregation, AggregationSpec, Registry, Stats
 from clipd.server.internal.v1 import shard_host_pb2 as host_pb
 from clipd.server.lifecycle import Shards, claims_shards, fail
 from clipd.server.logs import event
@@ -120,7 +120,9 @@ class ClipdServer:
             self.hosts.start(self.registry)
         self._janitor.start()
         self._trimmer.start()
-        if self.settings.warm_privacy:
+        # (Not on a restart with aggregations to finish: their clients' streams come first; a release loads what
+        # it needs itself.)
+        if self.settings.warm_privacy and not any(a.state in TAKES_BATCHES for a in self.registry.all()):
             warm_up_in_background()
         self.serving_process.set_serving(True)
         log.info("clipd gRPC on %s:%d (%d x %s)", self.settings.host, self.port, len(self.devices),

@@ -80,8 +80,8 @@ class Settings:
     tls_peer_name: str = ""  # the name clipd's processes on other hosts expect in the server's certificate
     compilation_cache_dir: str = ""  # JAX persistent compilation cache ("" = off)
     # Load the privacy accountant (dp_accounting, scipy) and compile the release keys' program on a thread once
-    # serving, so that a first private release need not wait for them (~4 s on 2 cores); off: loaded at first
-    # use (a server that never releases privately keeps ~60 MB less)
+    # serving (~2.7 s of a core), so that a first private release need not wait for them; not on a restart with
+    # open aggregations to finish; off: loaded at first use (a server that never releases privately: ~60 MB less)
     warm_privacy: bool = True
     shards: int = 0  # shards of each new aggregation (client id -> shard); 0 = one per local JAX device
     processes: int = 0  # shard processes on the gRPC port (receive, parse, clip, sum); 0 = this process does it all
