@@ -568,7 +568,10 @@ def prepare_noise(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any]) -> N
 
 def _compile_noise(layers: tuple) -> None:
     values = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in layers)
-    _noised.lower(fresh_key(0), values, np.float64(1.0)).compile()
+    try:
+        _noised.lower(fresh_key(0), values, np.float64(1.0)).compile()
+    except Exception:  # (the release compiles it itself, and says what fails)
+        pass
 
 
 def _prepared(layers: tuple) -> None:
