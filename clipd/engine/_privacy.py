@@ -493,7 +493,6 @@ def add_gaussian_noise(sums: Sequence[np.ndarray], stddev: float, key: jax.Array
     if stddev <= 0 and minus is None:
         return values
     if minus is None:
-        _prepared(tuple((v.shape, v.dtype) for v in values))
         return tuple(np.asarray(v) for v in jax.device_get(_noised(key, values, np.float64(stddev))))
     taken = tuple((np.asarray(index, np.int32 if v.size < 2 ** 31 else np.int64), np.asarray(value, v.dtype))
                   for (index, value), v in zip(minus, values))
@@ -546,40 +545,32 @@ def _noised(key: jax.Array, values: tuple[jax.Array, ...], stddev: jax.Array) ->
     return tuple(noised)
 
 
-_PREPARING: dict[tuple, threading.Thread] = {}  # the noise programs compiled or being compiled, by layers
-_PREPARING_LOCK = threading.Lock()
+_PREPARED: set[tuple] = set()  # the layers whose noise program was compiled (or is being) ahead, in this process
+_PREPARED_LOCK = threading.Lock()
 
 
 def prepare_noise(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any]) -> None:
     """Compiles the release's noise program for layers of ``shapes`` whose sums have ``dtypes`` (as
     :func:`add_gaussian_noise` takes them) on a thread of its own, once per process and layers, from shapes alone:
     called as a private aggregation is made, so that its release finds it compiled (a DP-SGD trainer's first
-    step compiles its sums' program meanwhile, on the other core). A release of those layers that comes first
-    waits for it rather than compiling it twice."""
+    step compiles its sums' program meanwhile, on the other core). A release that comes while it is compiled
+    waits for that compilation: JAX compiles a program once, whichever thread asks first."""
     layers = tuple((tuple(shape), np.dtype(np.promote_types(dtype, np.float32)))
                    for shape, dtype in zip(shapes, dtypes))
-    with _PREPARING_LOCK:
-        if layers in _PREPARING:
+    with _PREPARED_LOCK:
+        if layers in _PREPARED:
             return
-        thread = _PREPARING[layers] = threading.Thread(target=_compile_noise, args=(layers,),
-                                                       name="clipd-noise-compile", daemon=True)
-    thread.start()
+        _PREPARED.add(layers)
+    threading.Thread(target=_compile_noise, args=(layers,), name="clipd-noise-compile", daemon=True).start()
 
 
 def _compile_noise(layers: tuple) -> None:
+    """The noise program for ``layers`` (``(shape, dtype)`` of each, as the release passes them), compiled."""
     values = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in layers)
     try:
         _noised.lower(fresh_key(0), values, np.float64(1.0)).compile()
     except Exception:  # (the release compiles it itself, and says what fails)
         pass
-
-
-def _prepared(layers: tuple) -> None:
-    """Waits for :func:`prepare_noise`'s compilation of these layers' program, if one is under way."""
-    with _PREPARING_LOCK:
-        thread = _PREPARING.get(layers)
-    if thread is not None:
-        thread.join()
 
 
 @jax.jit

@@ -46,7 +46,7 @@ from clipd.server.aggregations import (
 )
 from clipd.server.errors import AlreadyExists, ClipdError, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from clipd.server.logs import event
-from clipd.server.privacy import Ledgers
+from clipd.server.privacy import Ledgers, prepare_release
 from clipd.server.settings import Settings
 from clipd.server.stores.base import FAILED, FINALIZED, AggregationRecord, Store
 
@@ -207,9 +207,8 @@ class Lifecycle:
         aggregation, created = self.registry.create(requested_id, make, publish)
         if not created and not _same_request(aggregation, spec):
             raise AlreadyExists(f"aggregation {aggregation.id!r} exists with another spec or policy")
-        if created and plan is not None and plan.noise_stddev > 0 and privacy.noise is dp.Noise.GAUSSIAN \
-                and privacy.correlated is None and privacy.audit is None:  # its release's program, compiled ahead
-            dp.prepare_noise([layer.shape for layer in layers], aggregation.accumulator.sum_dtypes)
+        if created and privacy is not None:
+            prepare_release(aggregation)
         if created:
             event(log, "aggregation.created", aggregation=aggregation.id, layers=len(layers),
                   parameters=aggregation.parameters, policy=policy.kind.value,

@@ -731,6 +731,16 @@ def _epsilon_of_few(events: tuple[str, ...], delta: float, accountant: dp.Accoun
     return dp.epsilon_of_json(list(events), delta, accountant, neighbouring)
 
 
+def prepare_release(aggregation) -> None:
+    """Compiles, on a thread, the noise program that :func:`draw_release` will run for this private aggregation,
+    where it is the plain Gaussian one (``dp.prepare_noise``): not for a correlated stream (its sums come noised),
+    secure noise (drawn on the host) or an audited ledger (its canaries are taken out by another program)."""
+    policy: dp.PrivacyPolicy = aggregation.privacy
+    if (aggregation.plan.noise_stddev > 0 and policy.noise is dp.Noise.GAUSSIAN and policy.correlated is None
+            and policy.audit is None):
+        dp.prepare_noise([layer.shape for layer in aggregation.layers], aggregation.accumulator.sum_dtypes)
+
+
 def draw_release(aggregation, totals: PartialState, sum_dtypes: Sequence[np.dtype], ledger_epsilon: float,
                  epsilon: float, releases: int, noised_sums: tuple[np.ndarray, ...] | None = None,
                  canaries: Canaries | None = None) -> tuple[Release, np.ndarray]:
